@@ -1,0 +1,5 @@
+import sys
+
+from kvsvc.cli import main
+
+sys.exit(main())

@@ -1,0 +1,45 @@
+"""The ``kvsvc`` command line: plan, serve, worker, demo, ctl."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from kvsvc import __version__
+
+# Subcommand name -> module in kvsvc.commands (see that package's docstring).
+SUBCOMMANDS: tuple[str, ...] = ("plan", "serve", "worker", "demo", "ctl")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvsvc",
+        description="KV-cache manager service for LLM engines: block pools, prefix caching, "
+        "memory plans, over gRPC.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvsvc {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(f"kvsvc.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"kvsvc.commands.{name}":
+                raise
+            continue  # not built yet
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""One error taxonomy for the whole service.
+
+Domain code (specs, planner, core) raises these; the server maps each class to one gRPC
+status code in exactly one place (``kvsvc.server.errors``). Messages are written for the
+person who sent the bad input: they name the field and say what would be accepted.
+"""
+
+from __future__ import annotations
+
+
+class KvsvcError(Exception):
+    """Base class of every error kvsvc reports to a caller."""
+
+
+class InvalidArgument(KvsvcError, ValueError):
+    """The caller sent something malformed; ``field`` names the offending field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class NotFound(KvsvcError, LookupError):
+    """An unknown pool, request or rank."""
+
+
+class AlreadyExists(KvsvcError):
+    """Something that must be unique already exists (e.g. a live request id)."""
+
+
+class FailedPrecondition(KvsvcError):
+    """The call is valid but the target is not in a state to serve it (pool not READY)."""
+
+
+class Unauthenticated(KvsvcError):
+    """Missing or wrong credentials."""
+
+
+class PlanningError(KvsvcError, ValueError):
+    """The memory plan cannot be made (specs disagree, memory too small, ...)."""

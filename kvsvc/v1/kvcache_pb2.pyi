@@ -1,0 +1,359 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class AllocateStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ALLOCATE_STATUS_UNSPECIFIED: _ClassVar[AllocateStatus]
+    ALLOCATE_STATUS_OK: _ClassVar[AllocateStatus]
+    ALLOCATE_STATUS_NO_SPACE: _ClassVar[AllocateStatus]
+
+class FreeReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FREE_REASON_UNSPECIFIED: _ClassVar[FreeReason]
+    FREE_REASON_FINISHED: _ClassVar[FreeReason]
+    FREE_REASON_PREEMPTED: _ClassVar[FreeReason]
+
+class StepOperationType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STEP_OPERATION_TYPE_UNSPECIFIED: _ClassVar[StepOperationType]
+    STEP_OPERATION_TYPE_ALLOCATE: _ClassVar[StepOperationType]
+    STEP_OPERATION_TYPE_FREE: _ClassVar[StepOperationType]
+    STEP_OPERATION_TYPE_PREEMPT: _ClassVar[StepOperationType]
+ALLOCATE_STATUS_UNSPECIFIED: AllocateStatus
+ALLOCATE_STATUS_OK: AllocateStatus
+ALLOCATE_STATUS_NO_SPACE: AllocateStatus
+FREE_REASON_UNSPECIFIED: FreeReason
+FREE_REASON_FINISHED: FreeReason
+FREE_REASON_PREEMPTED: FreeReason
+STEP_OPERATION_TYPE_UNSPECIFIED: StepOperationType
+STEP_OPERATION_TYPE_ALLOCATE: StepOperationType
+STEP_OPERATION_TYPE_FREE: StepOperationType
+STEP_OPERATION_TYPE_PREEMPT: StepOperationType
+
+class MultiModalItem(_message.Message):
+    __slots__ = ("identifier", "offset", "length")
+    IDENTIFIER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    identifier: str
+    offset: int
+    length: int
+    def __init__(self, identifier: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class HashingContext(_message.Message):
+    __slots__ = ("cache_salt", "lora_name", "lora_path", "mm_items", "prompt_embeds_digests")
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    MM_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_EMBEDS_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    cache_salt: str
+    lora_name: str
+    lora_path: str
+    mm_items: _containers.RepeatedCompositeFieldContainer[MultiModalItem]
+    prompt_embeds_digests: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., mm_items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., prompt_embeds_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class RequestStart(_message.Message):
+    __slots__ = ("hashing", "skip_prefix_cache_read", "resumed", "num_encoder_tokens")
+    HASHING_FIELD_NUMBER: _ClassVar[int]
+    SKIP_PREFIX_CACHE_READ_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
+    NUM_ENCODER_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    hashing: HashingContext
+    skip_prefix_cache_read: bool
+    resumed: bool
+    num_encoder_tokens: int
+    def __init__(self, hashing: _Optional[_Union[HashingContext, _Mapping]] = ..., skip_prefix_cache_read: _Optional[bool] = ..., resumed: _Optional[bool] = ..., num_encoder_tokens: _Optional[int] = ...) -> None: ...
+
+class AllocateRequest(_message.Message):
+    __slots__ = ("pool", "request_id", "new_token_ids", "num_new_tokens", "num_lookahead_tokens", "start")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    request_id: str
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_new_tokens: int
+    num_lookahead_tokens: int
+    start: RequestStart
+    def __init__(self, pool: _Optional[str] = ..., request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., start: _Optional[_Union[RequestStart, _Mapping]] = ...) -> None: ...
+
+class GroupBlocks(_message.Message):
+    __slots__ = ("block_ids", "num_null_blocks")
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NULL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_null_blocks: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_null_blocks: _Optional[int] = ...) -> None: ...
+
+class AllocateResponse(_message.Message):
+    __slots__ = ("status", "new_blocks", "num_cached_tokens", "num_scheduled_tokens", "num_computed_tokens")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    status: AllocateStatus
+    new_blocks: _containers.RepeatedCompositeFieldContainer[GroupBlocks]
+    num_cached_tokens: int
+    num_scheduled_tokens: int
+    num_computed_tokens: int
+    def __init__(self, status: _Optional[_Union[AllocateStatus, str]] = ..., new_blocks: _Optional[_Iterable[_Union[GroupBlocks, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
+
+class FreeRequest(_message.Message):
+    __slots__ = ("pool", "request_ids", "reason")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    reason: FreeReason
+    def __init__(self, pool: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ..., reason: _Optional[_Union[FreeReason, str]] = ...) -> None: ...
+
+class FreeResponse(_message.Message):
+    __slots__ = ("num_freed_blocks",)
+    NUM_FREED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_freed_blocks: int
+    def __init__(self, num_freed_blocks: _Optional[int] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("pool", "types", "request_ids", "num_token_ids", "token_ids", "num_new_tokens", "num_lookahead_tokens", "starts")
+    class StartsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: RequestStart
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[RequestStart, _Mapping]] = ...) -> None: ...
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    TYPES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STARTS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    types: _containers.RepeatedScalarFieldContainer[StepOperationType]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_new_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_lookahead_tokens: _containers.RepeatedScalarFieldContainer[int]
+    starts: _containers.MessageMap[int, RequestStart]
+    def __init__(self, pool: _Optional[str] = ..., types: _Optional[_Iterable[_Union[StepOperationType, str]]] = ..., request_ids: _Optional[_Iterable[str]] = ..., num_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., num_lookahead_tokens: _Optional[_Iterable[int]] = ..., starts: _Optional[_Mapping[int, RequestStart]] = ...) -> None: ...
+
+class StepError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("statuses", "num_scheduled_tokens", "num_computed_tokens", "num_cached_tokens", "num_groups", "num_new_blocks", "new_block_ids", "num_null_blocks", "num_freed_blocks", "errors")
+    class ErrorsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: StepError
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NULL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    statuses: _containers.RepeatedScalarFieldContainer[AllocateStatus]
+    num_scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_computed_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_cached_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_groups: int
+    num_new_blocks: _containers.RepeatedScalarFieldContainer[int]
+    new_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_null_blocks: _containers.RepeatedScalarFieldContainer[int]
+    num_freed_blocks: _containers.RepeatedScalarFieldContainer[int]
+    errors: _containers.MessageMap[int, StepError]
+    def __init__(self, statuses: _Optional[_Iterable[_Union[AllocateStatus, str]]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., num_groups: _Optional[int] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_null_blocks: _Optional[_Iterable[int]] = ..., num_freed_blocks: _Optional[_Iterable[int]] = ..., errors: _Optional[_Mapping[int, StepError]] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("pool", "token_ids", "hashing")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    HASHING_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    hashing: HashingContext
+    def __init__(self, pool: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., hashing: _Optional[_Union[HashingContext, _Mapping]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("num_cached_tokens",)
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_cached_tokens: int
+    def __init__(self, num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class GetBlockTableRequest(_message.Message):
+    __slots__ = ("pool", "request_id")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    request_id: str
+    def __init__(self, pool: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class BlockTable(_message.Message):
+    __slots__ = ("block_ids",)
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GetBlockTableResponse(_message.Message):
+    __slots__ = ("groups", "num_computed_tokens", "num_tokens")
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedCompositeFieldContainer[BlockTable]
+    num_computed_tokens: int
+    num_tokens: int
+    def __init__(self, groups: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., num_computed_tokens: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("pool", "from_sequence")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    FROM_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    from_sequence: int
+    def __init__(self, pool: _Optional[str] = ..., from_sequence: _Optional[int] = ...) -> None: ...
+
+class BlockStored(_message.Message):
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_name", "medium", "group_index", "group_kind")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    GROUP_INDEX_FIELD_NUMBER: _ClassVar[int]
+    GROUP_KIND_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    parent_block_hash: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    lora_name: str
+    medium: str
+    group_index: int
+    group_kind: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ..., medium: _Optional[str] = ..., group_index: _Optional[int] = ..., group_kind: _Optional[str] = ...) -> None: ...
+
+class BlockRemoved(_message.Message):
+    __slots__ = ("block_hashes", "medium", "group_index")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    GROUP_INDEX_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    medium: str
+    group_index: int
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., medium: _Optional[str] = ..., group_index: _Optional[int] = ...) -> None: ...
+
+class AllBlocksCleared(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVEvent(_message.Message):
+    __slots__ = ("stored", "removed", "cleared")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    stored: BlockStored
+    removed: BlockRemoved
+    cleared: AllBlocksCleared
+    def __init__(self, stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
+
+class WatchEventsResponse(_message.Message):
+    __slots__ = ("sequence", "timestamp", "events", "gap", "oldest_available_sequence")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    GAP_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_AVAILABLE_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    timestamp: float
+    events: _containers.RepeatedCompositeFieldContainer[KVEvent]
+    gap: bool
+    oldest_available_sequence: int
+    def __init__(self, sequence: _Optional[int] = ..., timestamp: _Optional[float] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., gap: _Optional[bool] = ..., oldest_available_sequence: _Optional[int] = ...) -> None: ...
+
+class GetUsageRequest(_message.Message):
+    __slots__ = ("pool",)
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    def __init__(self, pool: _Optional[str] = ...) -> None: ...
+
+class PrefixCacheStats(_message.Message):
+    __slots__ = ("queries", "hits", "preempted_queries", "preempted_hits", "requests", "preempted_requests")
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_HITS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    queries: int
+    hits: int
+    preempted_queries: int
+    preempted_hits: int
+    requests: int
+    preempted_requests: int
+    def __init__(self, queries: _Optional[int] = ..., hits: _Optional[int] = ..., preempted_queries: _Optional[int] = ..., preempted_hits: _Optional[int] = ..., requests: _Optional[int] = ..., preempted_requests: _Optional[int] = ...) -> None: ...
+
+class GetUsageResponse(_message.Message):
+    __slots__ = ("pool", "num_blocks", "num_free_blocks", "usage", "num_requests", "num_cached_blocks", "prefix_cache", "num_evictions", "num_allocated_blocks", "block_size", "kv_cache_capacity_tokens")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ALLOCATED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    num_blocks: int
+    num_free_blocks: int
+    usage: float
+    num_requests: int
+    num_cached_blocks: int
+    prefix_cache: PrefixCacheStats
+    num_evictions: int
+    num_allocated_blocks: int
+    block_size: int
+    kv_cache_capacity_tokens: int
+    def __init__(self, pool: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., num_evictions: _Optional[int] = ..., num_allocated_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_capacity_tokens: _Optional[int] = ...) -> None: ...
+
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ("pool",)
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    def __init__(self, pool: _Optional[str] = ...) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("reset",)
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    reset: bool
+    def __init__(self, reset: _Optional[bool] = ...) -> None: ...
