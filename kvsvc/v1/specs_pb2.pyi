@@ -138,16 +138,9 @@ class MambaSpec(_message.Message):
 
 class UniformTypeSpecs(_message.Message):
     __slots__ = ("specs",)
-    class SpecsEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
-        value: KVCacheSpec
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[KVCacheSpec, _Mapping]] = ...) -> None: ...
     SPECS_FIELD_NUMBER: _ClassVar[int]
-    specs: _containers.MessageMap[str, KVCacheSpec]
-    def __init__(self, specs: _Optional[_Mapping[str, KVCacheSpec]] = ...) -> None: ...
+    specs: _containers.RepeatedCompositeFieldContainer[LayerSpec]
+    def __init__(self, specs: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ...) -> None: ...
 
 class KVCacheSpec(_message.Message):
     __slots__ = ("block_size", "full_attention", "mla_attention", "hidden_state", "sink_full_attention", "sliding_window", "sliding_window_mla", "chunked_local_attention", "mamba", "encoder_only_attention", "cross_attention", "uniform_type")
