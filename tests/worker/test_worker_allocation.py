@@ -127,7 +127,7 @@ def test_packed_layout_addresses_offset_and_block_stride() -> None:
 def test_packed_layout_refuses_kv_first() -> None:
     config = block_outer(4, [(["a", "b"], ATT)])
     raw = allocate_kv_cache(config, "cpu")
-    with pytest.raises(AllocationError, match="packed plan needs a blocks-first layout"):
+    with pytest.raises(AllocationError, match=r"packed plan needs a blocks-first layout"):
         reshape_kv_cache(config, raw, layouts={"b": "kv_first"})
 
 
@@ -238,7 +238,7 @@ def test_mla_layers_get_one_latent_row_per_token() -> None:
     assert views["m"].shape == (3, 4, 10) and views["m"].dtype == torch.bfloat16
     fill_nonzero(views["m"][1, 2])
     assert changed_bytes(raw["m"]) == byte_range(80 + 2 * 20, 20)
-    with pytest.raises(InvalidArgument, match="MLA layers use the 'mla' layout"):
+    with pytest.raises(InvalidArgument, match=r"MLA layers use the 'mla' layout"):
         build(config, layouts={"m": "flash"})
 
 
@@ -290,7 +290,7 @@ def test_unequal_key_and_value_heads_use_the_diffkv_layout() -> None:
     )
     _, views = build(layer_outer(3, [(["d"], diff)]))
     assert views["d"].shape == (3, 4, 2, 12)
-    with pytest.raises(InvalidArgument, match="only the 'diffkv' layout"):
+    with pytest.raises(InvalidArgument, match=r"only the 'diffkv' layout"):
         build(layer_outer(3, [(["d"], diff)]), layouts={"d": "kv_first"})
 
 
@@ -302,7 +302,7 @@ def test_kernel_blocks_split_a_plan_block() -> None:
     assert view.shape == (12, 2, 4, 2, 8)
     fill_nonzero(view[4 * 2 + 1])  # plan block 2, second kernel block
     assert changed_bytes(raw["a"]) == byte_range(2 * 1024 + 256, 256)
-    with pytest.raises(InvalidArgument, match="kernel_block_size"):
+    with pytest.raises(InvalidArgument, match=r"kernel_block_size"):
         build(config, kernel_block_sizes={"a": 5})
 
 
@@ -367,5 +367,5 @@ def test_torch_dtype_maps_every_spec_dtype_name() -> None:
     assert torch_dtype("bfloat16") is torch.bfloat16
     assert torch_dtype("fp8") is torch.float8_e4m3fn
     assert torch_dtype("torch.uint8") is torch.uint8
-    with pytest.raises(InvalidArgument, match="unknown dtype 'float7'"):
+    with pytest.raises(InvalidArgument, match=r"unknown dtype 'float7'"):
         torch_dtype("float7")
