@@ -1,0 +1,92 @@
+"""KV cache events: every change to the prefix index, as plain data the caller drains.
+
+The core never publishes anything itself: the block pool appends events to a
+:class:`KVEventQueue` and the server drains it (``take``) into its event stream, the way
+vLLM's scheduler drains ``BlockPool.take_events``. Each drained batch gets the next sequence
+number, so a subscriber can tell whether it missed one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+MEDIUM_GPU = "GPU"
+
+
+@dataclass(slots=True)
+class BlockStored:
+    """Blocks entered the prefix index: a contiguous run of one request's full blocks.
+
+    Attributes:
+        block_hashes: the blocks' hashes, in prefix order.
+        parent_block_hash: hash of the block before the first one (None for a prompt's
+            first block). It is the request's logical parent even when that block was
+            dropped from the table (sliding window).
+        token_ids: the tokens of the stored blocks, ``block_size`` per hash.
+        block_size: tokens per block of the group.
+        lora_name: adapter of the request, if any.
+        medium: where the blocks live (``"GPU"`` for device memory).
+        group_index: KV cache group the blocks belong to.
+        group_kind: that group's attention kind (``full_attention``, ``sliding_window``, ...).
+    """
+
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_name: str | None
+    medium: str
+    group_index: int
+    group_kind: str
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    """Blocks left the prefix index (evicted for reuse, or dropped by ``evict_blocks``)."""
+
+    block_hashes: list[bytes]
+    medium: str
+    group_index: int
+
+
+@dataclass(slots=True)
+class AllBlocksCleared:
+    """The whole prefix index was reset."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(slots=True)
+class KVEventBatch:
+    """Events drained together; ``seq`` is 1, 2, 3, ... per pool, ``timestamp`` Unix seconds."""
+
+    seq: int
+    timestamp: float
+    events: list[KVEvent] = field(default_factory=list)
+
+
+class KVEventQueue:
+    """Pending events and the batch sequence counter (single-threaded, like the pool)."""
+
+    __slots__ = ("_last_seq", "pending")
+
+    def __init__(self) -> None:
+        self.pending: list[KVEvent] = []
+        self._last_seq = 0
+
+    @property
+    def last_seq(self) -> int:
+        return self._last_seq
+
+    def append(self, event: KVEvent) -> None:
+        self.pending.append(event)
+
+    def take(self) -> KVEventBatch | None:
+        """All pending events as the next batch, or None when nothing happened."""
+        if not self.pending:
+            return None
+        events, self.pending = self.pending, []
+        self._last_seq += 1
+        return KVEventBatch(seq=self._last_seq, timestamp=time.time(), events=events)

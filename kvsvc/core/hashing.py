@@ -1,0 +1,447 @@
+"""Block hashes: one chained fingerprint per full block of ``hash_block_size`` tokens.
+
+The hash of block ``i`` covers the whole prefix ending at that block::
+
+    hash(i) = H(parent = hash(i - 1) or NONE_HASH,  tokens of block i,  extra keys of block i)
+
+so two requests share a cached block only when everything before it is equal too. The first
+block's parent ``NONE_HASH`` is derived from a seed: fixed and shareable for the cryptographic
+``sha256_cbor`` (``"vllm-none-hash"``, as vLLM), random and secret for the fast ``xxh3_128`` (a
+predictable seed would let anyone precompute colliding prompts). A service that persists its
+prefix index must persist the seed with it (:attr:`BlockHasher.seed`).
+
+Algorithms:
+
+``sha256_cbor``
+    ``sha256(cbor2.dumps((parent, tuple(tokens), extra_keys or None), canonical=True))`` and
+    ``NONE_HASH = sha256(cbor2.dumps(seed, canonical=True))`` — byte-identical to vLLM's
+    ``sha256_cbor`` block hashes for the same tokens, extra keys and seed. The CBOR bytes are
+    assembled from a per-token encoding cache instead of a ``cbor2.dumps`` per block: CBOR
+    integers have exactly one shortest form, so the bytes are the same (the golden test proves it).
+``xxh3_128`` (default)
+    ``xxh3_128(parent + tokens as little-endian int32 + cbor(extra_keys) if any)``. Not
+    vLLM-compatible; several times faster. Parent and token bytes have fixed lengths, so the
+    concatenation is unambiguous.
+
+Extra keys follow the reference's ``generate_block_hash_extra_keys``, in this order:
+``("lora", name, path)``, one ``("mm", identifier, offset_in_block)`` per multimodal item the
+block overlaps (the offset is negative when the item began in an earlier block),
+``("cache_salt", salt)`` on the first block only, and ``("prompt_embeds", digest)`` for blocks
+that have a prompt-embeddings digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from bisect import bisect_right
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any, overload
+
+import cbor2
+import xxhash
+
+from kvsvc.errors import InvalidArgument
+
+HASH_ALGOS: tuple[str, ...] = ("xxh3_128", "sha256_cbor")
+DEFAULT_SHA256_CBOR_SEED = "vllm-none-hash"
+# Token ids travel as int32 on the wire and in the xxh3 byte encoding.
+MAX_TOKEN_ID_EXCLUSIVE = 2**31
+
+BlockHash = bytes
+ExtraKeys = tuple[tuple[Any, ...], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class MultiModalItem:
+    """A multimodal input inside the prompt: its content hash and its placeholder tokens.
+
+    Attributes:
+        identifier: hash of the item's content (the engine's ``mm_hash``).
+        offset: index of the item's first placeholder token in the prompt.
+        length: number of placeholder tokens.
+    """
+
+    identifier: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class HashingContext:
+    """What besides the token ids decides whether two prompts may share cached blocks.
+
+    Attributes:
+        cache_salt: isolates tenants: mixed into the first block only, which suffices
+            because every later hash chains over it.
+        lora_name: adapter name; requests of different adapters never share blocks.
+        lora_path: adapter path, so re-pointing a name at new weights does not reuse KV.
+        mm_items: multimodal items, any order (sorted by offset here).
+        prompt_embeds_digests: one digest per ``hash_block_size`` block of prompt embeddings;
+            blocks past the last digest get no prompt-embeds key.
+    """
+
+    cache_salt: str | None = None
+    lora_name: str | None = None
+    lora_path: str | None = None
+    mm_items: tuple[MultiModalItem, ...] = ()
+    prompt_embeds_digests: tuple[bytes, ...] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        return not (
+            self.cache_salt or self.lora_name or self.mm_items or self.prompt_embeds_digests
+        )
+
+
+class BlockExtraKeys:
+    """The extra keys of each block of one request (stateless, so it can re-hash any block).
+
+    Args:
+        context: the request's hashing context.
+        hash_block_size: tokens per hashed block (indexes the prompt-embeds digests).
+
+    Raises:
+        InvalidArgument: a multimodal item with a negative offset or a non-positive length,
+            or a digest that is not bytes.
+    """
+
+    __slots__ = ("_block_size", "_digests", "_lora", "_mm", "_mm_end", "_prefix_max_end", "_salt")
+
+    def __init__(self, context: HashingContext, hash_block_size: int) -> None:
+        self._block_size = hash_block_size
+        self._lora: tuple[Any, ...] | None = (
+            ("lora", context.lora_name, context.lora_path) if context.lora_name else None
+        )
+        self._salt: tuple[Any, ...] | None = (
+            ("cache_salt", context.cache_salt) if context.cache_salt else None
+        )
+        for i, digest in enumerate(context.prompt_embeds_digests):
+            if not isinstance(digest, bytes):
+                raise InvalidArgument(
+                    f"hashing.prompt_embeds_digests[{i}]",
+                    f"must be bytes, got {type(digest).__name__}",
+                )
+        self._digests = context.prompt_embeds_digests
+        for i, item in enumerate(context.mm_items):
+            if item.offset < 0 or item.length <= 0:
+                raise InvalidArgument(
+                    f"hashing.mm_items[{i}]",
+                    f"needs offset >= 0 and length > 0, got offset={item.offset} "
+                    f"length={item.length}",
+                )
+        # The reference assumes items sorted by offset; sort so callers need not.
+        items = sorted(context.mm_items, key=lambda it: it.offset)
+        self._mm: list[tuple[int, int, str]] = [
+            (it.offset, it.length, it.identifier) for it in items
+        ]
+        # Items ending at or before a block's start can never appear in its keys: bisecting
+        # this running maximum finds the first item worth looking at.
+        self._prefix_max_end = list(accumulate((o + n for o, n, _ in self._mm), max))
+        self._mm_end = self._prefix_max_end[-1] if self._mm else 0
+
+    def __call__(self, start: int, end: int) -> ExtraKeys | None:
+        """Extra keys of the block covering tokens ``[start, end)``, or None when it has none."""
+        keys: list[tuple[Any, ...]] = []
+        if self._lora is not None:
+            keys.append(self._lora)
+        if self._mm and start < self._mm_end:
+            self._add_mm_keys(keys, start, end)
+        if start == 0 and self._salt is not None:
+            keys.append(self._salt)
+        if self._digests:
+            index = start // self._block_size
+            if index < len(self._digests):
+                keys.append(("prompt_embeds", self._digests[index]))
+        return tuple(keys) if keys else None
+
+    def _add_mm_keys(self, keys: list[tuple[Any, ...]], start: int, end: int) -> None:
+        # Same walk as the reference: stop at the first item that starts after the block or
+        # that runs past its end (the next item cannot start inside the block then).
+        items = self._mm
+        i = bisect_right(self._prefix_max_end, start)
+        while i < len(items):
+            offset, length, identifier = items[i]
+            if end <= offset:
+                break
+            if start >= offset + length:
+                i += 1
+                continue
+            keys.append(("mm", identifier, offset - start))
+            if end >= offset + length:
+                i += 1
+            else:
+                break
+
+
+def _cbor_array_header(length: int) -> bytes:
+    # cbor2 writes the shortest header; derive it from cbor2 itself so it cannot disagree.
+    encoded = cbor2.dumps([0] * length)
+    return encoded[: len(encoded) - length]
+
+
+class _CborIntCache(dict[int, bytes]):
+    """CBOR bytes of token ids, filled on first use and bounded (vocabularies are smaller)."""
+
+    LIMIT = 1 << 18
+
+    def __missing__(self, token: int) -> bytes:
+        if type(token) is not int:
+            raise TypeError(f"token ids must be int, got {type(token).__name__}")
+        encoded = cbor2.dumps(token)
+        if len(self) < self.LIMIT:
+            self[token] = encoded
+        return encoded
+
+
+_CBOR_INTS = _CborIntCache()
+_CBOR_NONE = b"\xf6"
+# Array of three items whose first is a 32-byte string: the parent digest.
+_CBOR_TRIPLE_WITH_32B_PARENT = b"\x83\x58\x20"
+
+
+class BlockHasher:
+    """Chained block hashes of one pool: algorithm, seed, and the first block's parent.
+
+    Args:
+        algo: ``"xxh3_128"`` or ``"sha256_cbor"``.
+        block_size: tokens per hashed block (the pool's ``hash_block_size``).
+        seed: derives ``NONE_HASH``. None means ``"vllm-none-hash"`` for ``sha256_cbor`` and a
+            fresh random secret for ``xxh3_128``.
+
+    Raises:
+        ValueError: an unknown algorithm (the message lists the valid ones) or a block size < 1.
+    """
+
+    __slots__ = ("_array_header", "_pack_cache", "algo", "block_size", "none_hash", "seed")
+
+    def __init__(self, algo: str = "xxh3_128", block_size: int = 16, seed: str | None = None):
+        if algo not in HASH_ALGOS:
+            raise ValueError(f"unknown hash_algo {algo!r}; valid: {', '.join(HASH_ALGOS)}")
+        if block_size < 1:
+            raise ValueError(f"hash block size must be >= 1, got {block_size}")
+        self.algo = algo
+        self.block_size = block_size
+        if seed is None:
+            seed = DEFAULT_SHA256_CBOR_SEED if algo == "sha256_cbor" else os.urandom(32).hex()
+        self.seed: str = seed
+        if algo == "sha256_cbor":
+            self.none_hash: BlockHash = hashlib.sha256(cbor2.dumps(seed, canonical=True)).digest()
+        else:
+            self.none_hash = xxhash.xxh3_128_digest(seed.encode())
+        self._array_header = _cbor_array_header(block_size)
+        self._pack_cache: dict[int, struct.Struct] = {}
+
+    def hash_block(
+        self,
+        parent: BlockHash | None,
+        token_ids: Sequence[int],
+        extra_keys: ExtraKeys | None = None,
+    ) -> BlockHash:
+        """The hash of one full block (the reference's ``hash_block_tokens``).
+
+        Args:
+            parent: hash of the previous block; None (or empty) for the first block.
+            token_ids: the block's tokens.
+            extra_keys: the block's extra keys, or None.
+        """
+        if not parent:
+            parent = self.none_hash
+        if self.algo == "sha256_cbor":
+            payload = cbor2.dumps((parent, tuple(token_ids), extra_keys), canonical=True)
+            return hashlib.sha256(payload).digest()
+        tail = b"" if extra_keys is None else cbor2.dumps(extra_keys, canonical=True)
+        return xxhash.xxh3_128_digest(parent + self._pack(token_ids) + tail)
+
+    def hash_blocks(
+        self,
+        token_ids: Sequence[int],
+        first_block: int,
+        num_blocks: int,
+        parent: BlockHash | None,
+        extra_keys: BlockExtraKeys | None = None,
+    ) -> list[BlockHash]:
+        """Hashes of ``num_blocks`` consecutive full blocks, chained from ``parent``.
+
+        Args:
+            token_ids: all of the request's tokens (only the blocks' slice is read).
+            first_block: index of the first block to hash.
+            num_blocks: how many blocks; ``token_ids`` must cover them completely.
+            parent: hash of block ``first_block - 1``; None when ``first_block`` is 0.
+            extra_keys: the request's extra keys, or None when it has none.
+
+        Raises:
+            TypeError, struct.error: a token id that is not an int32 (callers validate first).
+        """
+        if num_blocks <= 0:
+            return []
+        bs = self.block_size
+        start = first_block * bs
+        assert len(token_ids) >= start + num_blocks * bs, "only full blocks are hashed"
+        if parent is None:
+            parent = self.none_hash
+        if self.algo == "sha256_cbor":
+            return self._sha256_cbor_blocks(token_ids, start, num_blocks, parent, extra_keys)
+        return self._xxh3_blocks(token_ids, start, num_blocks, parent, extra_keys)
+
+    def _pack(self, token_ids: Sequence[int]) -> bytes:
+        count = len(token_ids)
+        packer = self._pack_cache.get(count)
+        if packer is None:
+            packer = struct.Struct(f"<{count}i")
+            if len(self._pack_cache) < 64:
+                self._pack_cache[count] = packer
+        return packer.pack(*token_ids)
+
+    def _xxh3_blocks(
+        self,
+        token_ids: Sequence[int],
+        start: int,
+        num_blocks: int,
+        parent: BlockHash,
+        extra_keys: BlockExtraKeys | None,
+    ) -> list[BlockHash]:
+        bs = self.block_size
+        # Convert the whole span to bytes once, then slice per block.
+        packed = self._pack(token_ids[start : start + num_blocks * bs])
+        width = 4 * bs
+        digest = xxhash.xxh3_128_digest
+        out: list[BlockHash] = []
+        append = out.append
+        if extra_keys is None:
+            for offset in range(0, num_blocks * width, width):
+                parent = digest(parent + packed[offset : offset + width])
+                append(parent)
+            return out
+        dumps = cbor2.dumps
+        for i in range(num_blocks):
+            offset = i * width
+            block_start = start + i * bs
+            keys = extra_keys(block_start, block_start + bs)
+            tail = b"" if keys is None else dumps(keys, canonical=True)
+            parent = digest(parent + packed[offset : offset + width] + tail)
+            append(parent)
+        return out
+
+    def _sha256_cbor_blocks(
+        self,
+        token_ids: Sequence[int],
+        start: int,
+        num_blocks: int,
+        parent: BlockHash,
+        extra_keys: BlockExtraKeys | None,
+    ) -> list[BlockHash]:
+        bs = self.block_size
+        end = start + num_blocks * bs
+        encoded = list(map(_CBOR_INTS.__getitem__, token_ids[start:end]))
+        header = self._array_header
+        join = b"".join
+        sha256 = hashlib.sha256
+        dumps = cbor2.dumps
+        out: list[BlockHash] = []
+        append = out.append
+        for i in range(num_blocks):
+            offset = i * bs
+            if extra_keys is None:
+                tail = _CBOR_NONE
+            else:
+                keys = extra_keys(start + offset, start + offset + bs)
+                tail = _CBOR_NONE if keys is None else dumps(keys, canonical=True)
+            if len(parent) == 32:
+                payload = (
+                    _CBOR_TRIPLE_WITH_32B_PARENT
+                    + parent
+                    + header
+                    + join(encoded[offset : offset + bs])
+                    + tail
+                )
+            else:  # a caller-supplied parent of another length: let cbor2 frame it
+                payload = (
+                    b"\x83" + dumps(parent) + header + join(encoded[offset : offset + bs]) + tail
+                )
+            parent = sha256(payload).digest()
+            append(parent)
+        return out
+
+
+class BlockHashListWithBlockSize:
+    """Block hashes of a coarser group, read through the ``hash_block_size`` hashes.
+
+    A group whose block is ``k`` hash blocks long uses, for its block ``i``, the hash of hash
+    block ``(i + 1) * k - 1``: that hash already chains over the whole prefix the group block
+    ends, so it fingerprints the group block as well (the reference's view of the same name)::
+
+        hash blocks (16 tokens):  | 0-15: A | 16-31: B | 32-47: C | 48-63: D |
+        group blocks (32 tokens): |      0-31: B       |      32-63: D       |
+    """
+
+    __slots__ = ("block_hashes", "scale_factor")
+
+    def __init__(
+        self, block_hashes: Sequence[BlockHash], hash_block_size: int, target_block_size: int
+    ) -> None:
+        assert target_block_size % hash_block_size == 0
+        self.block_hashes = block_hashes
+        self.scale_factor = target_block_size // hash_block_size
+
+    def __len__(self) -> int:
+        return len(self.block_hashes) // self.scale_factor
+
+    @overload
+    def __getitem__(self, idx: int) -> BlockHash: ...
+
+    @overload
+    def __getitem__(self, idx: slice) -> list[BlockHash]: ...
+
+    def __getitem__(self, idx: int | slice) -> BlockHash | list[BlockHash]:
+        if isinstance(idx, slice):
+            start, stop, step = idx.indices(len(self))
+            return [self._at(i) for i in range(start, stop, step)]
+        if idx < 0:
+            idx += len(self)
+        if not 0 <= idx < len(self):
+            raise IndexError(idx)
+        return self._at(idx)
+
+    def __iter__(self) -> Iterator[BlockHash]:
+        for i in range(len(self)):
+            yield self._at(i)
+
+    def _at(self, idx: int) -> BlockHash:
+        return self.block_hashes[(idx + 1) * self.scale_factor - 1]
+
+
+BlockHashList = Sequence[BlockHash] | BlockHashListWithBlockSize
+
+
+def hashes_at_block_size(
+    block_hashes: Sequence[BlockHash], hash_block_size: int, block_size: int
+) -> BlockHashList:
+    """The hashes seen by a group of ``block_size`` (the list itself when the sizes match)."""
+    if block_size == hash_block_size:
+        return block_hashes
+    return BlockHashListWithBlockSize(block_hashes, hash_block_size, block_size)
+
+
+def validate_token_ids(token_ids: Sequence[int], field: str) -> None:
+    """Check that every token id fits the int32 wire type and is not negative.
+
+    Raises:
+        InvalidArgument: naming ``field``, with the offending range.
+    """
+    if not token_ids:
+        return
+    try:
+        low = min(token_ids)
+        high = max(token_ids)
+        bad = low < 0 or high >= MAX_TOKEN_ID_EXCLUSIVE
+    except TypeError as exc:
+        raise InvalidArgument(field, f"token ids must be integers ({exc})") from None
+    if bad:
+        raise InvalidArgument(
+            field,
+            f"token ids must be in [0, {MAX_TOKEN_ID_EXCLUSIVE}), got values from {low} to {high}",
+        )
