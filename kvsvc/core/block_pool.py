@@ -1,0 +1,474 @@
+"""The block pool: reference counts, the free queue in eviction order, and the prefix index.
+
+Blocks are plain ints (``0 .. num_blocks - 1``); their metadata lives in a few flat arrays
+instead of one Python object per block, which makes a million-block pool cost tens of bytes
+per block and a few milliseconds to build.
+
+The null block (id 0) stands in for table entries a request no longer needs (tokens that left
+a sliding window, Mamba states that were superseded). It is never allocated, cached, freed or
+evicted, and usage does not count it.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
+
+from kvsvc.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventQueue
+from kvsvc.core.hashing import BlockHash, BlockHashList
+
+NULL_BLOCK_ID = 0
+# NOTE: the null block's reference count is a large constant, so the decrement-and-test in
+# ``free_blocks`` and the zero test in ``touch`` never see it reach 0: callers may pass table
+# entries that are null without filtering them out first.
+_NULL_REF_COUNT = 1 << 62
+
+
+class FreeBlockQueue:
+    """Free block ids in eviction order, with O(1) pop, prepend, append and remove.
+
+    The reference keeps one doubly linked list; this keeps the same order as three regions
+    that concatenate to it::
+
+        front (allocated first)                                          back (kept longest)
+        | stack: prepended ids |  ids lo .. N-1 never handed out  |  LRU: ids appended, linked |
+
+    ``prepend_n`` pushes onto the stack, ``append_n`` links at the LRU tail, ``popleft_n``
+    takes from the stack, then the untouched range, then the LRU head. Because the regions
+    only grow at the outer ends, their concatenation behaves exactly like the single queue.
+    ``remove`` applies to LRU entries only: the pool removes just cached blocks (a prefix
+    hit), and only blocks freed with a hash are appended.
+
+    Args:
+        num_blocks: pool size including the null block, which is never in the queue.
+    """
+
+    __slots__ = ("_lo", "_next", "_num_linked", "_prev", "_sentinel", "_stack", "num_blocks")
+
+    def __init__(self, num_blocks: int) -> None:
+        assert num_blocks >= 1
+        self.num_blocks = num_blocks
+        self._stack: list[int] = []
+        self._lo = 1
+        # Index ``num_blocks`` is the list's sentinel (head = next[S], tail = prev[S]);
+        # next[b] == 0 means "b is not linked" (0 is the null block, never linked).
+        sentinel = num_blocks
+        self._sentinel = sentinel
+        self._next = array("i", bytes(4 * (num_blocks + 1)))
+        self._prev = array("i", bytes(4 * (num_blocks + 1)))
+        self._next[sentinel] = sentinel
+        self._prev[sentinel] = sentinel
+        self._num_linked = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._stack) + (self.num_blocks - self._lo) + self._num_linked
+
+    def __len__(self) -> int:
+        return self.num_free_blocks
+
+    def popleft_n(self, n: int) -> tuple[list[int], int]:
+        """Pop the first ``n`` ids.
+
+        Returns:
+            The ids in queue order, and the index in that list where ids from the LRU region
+            start (``n`` when none did): only those can still carry a cached hash.
+        """
+        assert 0 <= n <= self.num_free_blocks, "pop past the end of the free queue"
+        stack = self._stack
+        k = len(stack)
+        if n <= k:
+            ids = stack[k - n :]
+            del stack[k - n :]
+            ids.reverse()
+            return ids, n
+        ids = stack[::-1]
+        stack.clear()
+        take = min(n - k, self.num_blocks - self._lo)
+        if take:
+            ids.extend(range(self._lo, self._lo + take))
+            self._lo += take
+        first_linked = len(ids)
+        if first_linked < n:
+            nxt = self._next
+            prv = self._prev
+            sentinel = self._sentinel
+            b = nxt[sentinel]
+            for _ in range(n - first_linked):
+                ids.append(b)
+                following = nxt[b]
+                nxt[b] = 0
+                b = following
+            nxt[sentinel] = b
+            prv[b] = sentinel
+            self._num_linked -= n - first_linked
+        return ids, first_linked
+
+    def prepend_n(self, ids: Sequence[int]) -> None:
+        """Put ``ids`` at the front, ``ids[0]`` first (they will be reused first)."""
+        self._stack.extend(reversed(ids))
+
+    def append_n(self, ids: Iterable[int]) -> None:
+        """Put ``ids`` at the back in order (``ids[-1]`` is kept longest)."""
+        nxt = self._next
+        prv = self._prev
+        sentinel = self._sentinel
+        last = prv[sentinel]
+        count = 0
+        for b in ids:
+            nxt[last] = b
+            prv[b] = last
+            last = b
+            count += 1
+        nxt[last] = sentinel
+        prv[sentinel] = last
+        self._num_linked += count
+
+    def remove(self, block_id: int) -> None:
+        """Take a block that was appended (and not popped since) out of the queue."""
+        nxt = self._next
+        prv = self._prev
+        following = nxt[block_id]
+        assert following != 0, f"block {block_id} is not in the free queue's LRU region"
+        before = prv[block_id]
+        nxt[before] = following
+        prv[following] = before
+        nxt[block_id] = 0
+        self._num_linked -= 1
+
+    def is_linked(self, block_id: int) -> bool:
+        """Whether ``block_id`` is in the LRU region (O(1); for assertions and tests)."""
+        return self._next[block_id] != 0
+
+    def __iter__(self) -> Iterator[int]:
+        """All free ids in eviction order (O(n): for tests and diagnostics)."""
+        yield from reversed(self._stack)
+        yield from range(self._lo, self.num_blocks)
+        nxt = self._next
+        b = nxt[self._sentinel]
+        while b != self._sentinel:
+            yield b
+            b = nxt[b]
+
+    def get_all_free_blocks(self) -> list[int]:
+        return list(self)
+
+
+class BlockPool:
+    """All blocks of one pool, shared by every KV cache group of the model.
+
+    Keeps, per block, a reference count (holders: request block tables and reservations)
+    and, for cached blocks, the hash and group they are indexed under. Cached blocks stay
+    findable after their last holder frees them (lazy eviction): their hash is dropped only
+    when the block is handed out again, or by ``evict_blocks`` / ``reset_prefix_cache``.
+
+    The prefix index maps, per group, a block hash to the blocks holding it. Duplicates are
+    allowed (two requests may compute the same block before either is cached) so that block
+    tables stay append-only; a lookup returns the earliest cached one.
+
+    Args:
+        num_blocks: blocks in the pool, including the null block.
+        enable_caching: whether full blocks enter the prefix index.
+        num_groups: KV cache groups sharing the pool (one prefix index each).
+        group_kinds: attention kind of each group, for events.
+        events: where events go; None disables them.
+        medium: the medium reported in events.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        enable_caching: bool = True,
+        num_groups: int = 1,
+        group_kinds: Sequence[str] | None = None,
+        events: KVEventQueue | None = None,
+        medium: str = "GPU",
+    ) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"a block pool needs at least the null block, got {num_blocks}")
+        if not 1 <= num_groups <= 255:
+            raise ValueError(f"num_groups must be in [1, 255], got {num_groups}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.num_groups = num_groups
+        self.group_kinds = (
+            list(group_kinds) if group_kinds is not None else ["unknown"] * num_groups
+        )
+        assert len(self.group_kinds) == num_groups
+        self.events = events
+        self.medium = medium
+        self.null_block_id = NULL_BLOCK_ID
+
+        self.ref_cnt: list[int] = [0] * num_blocks
+        self.ref_cnt[NULL_BLOCK_ID] = _NULL_REF_COUNT
+        # Hash and group of cached blocks (None / meaningless for the others).
+        self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        self.block_group = bytearray(num_blocks)
+        self.free_queue = FreeBlockQueue(num_blocks)
+        # Per group: hash -> earliest cached block, and hash -> later duplicates in order.
+        self._index: list[dict[BlockHash, int]] = [{} for _ in range(num_groups)]
+        self._dups: list[dict[BlockHash, list[int]]] = [{} for _ in range(num_groups)]
+
+        self.num_reserved_blocks = 0
+        self.num_cached_blocks = 0
+        self.num_evictions = 0
+        self.num_allocated_blocks = 0
+        self.num_freed_blocks = 0
+
+    # -- queries -------------------------------------------------------------------------
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Fraction of usable blocks (null excluded) not in the free queue."""
+        usable = self.num_blocks - 1
+        if not usable:
+            return 0.0
+        return 1.0 - self.free_queue.num_free_blocks / usable
+
+    def get_cached_block(self, block_hash: BlockHash, group_ids: Sequence[int]) -> list[int] | None:
+        """The cached block of ``block_hash`` in each group, or None if any group misses."""
+        found: list[int] = []
+        for group_id in group_ids:
+            block_id = self._index[group_id].get(block_hash)
+            if block_id is None:
+                return None
+            found.append(block_id)
+        return found
+
+    def cached_index(self, group_id: int) -> dict[BlockHash, int]:
+        """The live hash -> block map of one group (read-only use; hot lookup loops)."""
+        return self._index[group_id]
+
+    def cached_blocks_of(self, block_hash: BlockHash, group_id: int) -> list[int]:
+        """Every block cached under ``block_hash`` in ``group_id``, earliest first."""
+        first = self._index[group_id].get(block_hash)
+        if first is None:
+            return []
+        return [first, *self._dups[group_id].get(block_hash, ())]
+
+    def num_index_entries(self) -> int:
+        """Blocks in the prefix index, duplicates included."""
+        return self.num_cached_blocks
+
+    # -- allocation ----------------------------------------------------------------------
+
+    def get_new_blocks(self, num_blocks: int) -> list[int]:
+        """Take ``num_blocks`` blocks from the front of the free queue, each with one holder.
+
+        A taken block that was still cached loses its hash now (lazy eviction).
+
+        Raises:
+            ValueError: fewer free blocks than asked for (callers check first).
+        """
+        if num_blocks > self.free_queue.num_free_blocks:
+            raise ValueError(f"cannot get {num_blocks} free blocks from the pool")
+        ids, first_linked = self.free_queue.popleft_n(num_blocks)
+        ref = self.ref_cnt
+        for block_id in ids:
+            ref[block_id] = 1
+        if first_linked < num_blocks:
+            self._evict_hashes(ids[first_linked:])
+        self.num_allocated_blocks += num_blocks
+        return ids
+
+    def reserve_blocks(self, num_blocks: int) -> list[int]:
+        """Take blocks for the lifetime of the pool (e.g. attention-sink blocks)."""
+        ids = self.get_new_blocks(num_blocks)
+        self.num_reserved_blocks += num_blocks
+        return ids
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Add a holder to each block; a free (cached) block leaves the free queue.
+
+        Used when a request's prefix hits cached blocks.
+        """
+        ref = self.ref_cnt
+        remove = self.free_queue.remove
+        for block_id in block_ids:
+            count = ref[block_id]
+            if not count:
+                remove(block_id)
+            ref[block_id] = count + 1
+
+    def free_blocks(self, ordered_block_ids: Iterable[int]) -> None:
+        """Drop one holder of each block; blocks left without holders become free.
+
+        Blocks that never got a hash go to the front of the free queue (nothing can hit
+        them, so reuse them first); cached blocks go to the back in the given order, so
+        callers pass a request's blocks tail first to make the tail evicted first.
+        """
+        ref = self.ref_cnt
+        hashes = self.block_hash
+        fresh: list[int] = []
+        cached: list[int] = []
+        for block_id in ordered_block_ids:
+            count = ref[block_id] - 1
+            ref[block_id] = count
+            if not count:
+                if hashes[block_id] is None:
+                    fresh.append(block_id)
+                else:
+                    cached.append(block_id)
+            else:
+                assert count > 0, f"block {block_id} freed more often than held"
+        if fresh:
+            self.free_queue.prepend_n(fresh)
+        if cached:
+            self.free_queue.append_n(cached)
+        self.num_freed_blocks += len(fresh) + len(cached)
+
+    # -- the prefix index ----------------------------------------------------------------
+
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[int],
+        block_hashes: BlockHashList,
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        group_id: int,
+        block_size: int,
+        token_ids: Sequence[int] = (),
+        lora_name: str | None = None,
+    ) -> None:
+        """Index ``blocks[num_cached_blocks:num_full_blocks]`` under their hashes.
+
+        Null entries are skipped; blocks that already carry the hash (a prefix hit) are left
+        as they are.
+
+        Args:
+            blocks: the request's block table of this group.
+            block_hashes: the request's hashes at this group's block size.
+            num_cached_blocks: blocks of the table already processed.
+            num_full_blocks: blocks that are full after this call.
+            group_id: the group.
+            block_size: the group's block size (events).
+            token_ids: the request's tokens (events).
+            lora_name: the request's adapter (events).
+        """
+        if num_cached_blocks >= num_full_blocks:
+            return
+        assert len(block_hashes) >= num_full_blocks
+        hashes = self.block_hash
+        groups = self.block_group
+        index = self._index[group_id]
+        stored: list[int] | None = [] if self.events is not None else None
+        for i in range(num_cached_blocks, num_full_blocks):
+            block_id = blocks[i]
+            if block_id == NULL_BLOCK_ID:
+                continue
+            block_hash = block_hashes[i]
+            current = hashes[block_id]
+            if current is not None:
+                assert current == block_hash and groups[block_id] == group_id, (
+                    f"block {block_id} is cached under another hash: a wrong prefix hit"
+                )
+                continue
+            hashes[block_id] = block_hash
+            groups[block_id] = group_id
+            first = index.setdefault(block_hash, block_id)
+            if first != block_id:
+                self._dups[group_id].setdefault(block_hash, []).append(block_id)
+            self.num_cached_blocks += 1
+            if stored is not None:
+                stored.append(i)
+        if stored:
+            self._emit_stored(stored, block_hashes, group_id, block_size, token_ids, lora_name)
+
+    def _emit_stored(
+        self,
+        positions: list[int],
+        block_hashes: BlockHashList,
+        group_id: int,
+        block_size: int,
+        token_ids: Sequence[int],
+        lora_name: str | None,
+    ) -> None:
+        # One event per contiguous run, so each event's tokens line up with its hashes.
+        assert self.events is not None
+        run_start = 0
+        for k in range(1, len(positions) + 1):
+            if k < len(positions) and positions[k] == positions[k - 1] + 1:
+                continue
+            first = positions[run_start]
+            last = positions[k - 1]
+            self.events.append(
+                BlockStored(
+                    block_hashes=[block_hashes[i] for i in range(first, last + 1)],
+                    parent_block_hash=block_hashes[first - 1] if first > 0 else None,
+                    token_ids=list(token_ids[first * block_size : (last + 1) * block_size]),
+                    block_size=block_size,
+                    lora_name=lora_name,
+                    medium=self.medium,
+                    group_index=group_id,
+                    group_kind=self.group_kinds[group_id],
+                )
+            )
+            run_start = k
+
+    def _evict_hashes(self, block_ids: Iterable[int]) -> None:
+        """Drop the cached hash of each block that has one (the block stays where it is)."""
+        hashes = self.block_hash
+        removed: dict[int, list[BlockHash]] | None = {} if self.events is not None else None
+        for block_id in block_ids:
+            block_hash = hashes[block_id]
+            if block_hash is None:
+                continue
+            group_id = self.block_group[block_id]
+            index = self._index[group_id]
+            dups = self._dups[group_id]
+            if index.get(block_hash) == block_id:
+                later = dups.get(block_hash)
+                if later:
+                    index[block_hash] = later.pop(0)
+                    if not later:
+                        del dups[block_hash]
+                else:
+                    del index[block_hash]
+            else:
+                later = dups[block_hash]
+                later.remove(block_id)
+                if not later:
+                    del dups[block_hash]
+            hashes[block_id] = None
+            self.num_cached_blocks -= 1
+            self.num_evictions += 1
+            if removed is not None:
+                removed.setdefault(group_id, []).append(block_hash)
+        if removed:
+            assert self.events is not None
+            for group_id, group_hashes in removed.items():
+                self.events.append(
+                    BlockRemoved(
+                        block_hashes=group_hashes, medium=self.medium, group_index=group_id
+                    )
+                )
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop the given blocks from the prefix index (e.g. their KV failed to load).
+
+        Held blocks stay held and free blocks stay in the free queue; only the hash goes.
+        """
+        self._evict_hashes(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix index; refused (False) while any block is held.
+
+        Returns:
+            Whether the index was reset.
+        """
+        num_held = self.num_blocks - 1 - self.num_reserved_blocks - self.free_queue.num_free_blocks
+        if num_held:
+            return False
+        # In place: managers keep references to these containers for their hot loops.
+        for index in self._index:
+            index.clear()
+        for dups in self._dups:
+            dups.clear()
+        self.block_hash[:] = [None] * self.num_blocks
+        self.num_cached_blocks = 0
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
+        return True

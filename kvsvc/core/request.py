@@ -1,0 +1,112 @@
+"""Per-request bookkeeping the scheduler keeps in-process: tokens, progress, block hashes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvsvc.core.hashing import BlockExtraKeys, BlockHash, BlockHasher, HashingContext
+
+
+class RequestState:
+    """One request as the KV cache manager sees it.
+
+    Holds what vLLM's ``Request`` gives its KV cache manager: every token known so far
+    (prompt, then sampled outputs), how many of them the engine has computed, and the chained
+    hashes of the full ``hash_block_size`` blocks, updated incrementally as tokens arrive (a
+    decode step hashes only a block it completes).
+
+    Args:
+        request_id: the engine's id.
+        token_ids: the prompt (or, on resumption, prompt plus outputs so far). The list is
+            taken over, not copied.
+        hasher: the pool's hasher; None when prefix caching is off (no hashes kept).
+        hashing: extra-key context (LoRA, salt, multimodal items, prompt embeds).
+        skip_reading_prefix_cache: never read the cache for this request (it still writes).
+        resumed: re-admission after preemption (counted apart in prefix-cache stats).
+        num_encoder_tokens: encoder input length (cross-attention models).
+    """
+
+    __slots__ = (
+        "_extra_keys",
+        "_hasher",
+        "all_token_ids",
+        "block_hashes",
+        "hashing",
+        "lora_name",
+        "num_computed_tokens",
+        "num_encoder_tokens",
+        "num_prompt_tokens",
+        "request_id",
+        "resumed",
+        "skip_reading_prefix_cache",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        *,
+        hasher: BlockHasher | None = None,
+        hashing: HashingContext | None = None,
+        skip_reading_prefix_cache: bool = False,
+        resumed: bool = False,
+        num_encoder_tokens: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.all_token_ids = token_ids
+        self.num_prompt_tokens = len(token_ids)
+        self.num_computed_tokens = 0
+        self.block_hashes: list[BlockHash] = []
+        self.hashing = hashing
+        self.lora_name = hashing.lora_name if hashing is not None else None
+        self.skip_reading_prefix_cache = skip_reading_prefix_cache
+        self.resumed = resumed
+        self.num_encoder_tokens = num_encoder_tokens
+        self._hasher = hasher
+        self._extra_keys: BlockExtraKeys | None = None
+        if hasher is not None and hashing is not None and not hashing.is_empty:
+            self._extra_keys = BlockExtraKeys(hashing, hasher.block_size)
+        self.update_block_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    def append_token_ids(self, token_ids: Sequence[int]) -> None:
+        """Add sampled tokens and hash any block they complete."""
+        self.all_token_ids.extend(token_ids)
+        self.update_block_hashes()
+
+    def update_block_hashes(self) -> None:
+        """Hash the full blocks not hashed yet (none when caching is off)."""
+        hasher = self._hasher
+        if hasher is None:
+            return
+        hashes = self.block_hashes
+        num_hashed = len(hashes)
+        num_full = len(self.all_token_ids) // hasher.block_size
+        if num_full > num_hashed:
+            hashes.extend(
+                hasher.hash_blocks(
+                    self.all_token_ids,
+                    num_hashed,
+                    num_full - num_hashed,
+                    hashes[-1] if num_hashed else None,
+                    self._extra_keys,
+                )
+            )
+
+    def truncate(self, num_tokens: int) -> None:
+        """Forget tokens past ``num_tokens`` and the hashes of blocks they completed.
+
+        Undoes an ``append_token_ids`` whose allocation was refused.
+        """
+        del self.all_token_ids[num_tokens:]
+        if self._hasher is not None:
+            del self.block_hashes[num_tokens // self._hasher.block_size :]
+
+    def __repr__(self) -> str:
+        return (
+            f"RequestState({self.request_id!r}, num_tokens={self.num_tokens}, "
+            f"num_computed_tokens={self.num_computed_tokens})"
+        )
