@@ -1,0 +1,103 @@
+"""The KV cache manager core: block pool, prefix hashing, per-type managers, coordinator.
+
+Pure Python, no I/O: no gRPC, Prometheus or torch. Layers, each with one job::
+
+    PoolKVCache          engine-facing facade: validation, per-request tokens and progress
+      KVCacheManager     vLLM's manager semantics: get_computed_blocks / allocate_slots / free
+        coordinator      one manager per group; the hit every group agrees on
+          managers       per attention type: table sizing, windows, hit search, caching
+            BlockPool    ref counts, free queue (eviction order), prefix index, events
+    hashing              chained block hashes, extra keys, the seed
+"""
+
+from kvsvc.core.block_pool import NULL_BLOCK_ID, BlockPool, FreeBlockQueue
+from kvsvc.core.coordinator import (
+    HybridCoordinator,
+    KVCacheCoordinator,
+    NoPrefixCacheCoordinator,
+    UnitaryCoordinator,
+    make_coordinator,
+)
+from kvsvc.core.events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventBatch,
+    KVEventQueue,
+)
+from kvsvc.core.hashing import (
+    DEFAULT_SHA256_CBOR_SEED,
+    HASH_ALGOS,
+    BlockExtraKeys,
+    BlockHash,
+    BlockHasher,
+    BlockHashListWithBlockSize,
+    HashingContext,
+    MultiModalItem,
+    hashes_at_block_size,
+    validate_token_ids,
+)
+from kvsvc.core.manager import KVCacheBlocks, KVCacheManager, resolve_block_sizes
+from kvsvc.core.managers import (
+    ChunkedLocalAttentionManager,
+    CrossAttentionManager,
+    FullAttentionManager,
+    MambaManager,
+    SingleTypeKVCacheManager,
+    SinkFullAttentionManager,
+    SlidingWindowManager,
+    make_manager,
+    manager_class_for,
+)
+from kvsvc.core.pool import AllocateOutcome, BlockTableView, PoolKVCache, RequestStart
+from kvsvc.core.request import RequestState
+from kvsvc.core.stats import PrefixCacheStats, UsageSnapshot
+
+__all__ = [
+    "DEFAULT_SHA256_CBOR_SEED",
+    "HASH_ALGOS",
+    "MEDIUM_GPU",
+    "NULL_BLOCK_ID",
+    "AllBlocksCleared",
+    "AllocateOutcome",
+    "BlockExtraKeys",
+    "BlockHash",
+    "BlockHashListWithBlockSize",
+    "BlockHasher",
+    "BlockPool",
+    "BlockRemoved",
+    "BlockStored",
+    "BlockTableView",
+    "ChunkedLocalAttentionManager",
+    "CrossAttentionManager",
+    "FreeBlockQueue",
+    "FullAttentionManager",
+    "HashingContext",
+    "HybridCoordinator",
+    "KVCacheBlocks",
+    "KVCacheCoordinator",
+    "KVCacheManager",
+    "KVEvent",
+    "KVEventBatch",
+    "KVEventQueue",
+    "MambaManager",
+    "MultiModalItem",
+    "NoPrefixCacheCoordinator",
+    "PoolKVCache",
+    "PrefixCacheStats",
+    "RequestStart",
+    "RequestState",
+    "SingleTypeKVCacheManager",
+    "SinkFullAttentionManager",
+    "SlidingWindowManager",
+    "UnitaryCoordinator",
+    "UsageSnapshot",
+    "hashes_at_block_size",
+    "make_coordinator",
+    "make_manager",
+    "manager_class_for",
+    "resolve_block_sizes",
+    "validate_token_ids",
+]

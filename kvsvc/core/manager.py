@@ -1,0 +1,332 @@
+"""KVCacheManager: the scheduler-facing operations on one pool (vLLM's manager semantics).
+
+The scheduler admits a request with ``get_computed_blocks`` + ``allocate_slots``, calls
+``allocate_slots`` again every step it schedules the request, and ``free`` when the request
+finishes or is preempted. This layer owns the pool, the coordinator and the hasher; it knows
+nothing of request ids being valid or inputs being sane (the facade checks those).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from math import gcd, lcm
+
+from kvsvc.core.block_pool import BlockPool
+from kvsvc.core.coordinator import KVCacheCoordinator, make_coordinator
+from kvsvc.core.events import MEDIUM_GPU, KVEventBatch, KVEventQueue
+from kvsvc.core.hashing import BlockHash, BlockHasher, HashingContext
+from kvsvc.core.managers import representative_spec
+from kvsvc.core.request import RequestState
+from kvsvc.core.stats import PrefixCacheStats
+from kvsvc.specs import CrossAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec
+
+
+@dataclass(slots=True)
+class KVCacheBlocks:
+    """Block ids per KV cache group: ``blocks[g][j]`` is group g's j-th block.
+
+    The result type between the scheduler and the manager, hiding the manager's tables.
+    """
+
+    blocks: tuple[Sequence[int], ...]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return tuple(list(group) for group in self.blocks)
+
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        return KVCacheBlocks(
+            tuple([*a, *b] for a, b in zip(self.blocks, other.blocks, strict=True))
+        )
+
+    def is_empty(self) -> bool:
+        return not any(self.blocks)
+
+
+def _supports_prefix_caching(spec: KVCacheSpec) -> bool:
+    spec = representative_spec(spec)
+    if isinstance(spec, CrossAttentionSpec):
+        return False  # encoder states are per request
+    if isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "none":
+        return False  # one running state, overwritten in place
+    return spec.participates_in_prefix_caching
+
+
+def resolve_block_sizes(
+    specs: Sequence[KVCacheSpec], hash_block_size: int | None, enable_caching: bool
+) -> tuple[int, int]:
+    """The scheduler block size (lcm of the groups') and the hash block size.
+
+    One group hashes at its block size. Several groups hash at the gcd of their block sizes
+    unless told otherwise; every group's block size must be a multiple of it so coarser
+    groups can read the hashes through a block-size view.
+
+    Raises:
+        ValueError: a hash block size that does not divide every group's block size (or,
+            for one group, differs from it).
+    """
+    sizes = [spec.block_size for spec in specs]
+    if not sizes:
+        return 1, hash_block_size or 1
+    scheduler_block_size = lcm(*sizes)
+    if hash_block_size is None:
+        if not enable_caching:
+            return scheduler_block_size, scheduler_block_size
+        return scheduler_block_size, sizes[0] if len(sizes) == 1 else gcd(*sizes)
+    if hash_block_size < 1:
+        raise ValueError(f"hash_block_size must be >= 1, got {hash_block_size}")
+    if enable_caching:
+        if len(sizes) == 1 and hash_block_size != sizes[0]:
+            raise ValueError(
+                f"hash_block_size={hash_block_size}: with one KV cache group, hits land on its "
+                f"block size ({sizes[0]}); unset it or set it to {sizes[0]}"
+            )
+        if any(size % hash_block_size for size in sizes):
+            raise ValueError(
+                f"hash_block_size={hash_block_size} must divide every group's block size {sizes}"
+            )
+    return scheduler_block_size, hash_block_size
+
+
+class KVCacheManager:
+    """Scheduler-side KV cache manager of one pool.
+
+    Args:
+        kv_cache_config: the scheduler's config: one spec per group; ``num_blocks``
+            includes the null block.
+        max_model_len: longest sequence a request may reach.
+        enable_caching: prefix caching (forced off when a group cannot be cached: cross
+            attention, Mamba without a cache mode).
+        hash_algo: ``xxh3_128`` or ``sha256_cbor``.
+        hash_seed: seed of the first block's parent (see :class:`BlockHasher`).
+        hash_block_size: hashing granularity (see :func:`resolve_block_sizes`).
+        enable_events: record KV events for ``take_events``.
+        medium: medium named in events.
+    """
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        *,
+        enable_caching: bool = True,
+        hash_algo: str = "xxh3_128",
+        hash_seed: str | None = None,
+        hash_block_size: int | None = None,
+        enable_events: bool = False,
+        medium: str = MEDIUM_GPU,
+    ) -> None:
+        specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
+        self.kv_cache_config = kv_cache_config
+        self.max_model_len = max_model_len
+        self.enable_caching = (
+            enable_caching and bool(specs) and all(_supports_prefix_caching(spec) for spec in specs)
+        )
+        self.block_size, self.hash_block_size = resolve_block_sizes(
+            specs, hash_block_size, self.enable_caching
+        )
+        # The hasher validates the algorithm name even when caching is off.
+        hasher = BlockHasher(hash_algo, self.hash_block_size, hash_seed)
+        self.hasher: BlockHasher | None = hasher if self.enable_caching else None
+        self.hash_algo = hasher.algo
+        self.hash_seed = hasher.seed
+        self.events: KVEventQueue | None = KVEventQueue() if enable_events else None
+        self.group_kinds = [representative_spec(spec).kind.value for spec in specs]
+        self.block_pool = BlockPool(
+            kv_cache_config.num_blocks,
+            enable_caching=self.enable_caching,
+            num_groups=max(1, len(specs)),
+            group_kinds=self.group_kinds or ["unknown"],
+            events=self.events,
+            medium=medium,
+        )
+        self.coordinator: KVCacheCoordinator = make_coordinator(
+            specs,
+            self.block_pool,
+            enable_caching=self.enable_caching,
+            hash_block_size=self.hash_block_size,
+        )
+        self.num_kv_cache_groups = len(specs)
+        self.prefix_cache_stats = PrefixCacheStats()
+        self._empty_blocks: tuple[Sequence[int], ...] = tuple(() for _ in specs)
+        self._single_group = len(specs) == 1
+
+    # -- requests ------------------------------------------------------------------------
+
+    def new_request(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        *,
+        hashing: HashingContext | None = None,
+        skip_reading_prefix_cache: bool = False,
+        resumed: bool = False,
+        num_encoder_tokens: int = 0,
+    ) -> RequestState:
+        """A request state hashed with this pool's hasher (no hashes when caching is off)."""
+        return RequestState(
+            request_id,
+            token_ids,
+            hasher=self.hasher,
+            hashing=hashing,
+            skip_reading_prefix_cache=skip_reading_prefix_cache,
+            resumed=resumed,
+            num_encoder_tokens=num_encoder_tokens,
+        )
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def get_computed_blocks(
+        self, request: RequestState, *, record_stats: bool = True
+    ) -> tuple[KVCacheBlocks, int]:
+        """The cached prefix of a request being admitted.
+
+        The hit is capped at ``num_tokens - 1``: the last token must be computed to get
+        logits. That can cost a whole block, since hits are block aligned.
+
+        Returns:
+            The hit blocks per group and the hit length in tokens (0 when caching is off or
+            the request must not read the cache).
+        """
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return KVCacheBlocks(self._empty_blocks), 0
+        hits, num_hit_tokens = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, request.num_tokens - 1
+        )
+        if record_stats:
+            self.record_prefix_lookup(request, num_hit_tokens)
+        return KVCacheBlocks(hits), num_hit_tokens
+
+    def record_prefix_lookup(self, request: RequestState, num_hit_tokens: int) -> None:
+        """Count one admission's lookup in the prefix-cache stats."""
+        self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens, request.resumed)
+
+    def find_cached_prefix(self, block_hashes: Sequence[BlockHash], max_length: int) -> int:
+        """Hit length for hashes and a length cap, touching nothing (routers' lookup)."""
+        if not self.enable_caching or max_length <= 0:
+            return 0
+        return self.coordinator.find_longest_cache_hit(block_hashes, max_length)[1]
+
+    def allocate_slots(
+        self,
+        request: RequestState,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+    ) -> KVCacheBlocks | None:
+        """Give the request slots for its next tokens; None (and nothing changed) if short.
+
+        Token layout of the request::
+
+            | comp | new_comp | ext_comp | new | lookahead |
+                                       |<- computed now ->|
+                   |<-------- to be allocated ---------->|
+                   |<- to be cached (known tokens only) ->|
+
+        ``comp`` = ``request.num_computed_tokens``; ``new_comp`` = prefix-hit tokens
+        (``new_computed_blocks``); ``ext_comp`` = tokens a connector supplies; ``new`` =
+        tokens computed this step, drafts included; ``lookahead`` = slots for a drafter.
+
+        Blocks that fell out of the attention window are freed first (so the tail of the
+        request can reuse them), but only once the allocation is sure to succeed: a refusal
+        leaves every table, reference count and the free queue exactly as they were.
+
+        Args:
+            request: the request.
+            num_new_tokens: tokens to compute this step (drafts included).
+            num_new_computed_tokens: prefix-hit tokens found by ``get_computed_blocks``.
+            new_computed_blocks: the hit blocks.
+            num_lookahead_tokens: extra slots for speculative decoding.
+            num_external_computed_tokens: computed tokens loaded by a connector.
+            delay_cache_blocks: do not cache yet (blocks being received).
+            num_encoder_tokens: encoder input tokens (cross attention; first call).
+
+        Returns:
+            The entries appended to each group's table, or None when the pool is short.
+        """
+        coordinator = self.coordinator
+        request_id = request.request_id
+        hit_blocks = new_computed_blocks.blocks if new_computed_blocks else self._empty_blocks
+        num_local_computed = request.num_computed_tokens + num_new_computed_tokens
+        max_model_len = self.max_model_len
+        total_computed = min(num_local_computed + num_external_computed_tokens, max_model_len)
+        num_tokens_main_model = total_computed + num_new_tokens
+        num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, max_model_len)
+
+        num_to_allocate = coordinator.get_num_blocks_to_allocate(
+            request_id,
+            num_tokens_need_slot,
+            hit_blocks,
+            num_encoder_tokens,
+            num_local_computed + num_external_computed_tokens,
+            num_tokens_main_model,
+        )
+        num_free = self.block_pool.free_queue.num_free_blocks
+        if num_to_allocate > num_free and num_to_allocate > num_free + (
+            coordinator.get_num_freeable_skipped_blocks(request_id, total_computed)
+        ):
+            return None
+
+        # Before allocating, so fewer cached blocks get evicted.
+        coordinator.remove_skipped_blocks(request_id, total_computed)
+        if not coordinator.is_running(request_id):
+            # First allocation: start the tables with the prefix hits (touched) and blocks
+            # for external tokens. A running request never gets either.
+            coordinator.allocate_new_computed_blocks(
+                request_id, hit_blocks, num_local_computed, num_external_computed_tokens
+            )
+        new_blocks = coordinator.allocate_new_blocks(
+            request_id, num_tokens_need_slot, num_tokens_main_model, num_encoder_tokens
+        )
+        if self.enable_caching and not delay_cache_blocks:
+            # Drafts may be rejected: cache only tokens already known.
+            coordinator.cache_blocks(
+                request, min(total_computed + num_new_tokens, request.num_tokens)
+            )
+        return KVCacheBlocks(new_blocks)
+
+    def cache_blocks(self, request: RequestState, num_computed_tokens: int) -> None:
+        """Cache the request's full blocks up to ``num_computed_tokens`` (delayed caching)."""
+        if self.enable_caching:
+            self.coordinator.cache_blocks(request, num_computed_tokens)
+
+    def free(self, request: RequestState | str) -> None:
+        """Release a request's blocks, each table tail first (tails are evicted first)."""
+        request_id = request if isinstance(request, str) else request.request_id
+        self.coordinator.free(request_id)
+
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
+        """Replace blocks outside the attention window with the null block and free them."""
+        self.coordinator.remove_skipped_blocks(request_id, total_computed_tokens)
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Per group, leading blocks shared by every request holding blocks.
+
+        May be 0 although all *scheduled* requests share a prefix: requests that hold blocks
+        but are not scheduled this step count too.
+        """
+        return self.coordinator.get_num_common_prefix_blocks(running_request_id)
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        return KVCacheBlocks(self.coordinator.get_blocks(request_id))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return self.get_blocks(request_id).get_block_ids()
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop blocks from the prefix index (held blocks stay held)."""
+        self.block_pool.evict_blocks(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix index; False (and nothing changed) while any block is held."""
+        return self.block_pool.reset_prefix_cache()
+
+    def take_events(self) -> KVEventBatch | None:
+        """Events since the last call as one numbered batch, or None if there were none."""
+        return self.events.take() if self.events is not None else None

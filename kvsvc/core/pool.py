@@ -1,0 +1,490 @@
+"""PoolKVCache: the engine-facing facade of one pool, so the gRPC layer only translates.
+
+It keeps what vLLM's scheduler keeps per request (tokens, computed-token count) and maps the
+engine's moments onto the manager (DESIGN.md, "How an engine's scheduler maps onto
+Allocate"):
+
+=====================  ===================================================================
+admit / resume         ``allocate(..., start=RequestStart(...))`` with the whole prompt:
+                       hash, look up the cached prefix (capped so one token is computed),
+                       schedule ``min(num_new_tokens, prompt - cached)`` tokens
+continue a prefill     ``allocate(rid, [], chunk)``
+decode step            ``allocate(rid, sampled, 1 + drafts)``: append, hash a completed
+                       block, allocate when a block boundary is crossed
+finish / preempt       ``free([rid])``: blocks back tail first; cached ones stay findable
+=====================  ===================================================================
+
+Every call validates its input before changing anything, and a ``NO_SPACE`` outcome
+(``ok=False``) leaves the pool exactly as it was. Single-threaded: the server serialises
+calls per pool.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvsvc.core.events import MEDIUM_GPU, KVEventBatch
+from kvsvc.core.hashing import BlockExtraKeys, HashingContext, validate_token_ids
+from kvsvc.core.manager import KVCacheManager
+from kvsvc.core.request import RequestState
+from kvsvc.core.stats import UsageSnapshot
+from kvsvc.errors import InvalidArgument, NotFound
+from kvsvc.specs import KVCacheConfig
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStart:
+    """What only a request's first ``allocate`` (admission or resumption) carries.
+
+    Attributes:
+        hashing: extra-key context of the prompt's block hashes.
+        skip_prefix_cache_read: do not read the cache (prompt logprobs, all-token pooling);
+            the request's blocks are still cached for others.
+        resumed: re-admission after preemption (prefix stats count it apart).
+        num_encoder_tokens: encoder input length, for cross-attention groups.
+    """
+
+    hashing: HashingContext | None = None
+    skip_prefix_cache_read: bool = False
+    resumed: bool = False
+    num_encoder_tokens: int = 0
+
+
+@dataclass(slots=True)
+class AllocateOutcome:
+    """Result of one ``allocate``.
+
+    Attributes:
+        ok: False means NO_SPACE: nothing changed (the engine preempts or waits).
+        new_block_ids: per group, the entries appended to the table by this call (may hold
+            the null id 0 for Mamba groups).
+        num_null_blocks: per group, how many leading entries of the table are now the null
+            block (sliding window, chunked local and Mamba groups drop blocks).
+        num_cached_tokens: first call: tokens served from the prefix cache; otherwise 0.
+        num_scheduled_tokens: tokens scheduled (would have been, when not ok).
+        num_computed_tokens: the request's computed tokens after the call.
+    """
+
+    ok: bool
+    new_block_ids: tuple[list[int], ...]
+    num_null_blocks: tuple[int, ...]
+    num_cached_tokens: int
+    num_scheduled_tokens: int
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockTableView:
+    """A copy of one request's tables (null id 0 where blocks were dropped)."""
+
+    groups: tuple[list[int], ...]
+    num_computed_tokens: int
+    num_tokens: int
+
+
+class PoolKVCache:
+    """One pool's KV cache manager with the engine-facing semantics of DESIGN.md's table.
+
+    Single-threaded: the server serialises calls per pool.
+
+    Args:
+        config: the planner's scheduler config (one per-layer spec per group);
+            ``num_blocks`` includes the null block.
+        max_model_len: longest sequence (prompt + outputs) a request may reach.
+        enable_caching: prefix caching (off by force when a group cannot be cached).
+        hash_algo: ``"xxh3_128"`` (fast, secret random seed) or ``"sha256_cbor"``
+            (vLLM-compatible hashes).
+        hash_seed: seed of the first block's parent; persist :attr:`hash_seed` to keep
+            hashes stable across restarts.
+        hash_block_size: hashing granularity; defaults to the block size (one group) or
+            the gcd of the groups' block sizes.
+        max_num_batched_tokens: the engine's per-step token budget (recorded for capacity
+            reporting; not enforced).
+        enable_events: record KV events for :meth:`take_events`.
+        event_medium: medium named in events.
+
+    Raises:
+        ValueError: an unknown ``hash_algo`` (listing the valid names), a
+            ``hash_block_size`` that does not fit the groups, a bad ``max_model_len``, or a
+            group kind without a manager.
+    """
+
+    def __init__(
+        self,
+        config: KVCacheConfig,
+        *,
+        max_model_len: int,
+        enable_caching: bool = True,
+        hash_algo: str = "xxh3_128",
+        hash_seed: str | None = None,
+        hash_block_size: int | None = None,
+        max_num_batched_tokens: int = 8192,
+        enable_events: bool = True,
+        event_medium: str = MEDIUM_GPU,
+    ) -> None:
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.manager = KVCacheManager(
+            config,
+            max_model_len,
+            enable_caching=enable_caching,
+            hash_algo=hash_algo,
+            hash_seed=hash_seed,
+            hash_block_size=hash_block_size,
+            enable_events=enable_events,
+            medium=event_medium,
+        )
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self._requests: dict[str, RequestState] = {}
+        self._num_preemptions = 0
+        self._no_blocks: tuple[list[int], ...] = tuple([] for _ in range(self.num_groups))
+
+    # -- configuration -------------------------------------------------------------------
+
+    @property
+    def hash_seed(self) -> str:
+        """The seed in use (random hex for xxh3 unless configured): persist it with the index."""
+        return self.manager.hash_seed
+
+    @property
+    def hash_algo(self) -> str:
+        return self.manager.hash_algo
+
+    @property
+    def enable_caching(self) -> bool:
+        """Whether prefix caching is on (False when asked off or a group cannot be cached)."""
+        return self.manager.enable_caching
+
+    @property
+    def num_groups(self) -> int:
+        return self.manager.num_kv_cache_groups
+
+    @property
+    def group_kinds(self) -> list[str]:
+        return list(self.manager.group_kinds)
+
+    @property
+    def block_size(self) -> int:
+        """Scheduler block size: the lcm of the groups' block sizes."""
+        return self.manager.block_size
+
+    @property
+    def hash_block_size(self) -> int:
+        return self.manager.hash_block_size
+
+    @property
+    def num_blocks(self) -> int:
+        """Usable blocks (the null block excluded)."""
+        return self.manager.block_pool.num_blocks - 1
+
+    # -- requests ------------------------------------------------------------------------
+
+    def allocate(
+        self,
+        request_id: str,
+        new_token_ids: Sequence[int],
+        num_new_tokens: int,
+        num_lookahead_tokens: int = 0,
+        start: RequestStart | None = None,
+        *,
+        num_rejected_tokens: int = 0,
+    ) -> AllocateOutcome:
+        """Admit, resume or continue a request and give it slots for this step.
+
+        Args:
+            request_id: the engine's request id.
+            new_token_ids: first call: the whole prompt (plus outputs so far on resumption);
+                later: tokens sampled since the last call.
+            num_new_tokens: tokens computed this step (first call: the step's budget for
+                the request; drafts included when speculating).
+            num_lookahead_tokens: extra slots for a draft model (capped at max_model_len).
+            start: present exactly on the first call (admission or resumption).
+            num_rejected_tokens: drafts rejected since the last call, taken off the
+                computed count before this step (speculative decoding).
+
+        Returns:
+            The outcome; ``ok=False`` (NO_SPACE) changed nothing. A refused first call does
+            not make the request live; a refused later call does not keep the new tokens.
+
+        Raises:
+            InvalidArgument: bad counts or token ids, an empty prompt, a length beyond
+                max_model_len, or a first call for a live request; nothing changed.
+            NotFound: a later call for a request that is not live.
+        """
+        if num_new_tokens < 0:
+            raise InvalidArgument("num_new_tokens", f"must be >= 0, got {num_new_tokens}")
+        if num_lookahead_tokens < 0:
+            raise InvalidArgument(
+                "num_lookahead_tokens", f"must be >= 0, got {num_lookahead_tokens}"
+            )
+        if start is not None:
+            return self._admit(
+                request_id, new_token_ids, num_new_tokens, num_lookahead_tokens, start
+            )
+        request = self._requests.get(request_id)
+        if request is None:
+            raise NotFound(f"request {request_id!r} is not live in this pool")
+        num_tokens_before = len(request.all_token_ids)
+        if new_token_ids:
+            validate_token_ids(new_token_ids, "new_token_ids")
+            if num_tokens_before + len(new_token_ids) > self.max_model_len:
+                raise InvalidArgument(
+                    "new_token_ids",
+                    f"request {request_id!r} would reach "
+                    f"{num_tokens_before + len(new_token_ids)} tokens, past max_model_len="
+                    f"{self.max_model_len}",
+                )
+        computed_before = request.num_computed_tokens
+        if num_rejected_tokens and not 0 <= num_rejected_tokens <= computed_before:
+            raise InvalidArgument(
+                "num_rejected_tokens",
+                f"must be in [0, {computed_before}] (computed tokens), got {num_rejected_tokens}",
+            )
+        computed = computed_before - num_rejected_tokens
+        if computed + num_new_tokens > self.max_model_len:
+            raise InvalidArgument(
+                "num_new_tokens",
+                f"{computed} computed + {num_new_tokens} new tokens exceed max_model_len="
+                f"{self.max_model_len}",
+            )
+        if new_token_ids:
+            try:
+                request.append_token_ids(new_token_ids)
+            except (TypeError, struct.error) as exc:
+                request.truncate(num_tokens_before)
+                raise InvalidArgument(
+                    "new_token_ids", f"token ids must be integers ({exc})"
+                ) from None
+        request.num_computed_tokens = computed
+        blocks = self.manager.allocate_slots(
+            request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens
+        )
+        if blocks is None:
+            request.truncate(num_tokens_before)
+            request.num_computed_tokens = computed_before
+            return AllocateOutcome(
+                False,
+                self._no_blocks,
+                self.manager.coordinator.num_leading_null_blocks(request_id),
+                0,
+                num_new_tokens,
+                computed_before,
+            )
+        request.num_computed_tokens = computed + num_new_tokens
+        return AllocateOutcome(
+            True,
+            blocks.blocks,  # type: ignore[arg-type]  # fresh lists from the managers
+            self.manager.coordinator.num_leading_null_blocks(request_id),
+            0,
+            num_new_tokens,
+            request.num_computed_tokens,
+        )
+
+    def _admit(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        budget: int,
+        num_lookahead_tokens: int,
+        start: RequestStart,
+    ) -> AllocateOutcome:
+        if request_id in self._requests:
+            raise InvalidArgument(
+                "request_id",
+                f"request {request_id!r} is already live; only its first call carries start",
+            )
+        if not prompt:
+            raise InvalidArgument("new_token_ids", "the first call must carry the prompt")
+        validate_token_ids(prompt, "new_token_ids")
+        if len(prompt) > self.max_model_len:
+            raise InvalidArgument(
+                "new_token_ids",
+                f"{len(prompt)} tokens exceed max_model_len={self.max_model_len}",
+            )
+        if start.num_encoder_tokens < 0:
+            raise InvalidArgument(
+                "start.num_encoder_tokens", f"must be >= 0, got {start.num_encoder_tokens}"
+            )
+        manager = self.manager
+        try:
+            request = manager.new_request(
+                request_id,
+                list(prompt),
+                hashing=start.hashing,
+                skip_reading_prefix_cache=start.skip_prefix_cache_read,
+                resumed=start.resumed,
+                num_encoder_tokens=start.num_encoder_tokens,
+            )
+        except (TypeError, struct.error) as exc:
+            raise InvalidArgument("new_token_ids", f"token ids must be integers ({exc})") from None
+        hits, num_cached = manager.get_computed_blocks(request, record_stats=False)
+        num_scheduled = min(budget, request.num_tokens - num_cached)
+        blocks = manager.allocate_slots(
+            request,
+            num_scheduled,
+            num_cached,
+            hits,
+            num_lookahead_tokens,
+            num_encoder_tokens=start.num_encoder_tokens,
+        )
+        if blocks is None:
+            return AllocateOutcome(
+                False, self._no_blocks, (0,) * self.num_groups, num_cached, num_scheduled, 0
+            )
+        if manager.enable_caching and not start.skip_prefix_cache_read:
+            manager.record_prefix_lookup(request, num_cached)
+        request.num_computed_tokens = num_cached + num_scheduled
+        self._requests[request_id] = request
+        return AllocateOutcome(
+            True,
+            blocks.blocks,  # type: ignore[arg-type]
+            manager.coordinator.num_leading_null_blocks(request_id),
+            num_cached,
+            num_scheduled,
+            request.num_computed_tokens,
+        )
+
+    def free(self, request_ids: Sequence[str], *, preempted: bool = False) -> int:
+        """Release requests; their full blocks stay cached for reuse.
+
+        Args:
+            request_ids: live requests, freed in this order (each table tail first).
+            preempted: the engine preempted them (counted in ``num_preemptions``).
+
+        Returns:
+            Blocks whose last holder went (back in the free queue).
+
+        Raises:
+            NotFound: an id that is not live; nothing is freed then.
+            InvalidArgument: an id listed twice.
+        """
+        ids = list(request_ids)
+        for request_id in ids:
+            if request_id not in self._requests:
+                raise NotFound(f"request {request_id!r} is not live in this pool")
+        if len(set(ids)) != len(ids):
+            raise InvalidArgument("request_ids", "lists a request more than once")
+        pool = self.manager.block_pool
+        freed_before = pool.num_freed_blocks
+        for request_id in ids:
+            self.manager.free(request_id)
+            del self._requests[request_id]
+        if preempted:
+            self._num_preemptions += len(ids)
+        return pool.num_freed_blocks - freed_before
+
+    def lookup(self, token_ids: Sequence[int], hashing: HashingContext | None = None) -> int:
+        """Tokens of this prompt an admission would serve from the cache right now.
+
+        The same cap as admission applies (at least one token is computed), and nothing
+        changes: no block is touched and the prefix-cache stats do not count lookups, so
+        routers polling many pools do not skew the hit rate.
+
+        Raises:
+            InvalidArgument: token ids out of range, or a bad hashing context.
+        """
+        validate_token_ids(token_ids, "token_ids")
+        hasher = self.manager.hasher
+        if hasher is None or len(token_ids) < 2:
+            return 0
+        tokens = list(token_ids)
+        extra = (
+            BlockExtraKeys(hashing, hasher.block_size)
+            if hashing is not None and not hashing.is_empty
+            else None
+        )
+        try:
+            hashes = hasher.hash_blocks(tokens, 0, len(tokens) // hasher.block_size, None, extra)
+        except (TypeError, struct.error) as exc:
+            raise InvalidArgument("token_ids", f"token ids must be integers ({exc})") from None
+        return self.manager.find_cached_prefix(hashes, len(tokens) - 1)
+
+    def block_table(self, request_id: str) -> BlockTableView:
+        """A copy of the request's tables.
+
+        Raises:
+            NotFound: the request is not live.
+        """
+        request = self._requests.get(request_id)
+        if request is None:
+            raise NotFound(f"request {request_id!r} is not live in this pool")
+        tables = self.manager.coordinator.get_blocks(request_id)
+        return BlockTableView(
+            groups=tuple(list(t) for t in tables),
+            num_computed_tokens=request.num_computed_tokens,
+            num_tokens=request.num_tokens,
+        )
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def request_ids(self) -> list[str]:
+        """Live request ids, in admission order."""
+        return list(self._requests)
+
+    def get_num_common_prefix_blocks(self, request_id: str) -> list[int]:
+        """Per group, leading blocks shared by every live request (cascade attention).
+
+        Raises:
+            NotFound: the request is not live.
+        """
+        if request_id not in self._requests:
+            raise NotFound(f"request {request_id!r} is not live in this pool")
+        return self.manager.get_num_common_prefix_blocks(request_id)
+
+    # -- pool-wide -----------------------------------------------------------------------
+
+    def usage(self) -> UsageSnapshot:
+        pool = self.manager.block_pool
+        stats = self.manager.prefix_cache_stats
+        return UsageSnapshot(
+            num_blocks=pool.num_blocks - 1,
+            num_free_blocks=pool.get_num_free_blocks(),
+            usage=pool.get_usage(),
+            num_requests=len(self._requests),
+            num_cached_blocks=pool.num_cached_blocks,
+            queries=stats.queries,
+            hits=stats.hits,
+            preempted_queries=stats.preempted_queries,
+            preempted_hits=stats.preempted_hits,
+            requests=stats.requests,
+            preempted_requests=stats.preempted_requests,
+            num_evictions=pool.num_evictions,
+            num_allocated_blocks=pool.num_allocated_blocks,
+            num_freed_blocks=pool.num_freed_blocks,
+            num_preemptions=self._num_preemptions,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix index (e.g. after a weight update).
+
+        Returns:
+            False, with nothing changed, while any request holds blocks.
+        """
+        return self.manager.reset_prefix_cache()
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop blocks from the prefix index (e.g. their KV failed to load).
+
+        Held blocks stay held; the null block (0) has no hash and is ignored.
+
+        Raises:
+            InvalidArgument: an id outside the pool; nothing is evicted then.
+        """
+        ids = list(block_ids)
+        limit = self.manager.block_pool.num_blocks
+        for block_id in ids:
+            if type(block_id) is not int or not 0 <= block_id < limit:
+                raise InvalidArgument(
+                    "block_ids", f"block id {block_id!r} is outside the pool [0, {limit})"
+                )
+        self.manager.evict_blocks(ids)
+
+    def take_events(self) -> KVEventBatch | None:
+        """Events since the last call as the next numbered batch; None if nothing happened."""
+        return self.manager.take_events()
