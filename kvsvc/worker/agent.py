@@ -1,0 +1,837 @@
+"""The worker agent: register, receive the plan, allocate, report, heartbeat, reconnect.
+
+One agent per rank speaks ``kvsvc.v1.WorkerService``::
+
+    Register ──▶ WatchPlan (stream) ──▶ config ──▶ allocate + reshape ──▶ ReportAllocation
+        ▲            │ state changes (READY, DEGRADED, ...) keep arriving
+        │            ▼
+        └── stream broke / session stale / heartbeat said reregister: back off, register again
+    Heartbeat every ``heartbeat_interval`` from the first registration on (its own thread;
+    during an outage it beats for the lost session, and its failures count)
+
+Two threads do the work: the *control* thread (register, follow the plan stream, allocate,
+report) and the *heartbeat* thread. Tensors outlive sessions: after a server restart the
+agent registers again with the same specs, gets the same plan back and keeps its tensors.
+
+Errors split three ways:
+
+- **fatal** (the server said no, or the plan cannot be used): ``INVALID_ARGUMENT``,
+  ``UNAUTHENTICATED``, ``PERMISSION_DENIED``, ``UNIMPLEMENTED``; ``NOT_FOUND`` (unknown
+  pool) and ``ALREADY_EXISTS`` (another live agent holds the rank) at the first
+  registration; a planning error; a plan that cannot be laid out. The agent stops and
+  :attr:`WorkerAgent.error` says why; :meth:`WorkerAgent.start` raises it.
+- **stale session** (``NOT_FOUND`` / ``FAILED_PRECONDITION`` after registering, or a
+  heartbeat answered ``reregister``): register again at once.
+- **anything else** (``UNAVAILABLE``, deadlines, a stream the server closed): retry with
+  capped exponential backoff and jitter, forever unless ``connect_timeout`` is set.
+
+At a re-registration ``ALREADY_EXISTS`` is retried too: the server may still hold this
+agent's own previous session until its heartbeats lapse.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from kvsvc.convert import config_from_pb, layer_specs_to_pb
+from kvsvc.errors import InvalidArgument
+from kvsvc.specs import KVCacheConfig, KVCacheSpec
+from kvsvc.units import format_gib
+from kvsvc.v1 import pools_pb2, worker_pb2, worker_pb2_grpc
+from kvsvc.worker.allocation import (
+    KVCacheView,
+    allocate_kv_cache,
+    allocated_bytes,
+    describe_views,
+    parse_device,
+    reshape_kv_cache,
+)
+from kvsvc.worker.errors import AllocationError, WorkerAgentError
+from kvsvc.worker.layouts import DEFAULT_LAYOUT, resolve_layouts
+from kvsvc.worker.metrics import AgentMetrics
+from kvsvc.worker.profiling import (
+    CudaMemorySnapshot,
+    MemoryProfile,
+    device_free_bytes,
+    profile_memory,
+)
+
+logger = logging.getLogger("kvsvc.worker")
+
+_FATAL = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
+_STALE_SESSION = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION})
+
+
+@dataclass(slots=True)
+class WorkerAgentConfig:
+    """Where the agent registers, for which rank, and how it behaves.
+
+    Attributes:
+        server: ``HOST:PORT`` of the kvsvc server.
+        pool: the pool this rank belongs to (configured on the server).
+        rank / world_size: this rank and the number of ranks in the pool.
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        kv_cache_memory: fixed KV cache budget in bytes (required on CPU).
+        gpu_memory_utilization: CUDA: fraction of the device the engine may use.
+        tensor_parallel_size / pipeline_parallel_size: the rank's parallel layout.
+        max_model_len: the model's context length (0: not given; the pool decides).
+        max_num_encoder_input_tokens: encoder input length of cross-attention models.
+        model: the model's name (informational: the server shows it).
+        heartbeat_interval: seconds between heartbeats.
+        rpc_timeout: deadline of every unary call, seconds.
+        auth_token: sent as ``authorization: Bearer <token>`` when set.
+        connect_timeout: give up after this many seconds without reaching the server
+            (``None``: retry forever).
+        backoff_initial / backoff_max: reconnect delays, doubled per failed attempt up to
+            the cap, each jittered down by up to half.
+        heartbeat_failures_before_reconnect: consecutive failed heartbeats after which the
+            agent drops its session and reconnects (a server that hangs without closing the
+            plan stream).
+        allow_replan: a different plan after tensors exist reallocates them (a standalone
+            process) instead of stopping with ``REPLANNED`` (an engine that bound them).
+        hostname: reported at registration.
+    """
+
+    server: str
+    pool: str
+    rank: int
+    world_size: int
+    device: str = "cpu"
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    max_model_len: int = 0
+    max_num_encoder_input_tokens: int = 0
+    model: str = ""
+    heartbeat_interval: float = 2.0
+    rpc_timeout: float = 10.0
+    auth_token: str | None = None
+    connect_timeout: float | None = None
+    backoff_initial: float = 0.2
+    backoff_max: float = 5.0
+    heartbeat_failures_before_reconnect: int = 3
+    allow_replan: bool = False
+    hostname: str = field(default_factory=socket.gethostname)
+
+    def validate(self) -> None:
+        """Raises InvalidArgument naming the first bad field."""
+        if not self.server or ":" not in self.server:
+            raise InvalidArgument("server", f"expected HOST:PORT, got {self.server!r}")
+        if not self.pool:
+            raise InvalidArgument("pool", "must not be empty")
+        if self.world_size < 1:
+            raise InvalidArgument("world_size", f"must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise InvalidArgument(
+                "rank", f"must be in [0, {self.world_size}) for world size {self.world_size}"
+            )
+        parse_device(self.device)
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                raise InvalidArgument(name, f"must be >= 1, got {getattr(self, name)}")
+        for name in ("max_model_len", "max_num_encoder_input_tokens"):
+            if getattr(self, name) < 0:
+                raise InvalidArgument(name, f"must be >= 0, got {getattr(self, name)}")
+        for name in ("heartbeat_interval", "rpc_timeout", "backoff_initial", "backoff_max"):
+            if getattr(self, name) <= 0:
+                raise InvalidArgument(name, f"must be positive, got {getattr(self, name)}")
+        if self.connect_timeout is not None and self.connect_timeout <= 0:
+            raise InvalidArgument("connect_timeout", "must be positive")
+        if self.heartbeat_failures_before_reconnect < 1:
+            raise InvalidArgument("heartbeat_failures_before_reconnect", "must be >= 1")
+
+
+def backoff_delay(
+    attempt: int, initial: float, maximum: float, rng: random.Random | None = None
+) -> float:
+    """Seconds to wait before retry ``attempt`` (0-based): ``initial * 2**attempt`` capped at
+    ``maximum``, scaled by a random factor in [0.5, 1] so many agents do not retry in step."""
+    base = min(maximum, initial * (2 ** min(attempt, 62)))
+    return base * (0.5 + 0.5 * (rng or random).random())
+
+
+class _Retry(Exception):
+    """The session ended for a reason worth retrying (the message says which)."""
+
+
+def _rpc_summary(err: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = err.details() if hasattr(err, "details") else str(err)
+    return code, details or code.name
+
+
+def _state_name(state: int) -> str:
+    try:
+        return pools_pb2.PoolState.Name(state).removeprefix("POOL_STATE_")  # type: ignore[arg-type]
+    except ValueError:
+        return str(state)
+
+
+class WorkerAgent:
+    """One rank's agent. See the module docstring for the protocol and error handling.
+
+    Thread-safe: properties may be read from any thread while the agent runs.
+    """
+
+    def __init__(
+        self,
+        config: WorkerAgentConfig,
+        layer_specs: Mapping[str, KVCacheSpec],
+        *,
+        attn_layouts: Mapping[str, str] | None = None,
+        default_attn_layout: str = DEFAULT_LAYOUT,
+        shared_layers: Mapping[str, str] | None = None,
+        kernel_block_sizes: Mapping[str, int] | None = None,
+        metrics: AgentMetrics | None = None,
+        memory_baseline: CudaMemorySnapshot | None = None,
+        memory_profile: MemoryProfile | None = None,
+    ) -> None:
+        """Validate everything that can be checked before talking to the server.
+
+        Args:
+            config: see :class:`WorkerAgentConfig`.
+            layer_specs: the KV cache spec of every layer this rank holds (layers that share
+                another layer's cache excluded: list them in ``shared_layers``).
+            attn_layouts: layout name per attention layer (:mod:`kvsvc.worker.layouts`).
+            default_attn_layout: the layout of attention layers not in ``attn_layouts``.
+            shared_layers: ``{layer: target}`` for KV-sharing layers; they get the target's
+                view.
+            kernel_block_sizes: per layer, a kernel block size smaller than the plan's.
+            metrics: series to update (default: a fresh registry).
+            memory_baseline: CUDA: the snapshot taken before the engine loaded weights.
+            memory_profile: skip profiling and offer these figures.
+
+        Raises:
+            InvalidArgument: naming the bad field.
+        """
+        config.validate()
+        if not layer_specs:
+            raise InvalidArgument("layer_specs", "a rank must hold at least one layer")
+        resolve_layouts(layer_specs, attn_layouts, default_attn_layout)
+        shared = dict(shared_layers or {})
+        for name, target in shared.items():
+            if name in layer_specs:
+                raise InvalidArgument(f"shared_layers[{name}]", "the layer also has its own spec")
+            if target not in layer_specs:
+                raise InvalidArgument(
+                    f"shared_layers[{name}]", f"target {target!r} is not a layer of this rank"
+                )
+        self._cfg = config
+        self._device = str(parse_device(config.device))
+        self._layer_specs = dict(layer_specs)
+        self._layouts = dict(attn_layouts or {})
+        self._default_layout = default_attn_layout
+        self._shared = shared
+        self._kernel_block_sizes = dict(kernel_block_sizes or {})
+        self.metrics = metrics or AgentMetrics(config.pool, config.rank, self._device)
+        self._baseline = memory_baseline
+        self._profile = memory_profile
+        self._metadata = (
+            (("authorization", f"Bearer {config.auth_token}"),) if config.auth_token else None
+        )
+        self._rng = random.Random()
+
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._stop = threading.Event()
+        self._launched = False
+        self._done = False
+        self._ever_ready = False
+        self._error: WorkerAgentError | None = None
+        self._channel: grpc.Channel | None = None
+        self._stub: Any = None
+        self._threads: list[threading.Thread] = []
+        self._calls: set[Any] = set()  # in-flight futures and the plan stream, to cancel
+        self._watch_call: Any = None
+        self._reregister_reason: str | None = None
+        self._had_session = False
+        self._progress = False
+
+        self._session_id: str | None = None
+        self._last_session_id: str | None = None
+        self._reported_session: str | None = None
+        self._state = pools_pb2.POOL_STATE_UNSPECIFIED
+        self._num_registered = 0
+        self._max_model_len = 0
+        self._config: KVCacheConfig | None = None
+        self._raw: dict[str, Any] | None = None
+        self._views: dict[str, KVCacheView] | None = None
+        self._allocated = 0
+
+    # ------------------------------------------------------------------ public API
+
+    def start(self, timeout: float | None = None) -> dict[str, KVCacheView]:
+        """Profile, register, wait for the plan, allocate and report; return the views.
+
+        Args:
+            timeout: seconds to wait for the pool's plan (``None``: forever).
+
+        Returns:
+            ``{layer_name: tensor}`` (Mamba layers: a list of state tensors), including
+            the shared layers.
+
+        Raises:
+            InvalidArgument: the memory budget does not fit.
+            WorkerAgentError: the server rejected the agent, planning failed, or
+                ``timeout`` passed; the agent is stopped.
+        """
+        self.launch()
+        try:
+            return self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def launch(self) -> None:
+        """Profile memory and start the agent's threads without waiting (see :meth:`start`).
+
+        Raises:
+            InvalidArgument: the memory budget does not fit.
+        """
+        with self._lock:
+            if self._launched:
+                raise RuntimeError("the agent was already started")
+            self._launched = True
+        if self._profile is None:
+            self._profile = profile_memory(
+                self._device,
+                kv_cache_memory=self._cfg.kv_cache_memory,
+                gpu_memory_utilization=self._cfg.gpu_memory_utilization,
+                baseline=self._baseline,
+            )
+        profile = self._profile
+        self.metrics.memory_total.set(profile.total_bytes)
+        self.metrics.memory_free.set(profile.free_bytes)
+        self.metrics.offered.set(profile.kv_cache_bytes)
+        logger.info(
+            "rank %d of pool %s on %s: offering %s GiB to the KV cache "
+            "(total %s GiB, free %s GiB, non-KV %s GiB)",
+            self._cfg.rank,
+            self._cfg.pool,
+            self._device,
+            format_gib(profile.kv_cache_bytes),
+            format_gib(profile.total_bytes),
+            format_gib(profile.free_bytes),
+            format_gib(profile.non_kv_bytes),
+        )
+        self._channel = grpc.insecure_channel(
+            self._cfg.server,
+            options=[
+                ("grpc.initial_reconnect_backoff_ms", int(self._cfg.backoff_initial * 1000)),
+                ("grpc.min_reconnect_backoff_ms", int(self._cfg.backoff_initial * 1000)),
+                ("grpc.max_reconnect_backoff_ms", int(self._cfg.backoff_max * 1000)),
+                ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            ],
+        )
+        self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
+        name = f"kvsvc-agent-{self._cfg.pool}-{self._cfg.rank}"
+        self._threads = [
+            threading.Thread(target=self._control_loop, name=name, daemon=True),
+            threading.Thread(target=self._heartbeat_loop, name=f"{name}-heartbeat", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> dict[str, KVCacheView]:
+        """Block until the first allocation was reported; return the views.
+
+        Raises:
+            WorkerAgentError: the agent stopped (``error`` says why) or ``timeout`` passed.
+        """
+        with self._changed:
+            self._changed.wait_for(lambda: self._ever_ready or self._done, timeout)
+            if self._ever_ready and self._views is not None:
+                return dict(self._views)
+            if self._error is not None:
+                raise self._error
+            if self._done:
+                raise WorkerAgentError("STOPPED", "the agent was stopped before its plan arrived")
+            raise WorkerAgentError(
+                "TIMEOUT",
+                f"no plan for pool {self._cfg.pool!r} after {timeout} s (pool state "
+                f"{_state_name(self._state)}, {self._num_registered}/{self._cfg.world_size} "
+                "ranks registered)",
+            )
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the agent stops (fatal error or :meth:`stop`); True if it did."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._done, timeout)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the threads, cancel calls in flight and close the channel.
+
+        The tensors stay valid (the engine may still hold them); heartbeats stop, so the
+        server marks the rank gone after its timeout.
+        """
+        self._stop.set()
+        with self._lock:
+            calls = list(self._calls)
+        for call in calls:
+            call.cancel()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout)
+        if self._channel is not None:
+            self._channel.close()
+        with self._changed:
+            self._done = True
+            self._changed.notify_all()
+        self.metrics.ready.set(0)
+
+    def __enter__(self) -> WorkerAgent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def error(self) -> WorkerAgentError | None:
+        """Why the agent stopped on its own (``None`` while it runs or after :meth:`stop`)."""
+        with self._lock:
+            return self._error
+
+    @property
+    def kv_caches(self) -> dict[str, KVCacheView] | None:
+        with self._lock:
+            return dict(self._views) if self._views is not None else None
+
+    @property
+    def raw_tensors(self) -> dict[str, Any] | None:
+        with self._lock:
+            return dict(self._raw) if self._raw is not None else None
+
+    @property
+    def kv_cache_config(self) -> KVCacheConfig | None:
+        with self._lock:
+            return self._config
+
+    @property
+    def memory_profile(self) -> MemoryProfile | None:
+        return self._profile
+
+    @property
+    def session_id(self) -> str | None:
+        with self._lock:
+            return self._session_id
+
+    @property
+    def state(self) -> str:
+        """The pool state last heard (``READY``, ``DEGRADED``, ...)."""
+        with self._lock:
+            return _state_name(self._state)
+
+    @property
+    def ready(self) -> bool:
+        """Whether the server accepted this rank's allocation in the current session."""
+        with self._lock:
+            return self._session_id is not None and self._reported_session == self._session_id
+
+    @property
+    def max_model_len(self) -> int:
+        """The pool's resolved max_model_len (0 until the plan arrives)."""
+        with self._lock:
+            return self._max_model_len
+
+    @property
+    def allocated_bytes(self) -> int:
+        with self._lock:
+            return self._allocated
+
+    # ------------------------------------------------------------------ calls
+
+    def _unary(self, method: Any, request: Any) -> Any:
+        """Call a unary method with the deadline and credentials; cancellable by stop()."""
+        future = method.future(request, timeout=self._cfg.rpc_timeout, metadata=self._metadata)
+        with self._lock:
+            self._calls.add(future)
+        try:
+            if self._stop.is_set():
+                future.cancel()
+            return future.result()
+        except grpc.FutureCancelledError:
+            raise _Retry("call cancelled") from None
+        finally:
+            with self._lock:
+                self._calls.discard(future)
+
+    def _free_bytes(self) -> int:
+        try:
+            return device_free_bytes(self._device)
+        except Exception:  # a reading must never stop heartbeats
+            logger.debug("reading free memory failed", exc_info=True)
+            return 0
+
+    # ------------------------------------------------------------------ control thread
+
+    def _control_loop(self) -> None:
+        attempt = 0
+        outage_since: float | None = None
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._session()
+                    reason = "the server closed the plan stream"
+                except _Retry as exc:
+                    reason = str(exc)
+                self._end_session()
+                if self._stop.is_set():
+                    break
+                now = time.monotonic()
+                if self._progress:
+                    attempt, outage_since, self._progress = 0, None, False
+                outage_since = outage_since if outage_since is not None else now
+                if (
+                    self._cfg.connect_timeout is not None
+                    and now - outage_since >= self._cfg.connect_timeout
+                ):
+                    raise WorkerAgentError(
+                        "UNREACHABLE",
+                        f"no session with {self._cfg.server} for {now - outage_since:.1f} s "
+                        f"(connect timeout {self._cfg.connect_timeout} s): {reason}",
+                    )
+                delay = backoff_delay(
+                    attempt, self._cfg.backoff_initial, self._cfg.backoff_max, self._rng
+                )
+                attempt += 1
+                logger.warning("%s; registering again in %.2f s", reason, delay)
+                self._stop.wait(delay)
+        except WorkerAgentError as exc:
+            self._fail(exc)
+        except Exception as exc:  # a bug: stop rather than spin
+            logger.exception("worker agent control loop crashed")
+            self._fail(WorkerAgentError("INTERNAL", f"agent crashed: {type(exc).__name__}: {exc}"))
+        finally:
+            with self._changed:
+                self._done = True
+                self._changed.notify_all()
+
+    def _fail(self, error: WorkerAgentError) -> None:
+        logger.error("worker agent stopping: %s", error)
+        with self._changed:
+            self._error = error
+            self._changed.notify_all()
+        self._stop.set()
+        with self._lock:
+            calls = list(self._calls)
+        for call in calls:
+            call.cancel()
+
+    def _end_session(self) -> None:
+        # The heartbeat thread keeps beating for the lost session until a new one exists:
+        # during an outage its failures are what dashboards see.
+        with self._lock:
+            if self._session_id is not None:
+                self._last_session_id = self._session_id
+            self._session_id = None
+            self._reported_session = None
+        self.metrics.ready.set(0)
+
+    def _session(self) -> None:
+        """One session: register, then follow the plan stream until it ends."""
+        session_id = self._register()
+        call = self._stub.WatchPlan(
+            worker_pb2.WatchPlanRequest(
+                pool=self._cfg.pool, rank=self._cfg.rank, session_id=session_id
+            ),
+            metadata=self._metadata,
+        )
+        with self._lock:
+            self._calls.add(call)
+            self._watch_call = call
+            cancel_now = self._reregister_reason is not None or self._stop.is_set()
+        try:
+            if cancel_now:
+                call.cancel()
+            for message in call:
+                self._progress = True
+                self._on_plan_message(message, session_id)
+        except grpc.RpcError as err:
+            code, details = _rpc_summary(err)
+            if code == grpc.StatusCode.CANCELLED:
+                with self._lock:
+                    reason = self._reregister_reason
+                raise _Retry(reason or "plan stream cancelled") from None
+            if code in _STALE_SESSION:
+                raise _Retry(f"session {session_id} is stale ({code.name}: {details})") from None
+            if code in _FATAL:
+                raise WorkerAgentError(code.name, f"WatchPlan: {details}") from None
+            raise _Retry(f"plan stream broke ({code.name}: {details})") from None
+        finally:
+            call.cancel()
+            with self._lock:
+                self._calls.discard(call)
+                self._watch_call = None
+
+    def _register(self) -> str:
+        request = worker_pb2.RegisterRequest(
+            pool=self._cfg.pool,
+            rank=self._cfg.rank,
+            world_size=self._cfg.world_size,
+            device=self._device,
+            hostname=self._cfg.hostname,
+            layers=layer_specs_to_pb(self._layer_specs),
+            memory=worker_pb2.MemoryProfile(**_profile_fields(self._profile)),
+            tensor_parallel_size=self._cfg.tensor_parallel_size,
+            pipeline_parallel_size=self._cfg.pipeline_parallel_size,
+            max_model_len=self._cfg.max_model_len,
+            max_num_encoder_input_tokens=self._cfg.max_num_encoder_input_tokens,
+            model=self._cfg.model,
+        )
+        with self._lock:
+            self._reregister_reason = None
+        try:
+            response = self._unary(self._stub.Register, request)
+        except grpc.RpcError as err:
+            code, details = _rpc_summary(err)
+            fatal = code in _FATAL or (
+                not self._had_session
+                and code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS)
+            )
+            if fatal:
+                raise WorkerAgentError(code.name, f"Register: {details}") from None
+            raise _Retry(f"Register failed ({code.name}: {details})") from None
+        with self._changed:
+            self._session_id = response.session_id
+            self._reported_session = None
+            self._state = response.state
+            self._num_registered = response.num_registered
+            self._changed.notify_all()
+        if self._had_session:
+            self.metrics.reconnects.inc()
+        self._had_session = True
+        logger.info(
+            "registered rank %d with pool %s at %s (session %s, %d/%d ranks, state %s)",
+            self._cfg.rank,
+            self._cfg.pool,
+            self._cfg.server,
+            response.session_id,
+            response.num_registered,
+            self._cfg.world_size,
+            _state_name(response.state),
+        )
+        return str(response.session_id)
+
+    def _on_plan_message(self, message: Any, session_id: str) -> None:
+        with self._changed:
+            if message.state != self._state:
+                logger.info("pool %s is %s", self._cfg.pool, _state_name(message.state))
+            self._state = message.state
+            if message.max_model_len:
+                self._max_model_len = message.max_model_len
+            self._changed.notify_all()
+        if message.error:
+            raise WorkerAgentError(
+                "PLAN_FAILED", f"planning pool {self._cfg.pool!r} failed: {message.error}"
+            )
+        if not message.HasField("config"):
+            return
+        try:
+            config = config_from_pb(message.config)
+        except InvalidArgument as exc:
+            raise WorkerAgentError(
+                "INVALID_PLAN", f"the server sent a malformed plan: {exc}"
+            ) from None
+        with self._lock:
+            done = self._reported_session == session_id and self._config == config
+        if done:
+            return
+        self._apply_plan(config)
+        self._report(session_id)
+
+    def _apply_plan(self, config: KVCacheConfig) -> None:
+        with self._lock:
+            held, current = self._views is not None, self._config
+        if held and config == current:
+            logger.info("the plan is unchanged: keeping the %d-block tensors", config.num_blocks)
+            return
+        if held and not self._cfg.allow_replan:
+            raise WorkerAgentError(
+                "REPLANNED",
+                "the server sent a different plan after the tensors were handed out; the "
+                "engine must restart to bind new tensors",
+            )
+        planned, mine = set(config.layer_names), set(self._layer_specs)
+        if planned != mine:
+            raise WorkerAgentError(
+                "INVALID_PLAN",
+                f"the plan's layers differ from this rank's: missing {sorted(mine - planned)}, "
+                f"unexpected {sorted(planned - mine)}",
+            )
+        # Every layer-outer tensor is its own allocation; all packed entries share one.
+        needed = sum(t.size for t in config.kv_cache_tensors if not t.is_packed) + max(
+            (t.size for t in config.kv_cache_tensors if t.is_packed), default=0
+        )
+        assert self._profile is not None
+        if needed > self._profile.kv_cache_bytes:
+            raise WorkerAgentError(
+                "INVALID_PLAN",
+                f"the plan needs {needed} bytes but this rank offered "
+                f"{self._profile.kv_cache_bytes}",
+            )
+        with self._lock:  # let the old tensors go before allocating new ones
+            self._raw = self._views = None
+        started = time.perf_counter()
+        try:
+            raw = allocate_kv_cache(config, self._device)
+            views = reshape_kv_cache(
+                config,
+                raw,
+                layouts=self._layouts,
+                default_layout=self._default_layout,
+                shared_layers=self._shared,
+                kernel_block_sizes=self._kernel_block_sizes,
+            )
+        except (AllocationError, InvalidArgument) as exc:
+            raise WorkerAgentError("ALLOCATION", f"cannot lay out the plan: {exc}") from None
+        except RuntimeError as exc:  # torch.OutOfMemoryError and allocator failures
+            raise WorkerAgentError(
+                "ALLOCATION", f"allocating {needed} bytes on {self._device} failed: {exc}"
+            ) from None
+        total = allocated_bytes(raw)
+        with self._lock:
+            self._config, self._raw, self._views, self._allocated = config, raw, views, total
+        self.metrics.tensor_bytes.set(total)
+        self.metrics.num_blocks.set(config.num_blocks)
+        logger.info(
+            "allocated %d blocks x %d layers in %d tensors: %s GiB on %s in %.2f s%s",
+            config.num_blocks,
+            len(config.layer_names),
+            len(config.kv_cache_tensors),
+            format_gib(total),
+            self._device,
+            time.perf_counter() - started,
+            " (zeroed)" if config.needs_kv_cache_zeroing else "",
+        )
+
+    def _report(self, session_id: str) -> None:
+        with self._lock:
+            config, views, total = self._config, self._views, self._allocated
+        assert config is not None and views is not None
+        free = self._free_bytes()
+        request = worker_pb2.ReportAllocationRequest(
+            pool=self._cfg.pool,
+            rank=self._cfg.rank,
+            session_id=session_id,
+            num_blocks=config.num_blocks,
+            allocated_bytes=total,
+            memory_free_bytes=free,
+            views=[
+                worker_pb2.AllocatedView(
+                    layer_name=info.layer_name,
+                    shape=info.shape,
+                    stride=info.stride,
+                    dtype=info.dtype,
+                )
+                for info in describe_views(views, config.layer_names)
+            ],
+        )
+        try:
+            response = self._unary(self._stub.ReportAllocation, request)
+        except grpc.RpcError as err:
+            code, details = _rpc_summary(err)
+            if code in _FATAL:
+                raise WorkerAgentError(code.name, f"ReportAllocation: {details}") from None
+            if code in _STALE_SESSION:
+                raise _Retry(f"session {session_id} is stale ({code.name}: {details})") from None
+            raise _Retry(f"ReportAllocation failed ({code.name}: {details})") from None
+        with self._changed:
+            self._reported_session = session_id
+            self._state = response.state
+            self._ever_ready = True
+            self._changed.notify_all()
+        self.metrics.ready.set(1)
+        self.metrics.memory_free.set(free)
+        logger.info(
+            "reported %d blocks (%s GiB) to pool %s; %s GiB left on %s; pool is %s",
+            config.num_blocks,
+            format_gib(total),
+            self._cfg.pool,
+            format_gib(free),
+            self._device,
+            _state_name(response.state),
+        )
+
+    # ------------------------------------------------------------------ heartbeat thread
+
+    def _request_reregister(self, session_id: str, reason: str) -> None:
+        with self._lock:
+            if session_id != self._session_id or self._reregister_reason is not None:
+                return
+            self._reregister_reason = reason
+            call = self._watch_call
+        if call is not None:
+            call.cancel()
+
+    def _heartbeat_loop(self) -> None:
+        failures = 0
+        while not self._stop.wait(self._cfg.heartbeat_interval):
+            with self._lock:
+                session_id = self._session_id or self._last_session_id
+            if session_id is None:
+                continue
+            free = self._free_bytes()
+            self.metrics.memory_free.set(free)
+            request = worker_pb2.HeartbeatRequest(
+                pool=self._cfg.pool,
+                rank=self._cfg.rank,
+                session_id=session_id,
+                memory_free_bytes=free,
+            )
+            try:
+                response = self._unary(self._stub.Heartbeat, request)
+            except _Retry:
+                continue  # cancelled by stop()
+            except grpc.RpcError as err:
+                code, details = _rpc_summary(err)
+                self.metrics.heartbeat_failures.inc()
+                failures += 1
+                logger.debug("heartbeat failed (%s: %s)", code.name, details)
+                if code in _STALE_SESSION:
+                    self._request_reregister(session_id, f"heartbeat: session stale ({details})")
+                elif failures >= self._cfg.heartbeat_failures_before_reconnect:
+                    self._request_reregister(
+                        session_id, f"{failures} heartbeats in a row failed ({code.name})"
+                    )
+                continue
+            failures = 0
+            self.metrics.heartbeats.inc()
+            with self._changed:
+                self._state = response.state
+                self._changed.notify_all()
+            if response.reregister:
+                self._request_reregister(session_id, "the server asked this rank to re-register")
+
+
+def _profile_fields(profile: MemoryProfile | None) -> dict[str, int]:
+    assert profile is not None, "launch() profiles before registering"
+    return {
+        "total_bytes": profile.total_bytes,
+        "free_bytes": profile.free_bytes,
+        "non_kv_bytes": profile.non_kv_bytes,
+        "kv_cache_bytes": profile.kv_cache_bytes,
+    }
+
+
+__all__ = [
+    "WorkerAgent",
+    "WorkerAgentConfig",
+    "backoff_delay",
+]
