@@ -306,7 +306,7 @@ def test_python_dash_m_kvsvc_plan() -> None:
             "--model-config",
             "llama-3.2-1b",
             "--kv-cache-memory",
-            "4GiB",
+            "5GiB",
             "--json",
         ],
         cwd=REPO,
