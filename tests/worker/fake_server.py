@@ -23,16 +23,14 @@ from kvsvc.planner import PlannerOptions, plan_kv_cache
 from kvsvc.specs import KVCacheConfig, KVCacheSpec
 from kvsvc.v1 import pools_pb2, worker_pb2, worker_pb2_grpc
 
-Planner = Callable[[list[dict[str, KVCacheSpec]], list[int]], list[KVCacheConfig]]
+Planner = Callable[[list[dict[str, KVCacheSpec]], list[int], int], list[KVCacheConfig]]
 
 
-def real_planner(max_model_len: int) -> Planner:
-    def plan(specs: list[dict[str, KVCacheSpec]], memory: list[int]) -> list[KVCacheConfig]:
-        return plan_kv_cache(
-            specs, memory, PlannerOptions(max_model_len=max_model_len)
-        ).worker_configs
-
-    return plan
+def real_planner(
+    specs: list[dict[str, KVCacheSpec]], memory: list[int], max_model_len: int
+) -> list[KVCacheConfig]:
+    options = PlannerOptions(max_model_len=max_model_len)
+    return plan_kv_cache(specs, memory, options).worker_configs
 
 
 class FakeWorkerService(worker_pb2_grpc.WorkerServiceServicer):
@@ -41,14 +39,14 @@ class FakeWorkerService(worker_pb2_grpc.WorkerServiceServicer):
         pool: str = "p",
         world_size: int = 1,
         *,
-        max_model_len: int = 256,
+        max_model_len: int | None = None,
         planner: Planner | None = None,
         token: str | None = None,
     ) -> None:
         self.pool = pool
         self.world_size = world_size
         self.max_model_len = max_model_len
-        self.planner = planner or real_planner(max_model_len)
+        self.planner = planner or real_planner
         self.token = token
         self.cond = threading.Condition()
         self.sessions: dict[int, str] = {}
@@ -118,10 +116,15 @@ class FakeWorkerService(worker_pb2_grpc.WorkerServiceServicer):
             self.specs[request.rank] = layer_specs_from_pb(request.layers)
             self.memory[request.rank] = request.memory.kv_cache_bytes
             if self.configs is None and len(self.sessions) == self.world_size:
+                # Like the server: the pool's length, else the one the ranks report.
+                if self.max_model_len is None:
+                    self.max_model_len = request.max_model_len or 256
                 try:
                     ranks = range(self.world_size)
                     self.configs = self.planner(
-                        [self.specs[r] for r in ranks], [self.memory[r] for r in ranks]
+                        [self.specs[r] for r in ranks],
+                        [self.memory[r] for r in ranks],
+                        self.max_model_len,
                     )
                     self.error = ""
                 except PlanningError as exc:
@@ -139,7 +142,7 @@ class FakeWorkerService(worker_pb2_grpc.WorkerServiceServicer):
         while context.is_active():
             with self.cond:
                 message = worker_pb2.WatchPlanResponse(
-                    state=self.state, error=self.error, max_model_len=self.max_model_len
+                    state=self.state, error=self.error, max_model_len=self.max_model_len or 0
                 )
                 if self.configs is not None:
                     message.config.CopyFrom(config_to_pb(self.configs[request.rank]))
