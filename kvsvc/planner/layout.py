@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvsvc.errors import PlanningError
-from kvsvc.planner.memory import layer_spec, pool_bytes_per_block
+from kvsvc.planner.memory import layer_page_sizes, pool_bytes_per_block
 from kvsvc.planner.options import BLOCK_OUTER
 from kvsvc.specs import (
     KVCacheConfig,
@@ -59,19 +59,18 @@ def _layer_outer_tensors(
     groups: Sequence[KVCacheGroupSpec], num_blocks: int
 ) -> list[KVCacheTensor]:
     tensors = []
+    pages_of = [layer_page_sizes(g) for g in groups]
     num_slots = max(len(g.layer_names) for g in groups)
     for slot in range(num_slots):
-        owners = [(g, g.layer_names[slot]) for g in groups if slot < len(g.layer_names)]
-        pages = {layer_spec(g, name).page_size_bytes for g, name in owners}
+        names = [g.layer_names[slot] for g in groups if slot < len(g.layer_names)]
+        pages = {p[slot] for p in pages_of if slot < len(p)}
         if len(pages) != 1:
             raise PlanningError(
-                f"layers {[name for _, name in owners]} would share one layer-outer tensor but "
-                f"have different page sizes {sorted(pages)}; plan with layout='block_outer' "
+                f"layers {names} would share one layer-outer tensor but have different page "
+                f"sizes {sorted(pages)}; plan with layout='block_outer' "
                 "(kvsvc plan --layout block_outer)"
             )
-        tensors.append(
-            KVCacheTensor(size=pages.pop() * num_blocks, shared_by=[name for _, name in owners])
-        )
+        tensors.append(KVCacheTensor(size=pages.pop() * num_blocks, shared_by=names))
     return tensors
 
 
@@ -81,9 +80,9 @@ def _block_outer_tensors(
     at_offset: dict[int, list[str]] = {}
     for group in groups:
         offset = 0
-        for name in group.layer_names:
+        for name, page in zip(group.layer_names, layer_page_sizes(group), strict=True):
             at_offset.setdefault(offset, []).append(name)
-            offset += layer_spec(group, name).page_size_bytes
+            offset += page
         assert offset <= bytes_per_block
     size = bytes_per_block * num_blocks
     return [

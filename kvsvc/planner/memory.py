@@ -30,6 +30,16 @@ def layer_spec(group: KVCacheGroupSpec, layer_name: str) -> KVCacheSpec:
     return spec
 
 
+def layer_page_sizes(group: KVCacheGroupSpec) -> list[int]:
+    """The page size of each layer of a group, in ``layer_names`` order."""
+    spec = group.kv_cache_spec
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return [spec.kv_cache_specs[name].page_size_bytes for name in group.layer_names]
+    # One spec for the whole group: compute its page once (planning a 128-layer model
+    # would otherwise spend most of its time here).
+    return [spec.page_size_bytes] * len(group.layer_names)
+
+
 def pool_bytes_per_block(groups: Sequence[KVCacheGroupSpec]) -> int:
     """Bytes one block id costs a worker: the widest group's pages over its layers.
 
@@ -37,10 +47,7 @@ def pool_bytes_per_block(groups: Sequence[KVCacheGroupSpec]) -> int:
     time, so groups share the bytes and a block is as wide as the widest group. 0 when the
     worker holds no layers.
     """
-    return max(
-        (sum(layer_spec(g, name).page_size_bytes for name in g.layer_names) for g in groups),
-        default=0,
-    )
+    return max((sum(layer_page_sizes(g)) for g in groups), default=0)
 
 
 def group_blocks_per_request(spec: KVCacheSpec, ctx: SizingContext) -> int:
@@ -74,8 +81,11 @@ def estimate_max_model_len(
     Binary search: a request's memory never shrinks as its length grows.
     """
 
+    bytes_per_block = pool_bytes_per_block(groups)  # independent of the length
+
     def fits(model_len: int) -> bool:
-        return max_memory_usage_bytes(groups, ctx.with_max_model_len(model_len)) <= available_memory
+        needed = blocks_per_request(groups, ctx.with_max_model_len(model_len)) * bytes_per_block
+        return needed <= available_memory
 
     if not fits(1):
         return 0

@@ -391,9 +391,15 @@ def plan_kv_cache(
 
     if options.auto_fit and any(holds_layers):
         fitted = upper
+        # TP ranks of one stage hold the same layers: search once per (layers, memory).
+        searched: dict[tuple[object, ...], int] = {}
         for held, groups, mem in zip(holds_layers, projected, check_memory, strict=True):
-            if held:
-                fitted = min(fitted, estimate_max_model_len(groups, ctx, mem, upper))
+            if not held:
+                continue
+            key = (mem, *(tuple(g.layer_names) for g in groups))
+            if key not in searched:
+                searched[key] = estimate_max_model_len(groups, ctx, mem, upper)
+            fitted = min(fitted, searched[key])
         if fitted <= 0:
             raise PlanningError(
                 "Cannot auto-fit max_model_len: not enough memory to serve even a single "
