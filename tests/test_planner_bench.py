@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,10 +13,13 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "plan_bench.py"
 
 
-def test_plan_bench_json(capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_bench_json(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     spec = importlib.util.spec_from_file_location("plan_bench", BENCH)
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "plan_bench", bench)  # dataclasses look their module up
     spec.loader.exec_module(bench)
     bench.main(["--runs", "1", "--json"])
     report = json.loads(capsys.readouterr().out)
