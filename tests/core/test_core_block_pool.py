@@ -1,0 +1,216 @@
+"""BlockPool: reference counts, eviction order, the prefix index and its events."""
+
+from __future__ import annotations
+
+import pytest
+from core_factories import check_pool_invariants, free_order
+
+from kvsvc.core import (
+    NULL_BLOCK_ID,
+    AllBlocksCleared,
+    BlockHasher,
+    BlockPool,
+    BlockRemoved,
+    BlockStored,
+    KVEventQueue,
+)
+
+
+def cache(pool: BlockPool, blocks: list[int], hashes: list[bytes], group_id: int = 0) -> None:
+    pool.cache_full_blocks(blocks, hashes, 0, len(blocks), group_id, 4)
+
+
+def test_new_pool_hands_out_blocks_by_id_and_never_the_null_block() -> None:
+    pool = BlockPool(5)
+    assert pool.get_num_free_blocks() == 4
+    assert pool.get_usage() == 0.0
+    assert pool.get_new_blocks(4) == [1, 2, 3, 4]
+    assert pool.get_usage() == 1.0
+    with pytest.raises(ValueError, match="cannot pop 1"):
+        pool.get_new_blocks(1)
+    check_pool_invariants(pool, [[1, 2, 3, 4]])
+
+
+def test_fresh_blocks_are_reused_first_and_cached_tails_are_evicted_first() -> None:
+    pool = BlockPool(11)
+    blocks = pool.get_new_blocks(4)
+    cache(pool, blocks[:3], [b"h0", b"h1", b"h2"])
+    # A request frees its table tail first: 4 (no hash) then 3, 2, 1 (cached).
+    pool.free_blocks(reversed(blocks))
+    assert free_order(pool) == [4, 5, 6, 7, 8, 9, 10, 3, 2, 1]
+    assert pool.num_freed_blocks == 4
+    # Lazy eviction: the cached blocks stay findable while free.
+    assert pool.get_cached_block(b"h0", [0]) == [1]
+    assert pool.get_new_blocks(8) == [4, 5, 6, 7, 8, 9, 10, 3]
+    # Block 3 was reused: its hash is gone, the others remain.
+    assert pool.get_cached_block(b"h2", [0]) is None
+    assert pool.get_cached_block(b"h1", [0]) == [2]
+    assert pool.num_evictions == 1
+
+
+def test_touch_takes_a_free_cached_block_out_of_the_queue() -> None:
+    pool = BlockPool(6)
+    blocks = pool.get_new_blocks(2)
+    cache(pool, blocks, [b"a", b"b"])
+    pool.free_blocks(reversed(blocks))
+    assert free_order(pool) == [3, 4, 5, 2, 1]
+    pool.touch([1, 2])
+    assert pool.ref_cnt[1] == pool.ref_cnt[2] == 1
+    assert free_order(pool) == [3, 4, 5]
+    pool.touch([1])  # a second holder: no queue change
+    assert pool.ref_cnt[1] == 2
+    pool.free_blocks([1])
+    assert free_order(pool) == [3, 4, 5]
+    check_pool_invariants(pool, [[1, 2]])
+
+
+def test_null_block_entries_are_ignored_by_touch_and_free() -> None:
+    pool = BlockPool(4)
+    blocks = pool.get_new_blocks(1)
+    pool.touch([NULL_BLOCK_ID])
+    pool.free_blocks([NULL_BLOCK_ID, blocks[0], NULL_BLOCK_ID])
+    assert NULL_BLOCK_ID not in free_order(pool)
+    assert free_order(pool) == [1, 2, 3]
+    check_pool_invariants(pool, [])
+
+
+def test_duplicate_hashes_keep_the_earliest_and_survive_partial_eviction() -> None:
+    pool = BlockPool(6)
+    pool.get_new_blocks(5)
+    pool.cache_full_blocks([1], [b"x"], 0, 1, 0, 4)
+    pool.cache_full_blocks([2], [b"y"], 0, 1, 0, 4)
+    pool.cache_full_blocks([3], [b"z"], 0, 1, 0, 4)
+    pool.cache_full_blocks([4], [b"x"], 0, 1, 0, 4)
+    assert pool.cached_blocks_of(b"x", 0) == [1, 4]
+    pool.evict_blocks([2])
+    assert pool.get_cached_block(b"y", [0]) is None
+    pool.evict_blocks([1])
+    # The duplicate takes over the hash.
+    assert pool.get_cached_block(b"x", [0]) == [4]
+    pool.evict_blocks([3, 4])
+    assert pool.num_cached_blocks == 0
+    assert pool.cached_index(0) == {}
+    # Evicting blocks without a hash (and the null block) is a no-op.
+    pool.evict_blocks([NULL_BLOCK_ID, 5])
+    check_pool_invariants(pool, [[1, 2, 3, 4, 5]])
+
+
+def test_cache_full_blocks_per_group_and_multi_group_lookup() -> None:
+    # The reference's multi-group scenario: hashes 0 and 1 cached for groups 0 and 1,
+    # hash 2 for group 1 only.
+    hasher = BlockHasher("sha256_cbor", 4)
+    hashes = hasher.hash_blocks(list(range(14)), 0, 3, None)
+    pool = BlockPool(10, num_groups=2)
+    pool.cache_full_blocks(pool.get_new_blocks(2), hashes, 0, 2, 0, 4)
+    pool.cache_full_blocks(pool.get_new_blocks(3), hashes, 0, 3, 1, 4)
+    assert pool.num_cached_blocks == 5
+    assert pool.get_cached_block(hashes[0], [0]) == [1]
+    assert pool.get_cached_block(hashes[2], [0]) is None
+    assert pool.get_cached_block(hashes[2], [1]) == [5]
+    assert pool.get_cached_block(hashes[1], [0, 1]) == [2, 4]
+    assert pool.get_cached_block(hashes[2], [0, 1]) is None
+
+
+def test_cache_full_blocks_skips_null_entries_and_prior_hits() -> None:
+    pool = BlockPool(8)
+    ids = pool.get_new_blocks(3)
+    table = [NULL_BLOCK_ID, ids[0], ids[1], ids[2]]
+    pool.cache_full_blocks(table, [b"a", b"b", b"c", b"d"], 0, 2, 0, 4)
+    assert pool.block_hash[ids[0]] == b"b"
+    # Caching the same range again (a hit block) changes nothing.
+    pool.cache_full_blocks(table, [b"a", b"b", b"c", b"d"], 1, 4, 0, 4)
+    assert pool.num_cached_blocks == 3
+    assert pool.block_hash[NULL_BLOCK_ID] is None
+
+
+def test_reset_is_refused_while_blocks_are_held() -> None:
+    events = KVEventQueue()
+    pool = BlockPool(6, events=events)
+    blocks = pool.get_new_blocks(2)
+    cache(pool, blocks, [b"a", b"b"])
+    events.take()
+    assert not pool.reset_prefix_cache()
+    assert pool.num_cached_blocks == 2
+    assert events.take() is None
+    pool.free_blocks(reversed(blocks))
+    assert pool.reset_prefix_cache()
+    assert pool.num_cached_blocks == 0
+    assert pool.get_cached_block(b"a", [0]) is None
+    assert all(h is None for h in pool.block_hash)
+    batch = events.take()
+    assert batch is not None and batch.events == [AllBlocksCleared()]
+    # Order is untouched; the formerly cached blocks are simply unhashed now.
+    assert free_order(pool) == [3, 4, 5, 2, 1]
+    check_pool_invariants(pool, [])
+
+
+def test_reserved_blocks_do_not_block_a_reset() -> None:
+    pool = BlockPool(6)
+    sink = pool.reserve_blocks(2)
+    assert pool.reset_prefix_cache()
+    check_pool_invariants(pool, [], reserved=sink)
+
+
+@pytest.mark.parametrize("group_id", [0, 1, 2])
+def test_events_carry_the_group(group_id: int) -> None:
+    events = KVEventQueue()
+    pool = BlockPool(
+        5, num_groups=3, group_kinds=["full_attention", "sliding_window", "mamba"], events=events
+    )
+    blocks = pool.get_new_blocks(4)
+    tokens = list(range(8))
+    pool.cache_full_blocks(blocks, [b"h0", b"h1"], 0, 2, group_id, 4, tokens, "lora-a")
+    batch = events.take()
+    assert batch is not None and batch.seq == 1
+    assert batch.events == [
+        BlockStored(
+            block_hashes=[b"h0", b"h1"],
+            parent_block_hash=None,
+            token_ids=tokens,
+            block_size=4,
+            lora_name="lora-a",
+            medium="GPU",
+            group_index=group_id,
+            group_kind=["full_attention", "sliding_window", "mamba"][group_id],
+        )
+    ]
+    # Re-allocating every block evicts the two cached ones: one removal for the group.
+    pool.free_blocks(blocks)
+    pool.get_new_blocks(4)
+    batch = events.take()
+    assert batch is not None and batch.seq == 2
+    assert batch.events == [
+        BlockRemoved(block_hashes=[b"h0", b"h1"], medium="GPU", group_index=group_id)
+    ]
+    assert events.take() is None
+
+
+def test_stored_event_parent_is_the_logical_parent_behind_a_null_block() -> None:
+    # The reference's null-parent scenario: block size 1, blocks 2..3 cached behind a null
+    # entry at index 1; the parent is still the request's hash of block 1.
+    events = KVEventQueue()
+    pool = BlockPool(8, events=events)
+    hashes = BlockHasher("sha256_cbor", 1).hash_blocks([10, 11, 12, 13], 0, 4, None)
+    new = pool.get_new_blocks(3)
+    table = [new[0], NULL_BLOCK_ID, new[1], new[2]]
+    pool.cache_full_blocks(table, hashes, 2, 4, 0, 1, [10, 11, 12, 13])
+    batch = events.take()
+    assert batch is not None and len(batch.events) == 1
+    event = batch.events[0]
+    assert isinstance(event, BlockStored)
+    assert event.parent_block_hash == hashes[1]
+    assert event.block_hashes == hashes[2:4]
+    assert event.token_ids == [12, 13]
+    assert pool.block_hash[NULL_BLOCK_ID] is None
+
+
+def test_stored_events_split_at_gaps_so_tokens_line_up() -> None:
+    events = KVEventQueue()
+    pool = BlockPool(8, events=events)
+    new = pool.get_new_blocks(3)
+    table = [new[0], NULL_BLOCK_ID, new[1], new[2]]
+    pool.cache_full_blocks(table, [b"a", b"b", b"c", b"d"], 0, 4, 0, 2, list(range(8)))
+    batch = events.take()
+    assert batch is not None
+    stored = [(e.block_hashes, e.parent_block_hash, e.token_ids) for e in batch.events]  # type: ignore[union-attr]
+    assert stored == [([b"a"], None, [0, 1]), ([b"c", b"d"], b"b", [4, 5, 6, 7])]
