@@ -206,6 +206,13 @@ def test_mla_alignment_padding_and_compress_ratio() -> None:
     assert aligned.page_size_bytes == 20480
     # an aligned page needs no padding
     assert mla(alignment=2048).page_size_padded is None
+    # a new block size recomputes the padding instead of keeping the old one:
+    # 32 * 576 * 2 = 36864 B is already a multiple of 4096
+    assert aligned.copy_with_new_block_size(32).page_size_padded is None
+    assert aligned.copy_with_new_block_size(32).page_size_bytes == 36864
+    assert mla(alignment=4096, block_size=8).page_size_bytes == 12288  # 9216 rounded up
+    # a larger page given on purpose stays
+    assert mla(alignment=4096, page_size_padded=40960).page_size_bytes == 40960
     # compress ratio 2: 8 stored rows of 576 bf16
     assert mla(compress_ratio=2).page_size_bytes == 8 * 576 * 2
     with pytest.raises(ValueError, match="compress_ratio"):

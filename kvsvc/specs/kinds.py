@@ -352,8 +352,10 @@ def _apply_alignment_padding(spec: MLAAttentionSpec | SlidingWindowMLASpec) -> N
         return
     real = spec.real_page_size_bytes
     padded = round_up(real, spec.alignment)
-    if padded != real and (spec.page_size_padded is None or spec.page_size_padded < padded):
-        object.__setattr__(spec, "page_size_padded", padded)
+    if spec.page_size_padded is not None and spec.page_size_padded >= padded:
+        return  # a larger page set on purpose (page-size unification) stays
+    # Otherwise recompute: a padding carried over by ``replace`` (a new block size) is stale.
+    object.__setattr__(spec, "page_size_padded", padded if padded != real else None)
 
 
 def _mla_page_bytes(spec: MLAAttentionSpec | SlidingWindowMLASpec) -> int:
