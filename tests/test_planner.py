@@ -719,6 +719,18 @@ def test_mla_pages_that_cannot_be_unified_need_block_outer() -> None:
         plan_kv_cache([specs], [2**30], PlannerOptions(max_model_len=64))
 
 
+def test_aligned_mla_page_that_misses_the_common_page() -> None:
+    # MLA with 4096-byte alignment: 16 * 576 * 2 = 18432 B padded to 20480. Next to a
+    # 40960 B Mamba state, doubling its block gives 36864 B (already aligned), not 40960.
+    aligned = mla(dtype="bfloat16", alignment=4096)
+    big = mamba(shapes=((10240,),), dtypes=("float32",))
+    assert (aligned.page_size_bytes, big.page_size_bytes) == (20480, 40960)
+    with pytest.raises(
+        PageSizeUnificationError, match="gives a 36864-byte page, not the common 40960"
+    ):
+        get_kv_cache_groups({"m": aligned, "f": big})
+
+
 def test_packed_groups_keep_spec_compatibility() -> None:
     specs: dict[str, KVCacheSpec] = {}
     for i in range(3):

@@ -117,7 +117,10 @@ def unify_kv_cache_spec_page_size(specs: dict[str, KVCacheSpec]) -> dict[str, KV
             new_spec = replace(spec, page_size_padded=max_page)
         elif max_page % page == 0:
             block_size = spec.block_size * (max_page // page)
-            if isinstance(spec, AttentionSpec) and spec.page_size_padded is not None:
+            if isinstance(spec, MLAAttentionSpec | SlidingWindowMLASpec):
+                # Only MLA's own alignment may pad it: recompute that for the new block.
+                new_spec = replace(spec, block_size=block_size, page_size_padded=None)
+            elif isinstance(spec, AttentionSpec) and spec.page_size_padded is not None:
                 # A padded page grows with the block: pad it to the new page exactly.
                 new_spec = replace(spec, block_size=block_size, page_size_padded=max_page)
             else:

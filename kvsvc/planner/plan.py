@@ -49,6 +49,7 @@ from kvsvc.specs import (
     SizingContext,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
+    SpecMergeError,
     UniformTypeKVCacheSpecs,
     iter_layer_specs,
     sliding_window_of,
@@ -357,11 +358,14 @@ def plan_kv_cache(
                     f"(layer {name!r}); use dcp_world_size=1"
                 )
 
-    global_groups = get_kv_cache_groups(
-        merged,
-        layout=options.layout,
-        disable_hybrid_kv_cache_manager=options.disable_hybrid_kv_cache_manager,
-    )
+    try:
+        global_groups = get_kv_cache_groups(
+            merged,
+            layout=options.layout,
+            disable_hybrid_kv_cache_manager=options.disable_hybrid_kv_cache_manager,
+        )
+    except SpecMergeError as exc:
+        raise PlanningError(f"cannot group the layers: {exc}") from None
     projected = [project_groups_to_worker(global_groups, specs) for specs in worker_specs]
     holds_layers = [any(g.layer_names for g in groups) for groups in projected]
     bytes_per_block = [pool_bytes_per_block(groups) for groups in projected]
