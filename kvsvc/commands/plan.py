@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 from kvsvc.errors import PlanningError
@@ -116,9 +115,15 @@ def add_parser(subparsers: Any) -> None:
     )
 
     model = parser.add_argument_group("model and parallelism")
-    model.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size")
-    model.add_argument("--pp", type=_positive_int, default=1, help="pipeline-parallel size")
-    model.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block")
+    model.add_argument(
+        "--tp", type=_positive_int, default=1, metavar="N", help="tensor-parallel size"
+    )
+    model.add_argument(
+        "--pp", type=_positive_int, default=1, metavar="N", help="pipeline-parallel size"
+    )
+    model.add_argument(
+        "--block-size", type=_positive_int, default=16, metavar="N", help="tokens per block"
+    )
     model.add_argument(
         "--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto"
     )
@@ -151,6 +156,7 @@ def add_parser(subparsers: Any) -> None:
         "--gpu-memory-utilization",
         type=_fraction,
         default=0.9,
+        metavar="F",
         help="share of --gpu-memory the engine may use (default 0.9)",
     )
     memory.add_argument(
@@ -165,20 +171,42 @@ def add_parser(subparsers: Any) -> None:
     engine.add_argument(
         "--max-model-len",
         type=_max_model_len,
+        metavar="N",
         help="longest request; -1 fits the longest the memory holds (default: the model's)",
     )
-    engine.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192)
+    engine.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive_int,
+        default=8192,
+        metavar="N",
+        help="tokens one step may schedule (default 8192)",
+    )
     engine.add_argument(
         "--max-num-encoder-input-tokens",
         type=_non_negative_int,
+        metavar="N",
         help="longest encoder input (default: the model's, e.g. 1500 for Whisper)",
     )
-    engine.add_argument("--num-gpu-blocks-override", type=_positive_int)
-    engine.add_argument("--disable-hybrid-kv-cache-manager", action="store_true")
+    engine.add_argument(
+        "--num-gpu-blocks-override",
+        type=_positive_int,
+        metavar="N",
+        help="use exactly N blocks per GPU, whatever the memory",
+    )
+    engine.add_argument(
+        "--disable-hybrid-kv-cache-manager",
+        action="store_true",
+        help="one block table for all layers (local attention allocated as full)",
+    )
     engine.add_argument(
         "--no-prefix-caching", action="store_true", help="plan as with prefix caching disabled"
     )
-    engine.add_argument("--prefix-match-unit", type=_positive_int)
+    engine.add_argument(
+        "--prefix-match-unit",
+        type=_positive_int,
+        metavar="N",
+        help="hash granularity of multi-group models (default: gcd of group block sizes)",
+    )
     engine.add_argument(
         "--layout",
         choices=LAYOUTS,
@@ -365,14 +393,14 @@ def run(args: argparse.Namespace) -> int:
         for name in models.list_bundled_configs():
             print(name)
         return 0
-    fail: Callable[[str], None] = lambda msg: print(f"kvsvc plan: {msg}", file=sys.stderr)  # noqa: E731
     try:
         plan, info = _build(args)
     except PlanningError as exc:
-        fail(str(exc))
+        # The plan is impossible as asked: the message says what would fit.
+        print(f"kvsvc plan: {exc}", file=sys.stderr)
         return 1
     except (_UsageError, ValueError) as exc:
-        fail(f"error: {exc}")
+        print(f"kvsvc plan: error: {exc}", file=sys.stderr)
         return 2
     try:
         if args.json:
