@@ -327,11 +327,21 @@ def _table(rows: list[list[str]], right: set[int]) -> list[str]:
 
 def render_table(plan: Any, info: dict[str, Any]) -> str:
     """The human-readable form of a plan."""
-    data = plan.to_dict()
-    tp = info["tp"]
-    header = f"Model: {info['model']}  TP={info['tp']} PP={info['pp']}"
-    if "dtype" in info:
-        header += f"  dtype={info['dtype']}  kv-cache={info['kv_cache_dtype']}"
+    return render_plan_dict(plan.to_dict(), info)
+
+
+def render_plan_dict(data: dict[str, Any], info: dict[str, Any] | None = None) -> str:
+    """The human-readable form of a plan's JSON object (``kvsvc ctl plan`` shows it too).
+
+    ``info`` (model name, tp, pp, dtypes) adds a header line and the pp/tp columns.
+    """
+    tp = info["tp"] if info else None
+    if info:
+        header = f"Model: {info['model']}  TP={info['tp']} PP={info['pp']}"
+        if "dtype" in info:
+            header += f"  dtype={info['dtype']}  kv-cache={info['kv_cache_dtype']}"
+    else:
+        header = f"Ranks: {len(data['workers'])}"
     lines = [header, f"Layout: {data['layout']}", "", "KV cache groups"]
     rows = [["group", "kind", "layers", "block", "page bytes", "window", "blocks/request"]]
     for g in data["groups"]:
@@ -356,8 +366,8 @@ def render_table(plan: Any, info: dict[str, Any]) -> str:
         rows.append(
             [
                 str(w["rank"]),
-                str(w["rank"] // tp),
-                str(w["rank"] % tp),
+                str(w["rank"] // tp) if tp else "-",
+                str(w["rank"] % tp) if tp else "-",
                 str(sum(len(names) for names in w["groups"])),
                 str(len(w["tensors"])),
                 _gib(w["available_memory"]),

@@ -21,7 +21,7 @@ class MemoryProfile(_message.Message):
     def __init__(self, total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., non_kv_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("pool", "rank", "world_size", "device", "hostname", "layers", "memory", "tensor_parallel_size", "pipeline_parallel_size", "max_model_len", "max_num_encoder_input_tokens", "model")
+    __slots__ = ("pool", "rank", "world_size", "device", "hostname", "layers", "memory", "tensor_parallel_size", "pipeline_parallel_size", "max_model_len", "max_num_encoder_input_tokens", "model", "total_num_kv_heads")
     POOL_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class RegisterRequest(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_ENCODER_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     pool: str
     rank: int
     world_size: int
@@ -46,7 +47,8 @@ class RegisterRequest(_message.Message):
     max_model_len: int
     max_num_encoder_input_tokens: int
     model: str
-    def __init__(self, pool: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[_specs_pb2.LayerSpec, _Mapping]]] = ..., memory: _Optional[_Union[MemoryProfile, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_encoder_input_tokens: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    total_num_kv_heads: int
+    def __init__(self, pool: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[_specs_pb2.LayerSpec, _Mapping]]] = ..., memory: _Optional[_Union[MemoryProfile, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_encoder_input_tokens: _Optional[int] = ..., model: _Optional[str] = ..., total_num_kv_heads: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("session_id", "state", "num_registered")
