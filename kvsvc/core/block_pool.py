@@ -70,11 +70,13 @@ class FreeBlockQueue:
     def popleft_n(self, n: int) -> tuple[list[int], int]:
         """Pop the first ``n`` ids.
 
+        Raises:
+            ValueError: fewer than ``n`` free ids.
+
         Returns:
             The ids in queue order, and the index in that list where ids from the LRU region
             start (``n`` when none did): only those can still carry a cached hash.
         """
-        assert 0 <= n <= self.num_free_blocks, "pop past the end of the free queue"
         stack = self._stack
         k = len(stack)
         if n <= k:
@@ -82,6 +84,8 @@ class FreeBlockQueue:
             del stack[k - n :]
             ids.reverse()
             return ids, n
+        if n > self.num_free_blocks or n < 0:
+            raise ValueError(f"cannot pop {n} blocks from {self.num_free_blocks} free ones")
         ids = stack[::-1]
         stack.clear()
         take = min(n - k, self.num_blocks - self._lo)
@@ -263,8 +267,6 @@ class BlockPool:
         Raises:
             ValueError: fewer free blocks than asked for (callers check first).
         """
-        if num_blocks > self.free_queue.num_free_blocks:
-            raise ValueError(f"cannot get {num_blocks} free blocks from the pool")
         ids, first_linked = self.free_queue.popleft_n(num_blocks)
         ref = self.ref_cnt
         for block_id in ids:

@@ -61,6 +61,11 @@ class KVCacheCoordinator:
         self._first = self.managers[0] if self.managers else None
 
     @property
+    def may_drop_blocks(self) -> bool:
+        """Whether any group's table can get null entries."""
+        return bool(self._dropping)
+
+    @property
     def num_groups(self) -> int:
         return len(self.managers)
 

@@ -38,6 +38,7 @@ import struct
 from bisect import bisect_right
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import accumulate
 from typing import Any, overload
 
@@ -216,7 +217,7 @@ class BlockHasher:
         ValueError: an unknown algorithm (the message lists the valid ones) or a block size < 1.
     """
 
-    __slots__ = ("_array_header", "_pack_cache", "algo", "block_size", "none_hash", "seed")
+    __slots__ = ("_array_header", "algo", "block_size", "none_hash", "seed")
 
     def __init__(self, algo: str = "xxh3_128", block_size: int = 16, seed: str | None = None):
         if algo not in HASH_ALGOS:
@@ -233,7 +234,6 @@ class BlockHasher:
         else:
             self.none_hash = xxhash.xxh3_128_digest(seed.encode())
         self._array_header = _cbor_array_header(block_size)
-        self._pack_cache: dict[int, struct.Struct] = {}
 
     def hash_block(
         self,
@@ -254,7 +254,7 @@ class BlockHasher:
             payload = cbor2.dumps((parent, tuple(token_ids), extra_keys), canonical=True)
             return hashlib.sha256(payload).digest()
         tail = b"" if extra_keys is None else cbor2.dumps(extra_keys, canonical=True)
-        return xxhash.xxh3_128_digest(parent + self._pack(token_ids) + tail)
+        return xxhash.xxh3_128_digest(parent + _pack(token_ids) + tail)
 
     def hash_blocks(
         self,
@@ -263,6 +263,7 @@ class BlockHasher:
         num_blocks: int,
         parent: BlockHash | None,
         extra_keys: BlockExtraKeys | None = None,
+        packed: bytes | None = None,
     ) -> list[BlockHash]:
         """Hashes of ``num_blocks`` consecutive full blocks, chained from ``parent``.
 
@@ -272,6 +273,8 @@ class BlockHasher:
             num_blocks: how many blocks; ``token_ids`` must cover them completely.
             parent: hash of block ``first_block - 1``; None when ``first_block`` is 0.
             extra_keys: the request's extra keys, or None when it has none.
+            packed: ``pack_token_ids(token_ids)`` (or a prefix covering the blocks) when the
+                caller has it already; saves re-packing in ``xxh3_128`` mode.
 
         Raises:
             TypeError, struct.error: a token id that is not an int32 (callers validate first).
@@ -285,40 +288,36 @@ class BlockHasher:
             parent = self.none_hash
         if self.algo == "sha256_cbor":
             return self._sha256_cbor_blocks(token_ids, start, num_blocks, parent, extra_keys)
-        return self._xxh3_blocks(token_ids, start, num_blocks, parent, extra_keys)
-
-    def _pack(self, token_ids: Sequence[int]) -> bytes:
-        count = len(token_ids)
-        packer = self._pack_cache.get(count)
-        if packer is None:
-            packer = struct.Struct(f"<{count}i")
-            if len(self._pack_cache) < 64:
-                self._pack_cache[count] = packer
-        return packer.pack(*token_ids)
+        if packed is None or len(packed) < 4 * (start + num_blocks * bs):
+            packed = _pack(token_ids[start : start + num_blocks * bs])
+            base = 0
+        else:
+            base = 4 * start
+        return self._xxh3_blocks(packed, base, start, num_blocks, parent, extra_keys)
 
     def _xxh3_blocks(
         self,
-        token_ids: Sequence[int],
+        packed: bytes,
+        base: int,
         start: int,
         num_blocks: int,
         parent: BlockHash,
         extra_keys: BlockExtraKeys | None,
     ) -> list[BlockHash]:
+        # Block ``start`` begins at byte ``base`` of ``packed``; slice it per block.
         bs = self.block_size
-        # Convert the whole span to bytes once, then slice per block.
-        packed = self._pack(token_ids[start : start + num_blocks * bs])
         width = 4 * bs
         digest = xxhash.xxh3_128_digest
         out: list[BlockHash] = []
         append = out.append
         if extra_keys is None:
-            for offset in range(0, num_blocks * width, width):
+            for offset in range(base, base + num_blocks * width, width):
                 parent = digest(parent + packed[offset : offset + width])
                 append(parent)
             return out
         dumps = cbor2.dumps
         for i in range(num_blocks):
-            offset = i * width
+            offset = base + i * width
             block_start = start + i * bs
             keys = extra_keys(block_start, block_start + bs)
             tail = b"" if keys is None else dumps(keys, canonical=True)
@@ -426,22 +425,58 @@ def hashes_at_block_size(
     return BlockHashListWithBlockSize(block_hashes, hash_block_size, block_size)
 
 
-def validate_token_ids(token_ids: Sequence[int], field: str) -> None:
-    """Check that every token id fits the int32 wire type and is not negative.
+@lru_cache(maxsize=256)
+def _packer(count: int) -> struct.Struct:
+    return struct.Struct(f"<{count}I")
+
+
+def _pack(token_ids: Sequence[int]) -> bytes:
+    # Unsigned packing rejects negative ids; for ids below 2**31 the bytes equal int32's.
+    return _packer(len(token_ids)).pack(*token_ids)
+
+
+def pack_token_ids(token_ids: Sequence[int], field: str) -> bytes:
+    """The ids as little-endian int32 bytes, checking each is an int in [0, 2**31).
+
+    One C-level pass does both jobs (``min``/``max`` over Python ints is several times
+    slower): packing as uint32 rejects non-ints, negatives and ids >= 2**32, and the high
+    byte of every id must be below 0x80, which ``isascii`` checks on the strided bytes.
 
     Raises:
-        InvalidArgument: naming ``field``, with the offending range.
+        InvalidArgument: naming ``field``, the first bad id and its index.
     """
     if not token_ids:
-        return
+        return b""
     try:
-        low = min(token_ids)
-        high = max(token_ids)
-        bad = low < 0 or high >= MAX_TOKEN_ID_EXCLUSIVE
-    except TypeError as exc:
-        raise InvalidArgument(field, f"token ids must be integers ({exc})") from None
-    if bad:
-        raise InvalidArgument(
-            field,
-            f"token ids must be in [0, {MAX_TOKEN_ID_EXCLUSIVE}), got values from {low} to {high}",
-        )
+        packed = _pack(token_ids)
+    except struct.error:
+        raise _bad_token_error(token_ids, field) from None
+    if not packed[3::4].isascii():
+        raise _bad_token_error(token_ids, field)
+    return packed
+
+
+def _bad_token_error(token_ids: Sequence[int], field: str) -> InvalidArgument:
+    for i, token in enumerate(token_ids):
+        if not isinstance(token, int):
+            return InvalidArgument(
+                field, f"token ids must be integers; [{i}] is {type(token).__name__}"
+            )
+        if not 0 <= token < MAX_TOKEN_ID_EXCLUSIVE:
+            return InvalidArgument(
+                field, f"token ids must be in [0, {MAX_TOKEN_ID_EXCLUSIVE}); [{i}] is {token}"
+            )
+    return InvalidArgument(field, "token ids must be int32 values")
+
+
+def validate_token_ids(token_ids: Sequence[int], field: str) -> None:
+    """Check that every token id is an int in [0, 2**31) (the int32 wire type).
+
+    Raises:
+        InvalidArgument: naming ``field``, the first bad id and its index.
+    """
+    if len(token_ids) == 1:
+        token = token_ids[0]
+        if type(token) is int and 0 <= token < MAX_TOKEN_ID_EXCLUSIVE:
+            return
+    pack_token_ids(token_ids, field)

@@ -16,7 +16,7 @@ from kvsvc.core.block_pool import BlockPool
 from kvsvc.core.coordinator import KVCacheCoordinator, make_coordinator
 from kvsvc.core.events import MEDIUM_GPU, KVEventBatch, KVEventQueue
 from kvsvc.core.hashing import BlockHash, BlockHasher, HashingContext
-from kvsvc.core.managers import representative_spec
+from kvsvc.core.managers import FullAttentionManager, SingleTypeKVCacheManager, representative_spec
 from kvsvc.core.request import RequestState
 from kvsvc.core.stats import PrefixCacheStats
 from kvsvc.specs import CrossAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec
@@ -149,7 +149,13 @@ class KVCacheManager:
         self.num_kv_cache_groups = len(specs)
         self.prefix_cache_stats = PrefixCacheStats()
         self._empty_blocks: tuple[Sequence[int], ...] = tuple(() for _ in specs)
-        self._single_group = len(specs) == 1
+        # A single full-attention group gets a shortcut for running requests.
+        managers = self.coordinator.managers
+        self._plain_group: SingleTypeKVCacheManager | None = (
+            managers[0]
+            if len(managers) == 1 and type(managers[0]) in (FullAttentionManager,)
+            else None
+        )
 
     # -- requests ------------------------------------------------------------------------
 
@@ -162,6 +168,7 @@ class KVCacheManager:
         skip_reading_prefix_cache: bool = False,
         resumed: bool = False,
         num_encoder_tokens: int = 0,
+        packed_token_ids: bytes | None = None,
     ) -> RequestState:
         """A request state hashed with this pool's hasher (no hashes when caching is off)."""
         return RequestState(
@@ -172,6 +179,7 @@ class KVCacheManager:
             skip_reading_prefix_cache=skip_reading_prefix_cache,
             resumed=resumed,
             num_encoder_tokens=num_encoder_tokens,
+            packed_token_ids=packed_token_ids,
         )
 
     @property
@@ -250,6 +258,39 @@ class KVCacheManager:
         Returns:
             The entries appended to each group's table, or None when the pool is short.
         """
+        block_ids = self.allocate_block_ids(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            delay_cache_blocks,
+            num_encoder_tokens,
+        )
+        return None if block_ids is None else KVCacheBlocks(block_ids)
+
+    def allocate_block_ids(
+        self,
+        request: RequestState,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+    ) -> tuple[list[int], ...] | None:
+        """``allocate_slots`` returning the bare per-group lists (one object less per call)."""
+        if (
+            self._plain_group is not None
+            and new_computed_blocks is None
+            and not num_external_computed_tokens
+            and request.request_id in self._plain_group.num_cached_block
+        ):
+            return self._allocate_running_plain(
+                request, num_new_tokens, num_lookahead_tokens, delay_cache_blocks
+            )
         coordinator = self.coordinator
         request_id = request.request_id
         hit_blocks = new_computed_blocks.blocks if new_computed_blocks else self._empty_blocks
@@ -289,7 +330,45 @@ class KVCacheManager:
             coordinator.cache_blocks(
                 request, min(total_computed + num_new_tokens, request.num_tokens)
             )
-        return KVCacheBlocks(new_blocks)
+        return new_blocks
+
+    def _allocate_running_plain(
+        self,
+        request: RequestState,
+        num_new_tokens: int,
+        num_lookahead_tokens: int,
+        delay_cache_blocks: bool,
+    ) -> tuple[list[int], ...] | None:
+        # The decode step of a one-group full-attention pool: no window to slide, no hits,
+        # usually no block boundary crossed. Same arithmetic as the general path.
+        manager = self._plain_group
+        assert manager is not None
+        request_id = request.request_id
+        table = manager.req_to_blocks[request_id]
+        max_model_len = self.max_model_len
+        total_computed = request.num_computed_tokens
+        if total_computed > max_model_len:
+            total_computed = max_model_len
+        num_tokens_main_model = total_computed + num_new_tokens
+        num_tokens_need_slot = num_tokens_main_model + num_lookahead_tokens
+        if num_tokens_need_slot > max_model_len:
+            num_tokens_need_slot = max_model_len
+        block_size = manager.block_size
+        num_new = -(-num_tokens_need_slot // block_size) - len(table)
+        if num_new > 0:
+            if num_new > self.block_pool.free_queue.num_free_blocks:
+                return None
+            new_blocks = self.block_pool.get_new_blocks(num_new)
+            table.extend(new_blocks)
+        else:
+            new_blocks = []
+        if self.enable_caching and not delay_cache_blocks:
+            num_to_cache = num_tokens_main_model
+            if num_to_cache > request.num_tokens:
+                num_to_cache = request.num_tokens
+            if num_to_cache // block_size > manager.num_cached_block[request_id]:
+                manager.cache_blocks(request, num_to_cache)
+        return (new_blocks,)
 
     def cache_blocks(self, request: RequestState, num_computed_tokens: int) -> None:
         """Cache the request's full blocks up to ``num_computed_tokens`` (delayed caching)."""

@@ -26,7 +26,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvsvc.core.events import MEDIUM_GPU, KVEventBatch
-from kvsvc.core.hashing import BlockExtraKeys, HashingContext, validate_token_ids
+from kvsvc.core.hashing import (
+    BlockExtraKeys,
+    HashingContext,
+    pack_token_ids,
+    validate_token_ids,
+)
 from kvsvc.core.manager import KVCacheManager
 from kvsvc.core.request import RequestState
 from kvsvc.core.stats import UsageSnapshot
@@ -143,6 +148,12 @@ class PoolKVCache:
         self._requests: dict[str, RequestState] = {}
         self._num_preemptions = 0
         self._no_blocks: tuple[list[int], ...] = tuple([] for _ in range(self.num_groups))
+        coordinator = self.manager.coordinator
+        # Groups that never drop blocks always report 0 leading nulls: skip asking.
+        self._null_counts = (
+            coordinator.num_leading_null_blocks if coordinator.may_drop_blocks else None
+        )
+        self._zeros: tuple[int, ...] = (0,) * self.num_groups
 
     # -- configuration -------------------------------------------------------------------
 
@@ -261,16 +272,17 @@ class PoolKVCache:
                     "new_token_ids", f"token ids must be integers ({exc})"
                 ) from None
         request.num_computed_tokens = computed
-        blocks = self.manager.allocate_slots(
+        block_ids = self.manager.allocate_block_ids(
             request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens
         )
-        if blocks is None:
+        null_counts = self._null_counts
+        if block_ids is None:
             request.truncate(num_tokens_before)
             request.num_computed_tokens = computed_before
             return AllocateOutcome(
                 False,
                 self._no_blocks,
-                self.manager.coordinator.num_leading_null_blocks(request_id),
+                self._zeros if null_counts is None else null_counts(request_id),
                 0,
                 num_new_tokens,
                 computed_before,
@@ -278,8 +290,8 @@ class PoolKVCache:
         request.num_computed_tokens = computed + num_new_tokens
         return AllocateOutcome(
             True,
-            blocks.blocks,  # type: ignore[arg-type]  # fresh lists from the managers
-            self.manager.coordinator.num_leading_null_blocks(request_id),
+            block_ids,
+            self._zeros if null_counts is None else null_counts(request_id),
             0,
             num_new_tokens,
             request.num_computed_tokens,
@@ -300,7 +312,7 @@ class PoolKVCache:
             )
         if not prompt:
             raise InvalidArgument("new_token_ids", "the first call must carry the prompt")
-        validate_token_ids(prompt, "new_token_ids")
+        packed = pack_token_ids(prompt, "new_token_ids")
         if len(prompt) > self.max_model_len:
             raise InvalidArgument(
                 "new_token_ids",
@@ -319,12 +331,13 @@ class PoolKVCache:
                 skip_reading_prefix_cache=start.skip_prefix_cache_read,
                 resumed=start.resumed,
                 num_encoder_tokens=start.num_encoder_tokens,
+                packed_token_ids=packed,
             )
         except (TypeError, struct.error) as exc:
             raise InvalidArgument("new_token_ids", f"token ids must be integers ({exc})") from None
         hits, num_cached = manager.get_computed_blocks(request, record_stats=False)
         num_scheduled = min(budget, request.num_tokens - num_cached)
-        blocks = manager.allocate_slots(
+        block_ids = manager.allocate_block_ids(
             request,
             num_scheduled,
             num_cached,
@@ -332,18 +345,19 @@ class PoolKVCache:
             num_lookahead_tokens,
             num_encoder_tokens=start.num_encoder_tokens,
         )
-        if blocks is None:
+        if block_ids is None:
             return AllocateOutcome(
-                False, self._no_blocks, (0,) * self.num_groups, num_cached, num_scheduled, 0
+                False, self._no_blocks, self._zeros, num_cached, num_scheduled, 0
             )
         if manager.enable_caching and not start.skip_prefix_cache_read:
             manager.record_prefix_lookup(request, num_cached)
         request.num_computed_tokens = num_cached + num_scheduled
         self._requests[request_id] = request
+        null_counts = self._null_counts
         return AllocateOutcome(
             True,
-            blocks.blocks,  # type: ignore[arg-type]
-            manager.coordinator.num_leading_null_blocks(request_id),
+            block_ids,
+            self._zeros if null_counts is None else null_counts(request_id),
             num_cached,
             num_scheduled,
             request.num_computed_tokens,
@@ -388,20 +402,19 @@ class PoolKVCache:
         Raises:
             InvalidArgument: token ids out of range, or a bad hashing context.
         """
-        validate_token_ids(token_ids, "token_ids")
+        packed = pack_token_ids(token_ids, "token_ids")
         hasher = self.manager.hasher
+        extra = (
+            BlockExtraKeys(hashing, hasher.block_size)
+            if hasher is not None and hashing is not None and not hashing.is_empty
+            else None
+        )
         if hasher is None or len(token_ids) < 2:
             return 0
         tokens = list(token_ids)
-        extra = (
-            BlockExtraKeys(hashing, hasher.block_size)
-            if hashing is not None and not hashing.is_empty
-            else None
+        hashes = hasher.hash_blocks(
+            tokens, 0, len(tokens) // hasher.block_size, None, extra, packed
         )
-        try:
-            hashes = hasher.hash_blocks(tokens, 0, len(tokens) // hasher.block_size, None, extra)
-        except (TypeError, struct.error) as exc:
-            raise InvalidArgument("token_ids", f"token ids must be integers ({exc})") from None
         return self.manager.find_cached_prefix(hashes, len(tokens) - 1)
 
     def block_table(self, request_id: str) -> BlockTableView:

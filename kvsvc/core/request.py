@@ -24,6 +24,8 @@ class RequestState:
         skip_reading_prefix_cache: never read the cache for this request (it still writes).
         resumed: re-admission after preemption (counted apart in prefix-cache stats).
         num_encoder_tokens: encoder input length (cross-attention models).
+        packed_token_ids: ``pack_token_ids(token_ids)`` if the caller validated with it
+            already (spares re-packing the prompt for ``xxh3_128``).
     """
 
     __slots__ = (
@@ -51,6 +53,7 @@ class RequestState:
         skip_reading_prefix_cache: bool = False,
         resumed: bool = False,
         num_encoder_tokens: int = 0,
+        packed_token_ids: bytes | None = None,
     ) -> None:
         self.request_id = request_id
         self.all_token_ids = token_ids
@@ -66,7 +69,7 @@ class RequestState:
         self._extra_keys: BlockExtraKeys | None = None
         if hasher is not None and hashing is not None and not hashing.is_empty:
             self._extra_keys = BlockExtraKeys(hashing, hasher.block_size)
-        self.update_block_hashes()
+        self.update_block_hashes(packed_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -74,10 +77,14 @@ class RequestState:
 
     def append_token_ids(self, token_ids: Sequence[int]) -> None:
         """Add sampled tokens and hash any block they complete."""
-        self.all_token_ids.extend(token_ids)
-        self.update_block_hashes()
+        tokens = self.all_token_ids
+        tokens.extend(token_ids)
+        hasher = self._hasher
+        # Most decode steps complete no block: test before calling out.
+        if hasher is not None and len(tokens) >= (len(self.block_hashes) + 1) * hasher.block_size:
+            self.update_block_hashes()
 
-    def update_block_hashes(self) -> None:
+    def update_block_hashes(self, packed_token_ids: bytes | None = None) -> None:
         """Hash the full blocks not hashed yet (none when caching is off)."""
         hasher = self._hasher
         if hasher is None:
@@ -93,6 +100,7 @@ class RequestState:
                     num_full - num_hashed,
                     hashes[-1] if num_hashed else None,
                     self._extra_keys,
+                    packed_token_ids,
                 )
             )
 
