@@ -1,0 +1,77 @@
+# syntax=docker/dockerfile:1
+#
+# kvsvc images, two targets:
+#
+#   docker build --target server -t kvsvc:server .   # the gRPC server (no torch)
+#   docker build --target worker -t kvsvc:worker .   # a worker agent (CPU torch)
+#
+# `docker build .` without a target builds the server (the last stage).
+# Both run as the non-root user kvsvc (UID/GID 10001) and ship a HEALTHCHECK:
+# the server's asks its own grpc.health.v1 service, the worker's asks its own /metrics
+# whether the server accepted its allocation (an agent has no gRPC server of its own).
+# Ports: gRPC 50051 and /metrics 9400 (the server's defaults), agent /metrics 9401.
+# tests/deploy/ run these CMD and HEALTHCHECK commands against live processes.
+
+ARG PYTHON_VERSION=3.11
+# The worker's torch comes from the CPU wheel index: PyPI's default torch pulls CUDA
+# libraries (GBs) that a CPU agent never uses. Build with --build-arg TORCH_INDEX_URL=...
+# for a CUDA build.
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+
+# ---------------------------------------------------------------- base: runtime only
+FROM python:${PYTHON_VERSION}-slim AS base
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN groupadd --system --gid 10001 kvsvc \
+ && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
+        --shell /usr/sbin/nologin kvsvc
+
+# ---------------------------------------------------------------- build: the wheel
+FROM base AS build
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY kvsvc ./kvsvc
+COPY clients ./clients
+RUN pip wheel --no-deps --wheel-dir /wheels .
+
+# ---------------------------------------------------------------- server-venv: no torch
+FROM base AS server-venv
+COPY --from=build /wheels /wheels
+RUN python -m venv /opt/kvsvc/venv \
+ && /opt/kvsvc/venv/bin/pip install /wheels/kvsvc-*.whl \
+ && ! /opt/kvsvc/venv/bin/python -c "import torch" 2>/dev/null
+
+# ---------------------------------------------------------------- worker-venv: + torch
+FROM server-venv AS worker-venv
+ARG TORCH_VERSION
+ARG TORCH_INDEX_URL
+RUN /opt/kvsvc/venv/bin/pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
+ && /opt/kvsvc/venv/bin/pip install "$(ls /wheels/kvsvc-*.whl)[worker]"
+
+# ---------------------------------------------------------------- worker
+FROM base AS worker
+COPY --from=worker-venv /opt/kvsvc/venv /opt/kvsvc/venv
+ENV PATH=/opt/kvsvc/venv/bin:$PATH
+USER 10001:10001
+EXPOSE 9401
+HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
+    CMD ["python", "-m", "kvsvc.tools.healthcheck", "--agent-metrics", "127.0.0.1:9401"]
+ENTRYPOINT ["kvsvc"]
+# A CPU agent for the compose demo; override the arguments for a real deployment.
+CMD ["worker", "--server", "server:50051", "--pool", "demo", "--rank", "0", "--world-size", "1", "--device", "cpu", "--model-config", "llama-3.2-1b", "--kv-cache-memory", "256MiB", "--metrics-listen", "0.0.0.0:9401"]
+
+# ---------------------------------------------------------------- server (default)
+FROM base AS server
+COPY --from=server-venv /opt/kvsvc/venv /opt/kvsvc/venv
+# The simulated engine of deploy/compose.yaml and the Kubernetes example (needs only the client).
+COPY deploy/demo_engine.py /opt/kvsvc/demo_engine.py
+ENV PATH=/opt/kvsvc/venv/bin:$PATH
+USER 10001:10001
+EXPOSE 50051 9400
+HEALTHCHECK --interval=10s --timeout=5s --start-period=10s --retries=3 \
+    CMD ["python", "-m", "kvsvc.tools.healthcheck", "--server", "127.0.0.1:50051"]
+ENTRYPOINT ["kvsvc"]
+CMD ["serve", "--listen", "0.0.0.0:50051", "--metrics-listen", "0.0.0.0:9400", "--pool", "demo", "--world-size", "1", "--max-model-len", "4096"]

@@ -1,0 +1,170 @@
+"""A container health check: ``grpc.health.v1`` of a server, or a worker agent's readiness.
+
+Docker's ``HEALTHCHECK`` and compose ``healthcheck`` need a command that exits 0 when
+healthy; no ``grpc_health_probe`` binary ships with kvsvc, so this is that command
+(Kubernetes uses its native ``grpc:`` probes against the same health service)::
+
+    python -m kvsvc.tools.healthcheck --server 127.0.0.1:50051
+    python -m kvsvc.tools.healthcheck --server 127.0.0.1:50051 \
+        --service kvsvc.v1.KVCacheService/demo
+    python -m kvsvc.tools.healthcheck --agent-metrics 127.0.0.1:9401
+
+The server's health names (see :mod:`kvsvc.server.app`): ``""`` is SERVING while the server
+runs, ``kvsvc.v1.KVCacheService`` when every pool serves engine calls, and
+``kvsvc.v1.KVCacheService/<pool>`` when that pool does. A worker agent has no gRPC server;
+it is healthy when its ``/metrics`` says ``kvsvc_agent_ready 1`` (the server accepted its
+allocation).
+
+Exit status: 0 healthy, 1 unhealthy or unreachable (one line on stderr says why), 2 bad
+arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from typing import NamedTuple
+
+HEALTHY, UNHEALTHY, USAGE = 0, 1, 2
+DEFAULT_TIMEOUT_S = 3.0
+
+
+class HealthResult(NamedTuple):
+    """Outcome of one check: ``healthy`` and a line saying what was seen."""
+
+    healthy: bool
+    message: str
+
+
+def _bracket(address: str) -> str:
+    """``host:port`` as a URL authority (IPv6 hosts in brackets)."""
+    host, _, port = address.rpartition(":")
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+def _validate_address(address: str, flag: str) -> str:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"{flag}: expected HOST:PORT with a port in 1-65535, got {address!r}")
+    return address
+
+
+def check_grpc(address: str, service: str = "", timeout: float = DEFAULT_TIMEOUT_S) -> HealthResult:
+    """Ask ``address``'s ``grpc.health.v1.Health/Check`` about ``service``.
+
+    Args:
+        address: the server's ``HOST:PORT``.
+        service: the health service name (``""``: the server as a whole).
+        timeout: deadline of the call, seconds (connecting included).
+
+    Returns:
+        healthy only for SERVING; NOT_SERVING, an unknown service name and an unreachable
+        server are unhealthy, with the reason in the message.
+    """
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    shown = repr(service) if service else "the server"
+    with grpc.insecure_channel(_bracket(address)) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.RpcError as err:
+            code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+            if code == grpc.StatusCode.NOT_FOUND:
+                return HealthResult(False, f"{address}: unknown health service {shown}")
+            details = err.details() if hasattr(err, "details") else ""
+            return HealthResult(False, f"{address}: {code.name}: {details or 'no details'}")
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+    return HealthResult(
+        response.status == health_pb2.HealthCheckResponse.SERVING, f"{address}: {shown} {status}"
+    )
+
+
+def check_agent(address: str, timeout: float = DEFAULT_TIMEOUT_S) -> HealthResult:
+    """Read a worker agent's ``/metrics``; healthy when every ``kvsvc_agent_ready`` is 1.
+
+    Args:
+        address: the agent's metrics ``HOST:PORT``.
+        timeout: HTTP timeout, seconds.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = f"http://{_bracket(address)}/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            text = response.read().decode("utf-8")
+    except (OSError, urllib.error.URLError) as exc:
+        return HealthResult(False, f"{url}: {exc}")
+    try:
+        ready = [
+            sample
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "kvsvc_agent_ready"
+        ]
+    except ValueError as exc:
+        return HealthResult(False, f"{url}: not Prometheus text: {exc}")
+    if not ready:
+        return HealthResult(False, f"{url}: no kvsvc_agent_ready series (not a kvsvc agent?)")
+    waiting = [s.labels for s in ready if s.value != 1]
+    if waiting:
+        return HealthResult(False, f"{url}: agent not ready: {waiting}")
+    return HealthResult(True, f"{url}: ready")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvsvc.tools.healthcheck",
+        description="Exit 0 when a kvsvc server's health service says SERVING, or a worker "
+        "agent reports itself ready; 1 otherwise.",
+    )
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--server", metavar="HOST:PORT", help="kvsvc server gRPC address")
+    target.add_argument(
+        "--agent-metrics", metavar="HOST:PORT", help="worker agent /metrics address"
+    )
+    parser.add_argument(
+        "--service",
+        default="",
+        help="health service name with --server (default '': the server itself; "
+        "'kvsvc.v1.KVCacheService' for all pools; 'kvsvc.v1.KVCacheService/POOL' for one)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help=f"seconds to wait for an answer (default {DEFAULT_TIMEOUT_S:g})",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.timeout <= 0:
+        parser.error(f"--timeout must be positive, got {args.timeout}")
+    if args.agent_metrics and args.service:
+        parser.error("--service applies to --server only")
+    try:
+        if args.server:
+            result = check_grpc(
+                _validate_address(args.server, "--server"), args.service, args.timeout
+            )
+        else:
+            result = check_agent(
+                _validate_address(args.agent_metrics, "--agent-metrics"), args.timeout
+            )
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(result.message, file=sys.stdout if result.healthy else sys.stderr)
+    return HEALTHY if result.healthy else UNHEALTHY
+
+
+if __name__ == "__main__":
+    sys.exit(main())
