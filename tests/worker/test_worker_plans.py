@@ -1,5 +1,9 @@
-"""Real plans from the planner, for the bundled models: every view of block ``b`` stays in
-block ``b``'s page of its tensor, in every layout, for every kind of layer."""
+"""Real plans from the planner, for the bundled models: writing block ``b`` through any view
+touches only block ``b``'s bytes, in every layout, for every kind of layer.
+
+The probe is :mod:`kvsvc.worker.cuda_selfcheck`'s, so the GPU self-check runs exactly what
+passes here on CPU.
+"""
 
 from __future__ import annotations
 
@@ -7,117 +11,62 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvsvc import models  # noqa: E402
-from kvsvc.errors import PlanningError  # noqa: E402
-from kvsvc.planner import PlannerOptions, plan_kv_cache  # noqa: E402
-from kvsvc.specs import KVCacheConfig, MambaSpec  # noqa: E402
-from kvsvc.worker import allocate_kv_cache, reshape_kv_cache  # noqa: E402
-from kvsvc.worker.layouts import resolve_layouts  # noqa: E402
-
-from .helpers import fill_nonzero  # noqa: E402
+from kvsvc.specs import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+)
+from kvsvc.worker import allocate_kv_cache, cuda_selfcheck, reshape_kv_cache  # noqa: E402
+from kvsvc.worker.cuda_selfcheck import (  # noqa: E402
+    PLAN_CASES,
+    check_block_ownership,
+    check_plan,
+    small_plan,
+)
 
 pytestmark = pytest.mark.torch
 
 
-def small_plan(model: str, layout: str, rank: int = 0, **spec_options: object) -> KVCacheConfig:
-    """The rank's plan with the fewest blocks (a power of two) one short request needs."""
-    config, _ = models.resolve_model_config(model)
-    specs = models.layer_specs_all_ranks(config, models.ModelSpecOptions(**spec_options))  # type: ignore[arg-type]
-    encoder_tokens = min(32, models.default_max_num_encoder_input_tokens(config))
-    for blocks in (4, 8, 16, 32, 64):
-        options = PlannerOptions(
-            max_model_len=32,
-            max_num_batched_tokens=32,
-            max_num_encoder_input_tokens=encoder_tokens,
-            num_gpu_blocks_override=blocks,
-            layout=layout,
-        )
-        try:
-            return plan_kv_cache(specs, [1 << 40] * len(specs), options).worker_configs[rank]
-        except PlanningError:
-            continue
-    raise AssertionError(f"{model}: no small plan")
-
-
-CASES = [
-    ("llama-3.2-1b", "layer_outer", {}, "flash"),
-    ("llama-3.2-1b", "block_outer", {}, "flash_hnd"),
-    ("llama-3.2-1b", "layer_outer", {"tp": 2, "pp": 2}, "kv_first"),
-    ("gemma-2-9b", "layer_outer", {}, "kv_first"),  # full + sliding groups share tensors
-    ("gemma-2-9b", "layer_outer", {}, "flash"),
-    ("deepseek-v2-lite", "block_outer", {}, "flash"),  # MLA
-    ("jamba-v0.1", "layer_outer", {"max_model_len": 64}, "kv_first"),  # Mamba + attention
-    ("jamba-v0.1", "block_outer", {"mamba_cache_mode": "align"}, "flash"),
-    ("whisper-large-v3", "layer_outer", {}, "flash"),  # cross-attention
-]
-
-
-def changed_runs(raw: torch.Tensor) -> list[tuple[int, int]]:
-    """The non-zero bytes of ``raw`` as half-open runs ``[start, end)``."""
-    index = (raw.view(torch.int8) != 0).nonzero().flatten()
-    if index.numel() == 0:
-        return []
-    gaps = (index[1:] != index[:-1] + 1).nonzero().flatten()
-    starts = torch.cat([index[:1], index[gaps + 1]])
-    ends = torch.cat([index[gaps] + 1, index[-1:] + 1])
-    return list(zip(starts.tolist(), ends.tolist(), strict=True))
-
-
-@pytest.mark.parametrize(("model", "layout", "spec_options", "attn_layout"), CASES)
+@pytest.mark.parametrize(("model", "layout", "spec_options", "attn_layout"), PLAN_CASES)
 def test_every_block_of_every_view_stays_in_its_page(
     model: str, layout: str, spec_options: dict[str, object], attn_layout: str
 ) -> None:
     config = small_plan(model, layout, **spec_options)
+    assert check_plan(config, "cpu", attn_layout) == []
+
+
+def test_the_probe_catches_views_that_stray_from_their_blocks() -> None:
+    spec = FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=8, dtype="float16")
+    config = KVCacheConfig(  # two groups' layers share one tensor of 4 pages of 256 bytes
+        num_blocks=4,
+        kv_cache_tensors=[KVCacheTensor(size=4 * 256, shared_by=["a", "b"])],
+        kv_cache_groups=[KVCacheGroupSpec(["a"], spec), KVCacheGroupSpec(["b"], spec)],
+    )
     raw = allocate_kv_cache(config, "cpu", zero=True)
-    views = reshape_kv_cache(config, raw, default_layout=attn_layout)
-    specs = {name: config.layer_spec(name) for name in config.layer_names}
-    layouts = resolve_layouts(specs, default=attn_layout)
-    placement = {name: t for t in config.kv_cache_tensors for name in t.shared_by}
-    n = config.num_blocks
-    assert set(views) == set(config.layer_names)
-    owned: dict[int, list[tuple[int, str, list[tuple[int, int]]]]] = {}
-    for name, view in views.items():
-        tensor = placement[name]
-        # K/V-first storage keeps every key first: block b is two half pages far apart,
-        # unless Mamba state shares the tensor (then the views are restrided block-major).
-        split_kv = name in layouts and layouts[name].kv_first and not config.has_mamba_layers
-        for block in (1, n - 1):
-            if tensor.is_packed:
-                start = block * tensor.block_stride + tensor.offset
-                expected = [(start, start + specs[name].page_size_bytes)]
-            elif split_kv:
-                half = tensor.size // n // 2
-                expected = [(block * half, (block + 1) * half)]
-                expected.append((n * half + block * half, n * half + (block + 1) * half))
-            else:
-                page = tensor.size // n
-                expected = [(block * page, (block + 1) * page)]
-            if isinstance(specs[name], MambaSpec):
-                parts = [state[block] for state in view]
-            elif layouts[name].kv_first:
-                parts = [view[:, block]]
-            else:
-                parts = [view[block]]
-            for part in parts:
-                fill_nonzero(part)
-            runs = changed_runs(raw[name])
-            for part in parts:
-                part.zero_()
-            assert runs, name
-            for run_start, run_end in runs:
-                assert any(lo <= run_start and run_end <= hi for lo, hi in expected), (
-                    name,
-                    block,
-                    (run_start, run_end),
-                    expected,
-                )
-            owned.setdefault(id(raw[name]), []).append((block, name, runs))
-    # Across the layers sharing a tensor, two different block ids never share a byte.
-    for entries in owned.values():
-        for block_a, name_a, runs_a in entries:
-            for block_b, name_b, runs_b in entries:
-                if block_a == block_b:
-                    continue
-                for a0, a1 in runs_a:
-                    for b0, b1 in runs_b:
-                        assert a1 <= b0 or b1 <= a0, (name_a, block_a, name_b, block_b)
+    views = reshape_kv_cache(config, raw)
+    assert check_block_ownership(config, raw, views, "flash") == []
+    # A block stride of half a page: block b writes into block b + 1's page.
+    views["b"] = torch.as_strided(raw["b"].view(torch.float16), (4, 2, 4, 2, 8), (64, 64, 16, 8, 1))
+    problems = check_block_ownership(config, raw, views, "flash")
+    assert any(p.startswith("b block 1: wrote [128, 384) outside") for p in problems)
+    assert "a block 1 overlaps b block 3" in problems
+    views["b"] = torch.zeros(4, 2, 4, 2, 8, dtype=torch.float16)  # a copy: writes go nowhere
+    problems = check_block_ownership(config, raw, views, "flash")
+    assert "b block 1: nothing written" in problems
+
+
+def test_the_self_check_runs_on_cpu(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(cuda_selfcheck, "PLAN_CASES", PLAN_CASES[:1])
+    assert cuda_selfcheck.main(["--device", "cpu", "--no-timing"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS  padded pages" in out and "PASS  llama-3.2-1b layer_outer flash" in out
+    assert out.rstrip().endswith("OK: 0 problem(s)")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has CUDA")
+def test_the_self_check_says_when_there_is_no_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cuda_selfcheck.main(["--device", "cuda:0"]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
