@@ -21,12 +21,16 @@ Errors split three ways:
   registration; a planning error; a plan that cannot be laid out. The agent stops and
   :attr:`WorkerAgent.error` says why; :meth:`WorkerAgent.start` raises it.
 - **stale session** (``NOT_FOUND`` / ``FAILED_PRECONDITION`` after registering, or a
-  heartbeat answered ``reregister``): register again at once.
+  heartbeat answered ``reregister``): register again.
 - **anything else** (``UNAVAILABLE``, deadlines, a stream the server closed): retry with
-  capped exponential backoff and jitter, forever unless ``connect_timeout`` is set.
+  capped exponential backoff and jitter, forever unless ``connect_timeout`` is set. The
+  retry first reopens the lost session's plan stream (a server that only lost the
+  connection still holds the session, and would refuse a second registration of the rank
+  as ``ALREADY_EXISTS``); a server that forgot it answers ``NOT_FOUND`` and the agent
+  registers anew.
 
 At a re-registration ``ALREADY_EXISTS`` is retried too: the server may still hold this
-agent's own previous session until its heartbeats lapse.
+agent's own previous session until it expires.
 """
 
 from __future__ import annotations
@@ -168,7 +172,15 @@ def backoff_delay(
 
 
 class _Retry(Exception):
-    """The session ended for a reason worth retrying (the message says which)."""
+    """The session ended for a reason worth retrying (the message says which).
+
+    ``resumable``: the server may still hold the session (a broken connection), so the
+    next attempt reopens its plan stream before registering anew.
+    """
+
+    def __init__(self, reason: str, *, resumable: bool = True) -> None:
+        super().__init__(reason)
+        self.resumable = resumable
 
 
 def _rpc_summary(err: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
@@ -261,11 +273,12 @@ class WorkerAgent:
         self._calls: set[Any] = set()  # in-flight futures and the plan stream, to cancel
         self._watch_call: Any = None
         self._reregister_reason: str | None = None
+        self._reregister_resumable = False
         self._had_session = False
         self._progress = False
 
         self._session_id: str | None = None
-        self._last_session_id: str | None = None
+        self._resume_session: str | None = None  # a lost session the server may still hold
         self._reported_session: str | None = None
         self._state = pools_pb2.POOL_STATE_UNSPECIFIED
         self._num_registered = 0
@@ -488,10 +501,10 @@ class WorkerAgent:
             while not self._stop.is_set():
                 try:
                     self._session()
-                    reason = "the server closed the plan stream"
+                    reason, resumable = "the server closed the plan stream", True
                 except _Retry as exc:
-                    reason = str(exc)
-                self._end_session()
+                    reason, resumable = str(exc), exc.resumable
+                self._end_session(resumable)
                 if self._stop.is_set():
                     break
                 now = time.monotonic()
@@ -534,19 +547,28 @@ class WorkerAgent:
         for call in calls:
             call.cancel()
 
-    def _end_session(self) -> None:
-        # The heartbeat thread keeps beating for the lost session until a new one exists:
-        # during an outage its failures are what dashboards see.
+    def _end_session(self, resumable: bool) -> None:
+        # A session lost with the connection may still live on the server: the next attempt
+        # reopens its stream first, and the heartbeat thread keeps beating for it (during an
+        # outage its failures are what dashboards see; a live server keeps the session).
         with self._lock:
             if self._session_id is not None:
-                self._last_session_id = self._session_id
+                self._resume_session = self._session_id if resumable else None
             self._session_id = None
             self._reported_session = None
         self.metrics.ready.set(0)
 
     def _session(self) -> None:
-        """One session: register, then follow the plan stream until it ends."""
-        session_id = self._register()
+        """One session: resume the lost one or register, then follow the plan stream."""
+        with self._changed:
+            session_id = self._resume_session
+            if session_id is not None:
+                self._session_id = session_id
+                self._reported_session = None
+                self._reregister_reason = None
+        resumed = session_id is not None
+        if session_id is None:
+            session_id = self._register()
         call = self._stub.WatchPlan(
             worker_pb2.WatchPlanRequest(
                 pool=self._cfg.pool, rank=self._cfg.rank, session_id=session_id
@@ -561,16 +583,21 @@ class WorkerAgent:
             if cancel_now:
                 call.cancel()
             for message in call:
+                if resumed and not self._progress:
+                    self.metrics.reconnects.inc()
+                    logger.info("resumed session %s with %s", session_id, self._cfg.server)
                 self._progress = True
                 self._on_plan_message(message, session_id)
         except grpc.RpcError as err:
             code, details = _rpc_summary(err)
             if code == grpc.StatusCode.CANCELLED:
                 with self._lock:
-                    reason = self._reregister_reason
-                raise _Retry(reason or "plan stream cancelled") from None
+                    reason, resumable = self._reregister_reason, self._reregister_resumable
+                raise _Retry(reason or "plan stream cancelled", resumable=resumable) from None
             if code in _STALE_SESSION:
-                raise _Retry(f"session {session_id} is stale ({code.name}: {details})") from None
+                raise _Retry(
+                    f"session {session_id} is stale ({code.name}: {details})", resumable=False
+                ) from None
             if code in _FATAL:
                 raise WorkerAgentError(code.name, f"WatchPlan: {details}") from None
             raise _Retry(f"plan stream broke ({code.name}: {details})") from None
@@ -610,6 +637,7 @@ class WorkerAgent:
             raise _Retry(f"Register failed ({code.name}: {details})") from None
         with self._changed:
             self._session_id = response.session_id
+            self._resume_session = None
             self._reported_session = None
             self._state = response.state
             self._num_registered = response.num_registered
@@ -750,7 +778,9 @@ class WorkerAgent:
             if code in _FATAL:
                 raise WorkerAgentError(code.name, f"ReportAllocation: {details}") from None
             if code in _STALE_SESSION:
-                raise _Retry(f"session {session_id} is stale ({code.name}: {details})") from None
+                raise _Retry(
+                    f"session {session_id} is stale ({code.name}: {details})", resumable=False
+                ) from None
             raise _Retry(f"ReportAllocation failed ({code.name}: {details})") from None
         with self._changed:
             self._reported_session = session_id
@@ -771,11 +801,19 @@ class WorkerAgent:
 
     # ------------------------------------------------------------------ heartbeat thread
 
-    def _request_reregister(self, session_id: str, reason: str) -> None:
+    def _request_reregister(self, session_id: str, reason: str, *, resumable: bool) -> None:
+        """End ``session_id``'s plan stream (the control thread then reconnects).
+
+        ``resumable=False``: the server does not know the session any more, so it must not
+        be resumed either.
+        """
         with self._lock:
+            if session_id == self._resume_session and not resumable:
+                self._resume_session = None
             if session_id != self._session_id or self._reregister_reason is not None:
                 return
             self._reregister_reason = reason
+            self._reregister_resumable = resumable
             call = self._watch_call
         if call is not None:
             call.cancel()
@@ -784,7 +822,7 @@ class WorkerAgent:
         failures = 0
         while not self._stop.wait(self._cfg.heartbeat_interval):
             with self._lock:
-                session_id = self._session_id or self._last_session_id
+                session_id = self._session_id or self._resume_session
             if session_id is None:
                 continue
             free = self._free_bytes()
@@ -805,10 +843,14 @@ class WorkerAgent:
                 failures += 1
                 logger.debug("heartbeat failed (%s: %s)", code.name, details)
                 if code in _STALE_SESSION:
-                    self._request_reregister(session_id, f"heartbeat: session stale ({details})")
+                    self._request_reregister(
+                        session_id, f"heartbeat: session stale ({details})", resumable=False
+                    )
                 elif failures >= self._cfg.heartbeat_failures_before_reconnect:
                     self._request_reregister(
-                        session_id, f"{failures} heartbeats in a row failed ({code.name})"
+                        session_id,
+                        f"{failures} heartbeats in a row failed ({code.name})",
+                        resumable=True,
                     )
                 continue
             failures = 0
@@ -817,7 +859,9 @@ class WorkerAgent:
                 self._state = response.state
                 self._changed.notify_all()
             if response.reregister:
-                self._request_reregister(session_id, "the server asked this rank to re-register")
+                self._request_reregister(
+                    session_id, "the server asked this rank to re-register", resumable=False
+                )
 
 
 def _profile_fields(profile: MemoryProfile | None) -> dict[str, int]:

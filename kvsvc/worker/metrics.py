@@ -12,7 +12,7 @@ the agent and dashboards need no ``absent()`` guards::
     kvsvc_agent_ready{pool,rank}                       1 once the server accepted the allocation
     kvsvc_agent_heartbeats_total{pool,rank}            accepted heartbeats
     kvsvc_agent_heartbeat_failures_total{pool,rank}
-    kvsvc_agent_reconnects_total{pool,rank}            registrations after a lost session
+    kvsvc_agent_reconnects_total{pool,rank}            sessions re-established after a loss
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ class AgentMetrics:
             "kvsvc_agent_heartbeat_failures", "Heartbeats that failed."
         )
         self.reconnects = counter(
-            "kvsvc_agent_reconnects", "Registrations after a lost session or server."
+            "kvsvc_agent_reconnects",
+            "Sessions re-established (resumed or registered anew) after a loss.",
         )
 
 

@@ -59,6 +59,8 @@ class FakeWorkerService(worker_pb2_grpc.WorkerServiceServicer):
         self.registrations: list[Any] = []
         self.heartbeats: dict[int, int] = {}
         self.report_error: tuple[grpc.StatusCode, str] | None = None
+        self.stream_epoch = 0
+        self.watch_calls: list[str] = []
 
     # -- controls ---------------------------------------------------------------
 
@@ -67,6 +69,12 @@ class FakeWorkerService(worker_pb2_grpc.WorkerServiceServicer):
         with self.cond:
             self.sessions.pop(rank, None)
             self.reported.discard(rank)
+            self.cond.notify_all()
+
+    def break_streams(self) -> None:
+        """End every open plan stream with UNAVAILABLE, keeping the sessions (a lost link)."""
+        with self.cond:
+            self.stream_epoch += 1
             self.cond.notify_all()
 
     def replan(self, configs: list[KVCacheConfig]) -> None:
@@ -138,9 +146,13 @@ class FakeWorkerService(worker_pb2_grpc.WorkerServiceServicer):
         self._check_auth(context)
         with self.cond:
             self._session(request, context)
+            self.watch_calls.append(request.session_id)
+            epoch = self.stream_epoch
         last = None
         while context.is_active():
             with self.cond:
+                if self.stream_epoch != epoch:
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset")
                 message = worker_pb2.WatchPlanResponse(
                     state=self.state, error=self.error, max_model_len=self.max_model_len or 0
                 )

@@ -111,6 +111,8 @@ def test_a_restarted_server_gets_the_same_plan_and_the_agent_keeps_its_tensors()
         server = FakeServer(FakeWorkerService(), port=server.port)  # fresh state, same port
         wait_for(lambda: 0 in server.service.reports)
         wait_for(lambda: agent.ready)
+        # It first tried to resume the lost session, which the new server does not know.
+        assert len(server.service.registrations) == 1
         assert agent.kv_caches is not None
         assert agent.kv_caches[LAYER0].data_ptr() == pointer
         assert bool((agent.kv_caches[LAYER0][5] == 1.5).all())  # the bytes survived
@@ -120,6 +122,24 @@ def test_a_restarted_server_gets_the_same_plan_and_the_agent_keeps_its_tensors()
     finally:
         agent.stop()
         server.stop()
+
+
+def test_a_broken_connection_resumes_the_session_the_server_still_holds() -> None:
+    with FakeServer(FakeWorkerService()) as server:
+        agent = make_agent(server.address)
+        try:
+            views = agent.start(timeout=10)
+            session = agent.session_id
+            server.service.break_streams()  # the link drops; the server keeps the session
+            wait_for(lambda: len(server.service.watch_calls) == 2 and agent.ready)
+            assert server.service.watch_calls == [session, session]
+            assert len(server.service.registrations) == 1  # no second Register
+            assert agent.session_id == session
+            assert agent.kv_caches is not None
+            assert agent.kv_caches[LAYER0].data_ptr() == views[LAYER0].data_ptr()
+            assert sample(agent, "kvsvc_agent_reconnects_total") == 1
+        finally:
+            agent.stop()
 
 
 def test_a_heartbeat_answered_reregister_makes_the_agent_register_again() -> None:
