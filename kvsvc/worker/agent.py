@@ -175,12 +175,14 @@ class _Retry(Exception):
     """The session ended for a reason worth retrying (the message says which).
 
     ``resumable``: the server may still hold the session (a broken connection), so the
-    next attempt reopens its plan stream before registering anew.
+    next attempt reopens its plan stream before registering anew. ``immediate``: the server
+    is up and said the session is gone: register at once instead of backing off.
     """
 
-    def __init__(self, reason: str, *, resumable: bool = True) -> None:
+    def __init__(self, reason: str, *, resumable: bool = True, immediate: bool = False) -> None:
         super().__init__(reason)
         self.resumable = resumable
+        self.immediate = immediate
 
 
 def _rpc_summary(err: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
@@ -501,12 +503,15 @@ class WorkerAgent:
             while not self._stop.is_set():
                 try:
                     self._session()
-                    reason, resumable = "the server closed the plan stream", True
+                    reason, resumable, immediate = "the server closed the plan stream", True, False
                 except _Retry as exc:
-                    reason, resumable = str(exc), exc.resumable
+                    reason, resumable, immediate = str(exc), exc.resumable, exc.immediate
                 self._end_session(resumable)
                 if self._stop.is_set():
                     break
+                if immediate:
+                    logger.info("%s; registering again", reason)
+                    continue
                 now = time.monotonic()
                 if self._progress:
                     attempt, outage_since, self._progress = 0, None, False
@@ -524,7 +529,7 @@ class WorkerAgent:
                     attempt, self._cfg.backoff_initial, self._cfg.backoff_max, self._rng
                 )
                 attempt += 1
-                logger.warning("%s; registering again in %.2f s", reason, delay)
+                logger.warning("%s; reconnecting in %.2f s", reason, delay)
                 self._stop.wait(delay)
         except WorkerAgentError as exc:
             self._fail(exc)
@@ -593,10 +598,16 @@ class WorkerAgent:
             if code == grpc.StatusCode.CANCELLED:
                 with self._lock:
                     reason, resumable = self._reregister_reason, self._reregister_resumable
-                raise _Retry(reason or "plan stream cancelled", resumable=resumable) from None
+                raise _Retry(
+                    reason or "plan stream cancelled",
+                    resumable=resumable,
+                    immediate=reason is not None and not resumable,
+                ) from None
             if code in _STALE_SESSION:
                 raise _Retry(
-                    f"session {session_id} is stale ({code.name}: {details})", resumable=False
+                    f"session {session_id} is stale ({code.name}: {details})",
+                    resumable=False,
+                    immediate=resumed,  # only a resumed session: no register/stale loop
                 ) from None
             if code in _FATAL:
                 raise WorkerAgentError(code.name, f"WatchPlan: {details}") from None
