@@ -15,9 +15,10 @@ Algorithms:
 ``sha256_cbor``
     ``sha256(cbor2.dumps((parent, tuple(tokens), extra_keys or None), canonical=True))`` and
     ``NONE_HASH = sha256(cbor2.dumps(seed, canonical=True))`` — byte-identical to vLLM's
-    ``sha256_cbor`` block hashes for the same tokens, extra keys and seed. The CBOR bytes are
-    assembled from a per-token encoding cache instead of a ``cbor2.dumps`` per block: CBOR
-    integers have exactly one shortest form, so the bytes are the same (the golden test proves it).
+    ``sha256_cbor`` block hashes for the same tokens, extra keys and seed. Instead of one
+    ``cbor2.dumps`` per block, cbor2 encodes all new tokens at once and each block's bytes
+    are sliced out of that: CBOR integers have one shortest form, so the bytes are the same
+    (the golden tests derive the digests with hashlib + cbor2 directly).
 ``xxh3_128`` (default)
     ``xxh3_128(parent + tokens as little-endian int32 + cbor(extra_keys) if any)``. Not
     vLLM-compatible; several times faster. Parent and token bytes have fixed lengths, so the
@@ -179,26 +180,42 @@ class BlockExtraKeys:
 
 
 def _cbor_array_header(length: int) -> bytes:
-    # cbor2 writes the shortest header; derive it from cbor2 itself so it cannot disagree.
-    encoded = cbor2.dumps([0] * length)
-    return encoded[: len(encoded) - length]
+    """Canonical CBOR header of an array of ``length`` items (major type 4, shortest form)."""
+    if length < 24:
+        return bytes((0x80 + length,))
+    if length < 0x100:
+        return bytes((0x98, length))
+    if length < 0x10000:
+        return b"\x99" + length.to_bytes(2, "big")
+    return b"\x9a" + length.to_bytes(4, "big")
 
 
-class _CborIntCache(dict[int, bytes]):
-    """CBOR bytes of token ids, filled on first use and bounded (vocabularies are smaller)."""
-
-    LIMIT = 1 << 18
-
-    def __missing__(self, token: int) -> bytes:
-        if type(token) is not int:
-            raise TypeError(f"token ids must be int, got {type(token).__name__}")
-        encoded = cbor2.dumps(token)
-        if len(self) < self.LIMIT:
-            self[token] = encoded
-        return encoded
+# Byte maps for ``bytes.translate``: nonzero -> 1, and >= 24 -> 1.
+_NONZERO = bytes([0] + [1] * 255)
+_AT_LEAST_24 = bytes([0] * 24 + [1] * 232)
 
 
-_CBOR_INTS = _CborIntCache()
+def _cbor_uint_widths(packed: bytes, start: int, count: int) -> bytes:
+    """Byte length of the CBOR encoding of each of ``count`` little-endian uint32s.
+
+    Width is 1 below 24, 2 below 2**8, 3 below 2**16, 5 otherwise; computed on whole byte
+    strings (big-int ORs and ``translate``) instead of per token. No byte exceeds 5, so the
+    big-int sums never carry between tokens.
+    """
+    end = start + 4 * count
+    frombytes = int.from_bytes
+    low = packed[start:end:4]
+    ge_65536 = frombytes(packed[start + 2 : end : 4], "little") | frombytes(
+        packed[start + 3 : end : 4], "little"
+    )
+    ge_256 = ge_65536 | frombytes(packed[start + 1 : end : 4], "little")
+    ge_65536 = frombytes(ge_65536.to_bytes(count, "little").translate(_NONZERO), "little")
+    ge_256 = frombytes(ge_256.to_bytes(count, "little").translate(_NONZERO), "little")
+    ge_24 = ge_256 | frombytes(low.translate(_AT_LEAST_24), "little")
+    ones = frombytes(b"\x01" * count, "little")
+    return (ones + ge_24 + ge_256 + 2 * ge_65536).to_bytes(count, "little")
+
+
 _CBOR_NONE = b"\xf6"
 # Array of three items whose first is a 32-byte string: the parent digest.
 _CBOR_TRIPLE_WITH_32B_PARENT = b"\x83\x58\x20"
@@ -286,13 +303,17 @@ class BlockHasher:
         assert len(token_ids) >= start + num_blocks * bs, "only full blocks are hashed"
         if parent is None:
             parent = self.none_hash
-        if self.algo == "sha256_cbor":
-            return self._sha256_cbor_blocks(token_ids, start, num_blocks, parent, extra_keys)
+        # Both algorithms read the tokens as little-endian uint32 bytes (xxh3 hashes them,
+        # sha256_cbor derives CBOR widths from them).
         if packed is None or len(packed) < 4 * (start + num_blocks * bs):
             packed = _pack(token_ids[start : start + num_blocks * bs])
             base = 0
         else:
             base = 4 * start
+        if self.algo == "sha256_cbor":
+            return self._sha256_cbor_blocks(
+                token_ids, start, num_blocks, parent, extra_keys, packed, base
+            )
         return self._xxh3_blocks(packed, base, start, num_blocks, parent, extra_keys)
 
     def _xxh3_blocks(
@@ -332,37 +353,39 @@ class BlockHasher:
         num_blocks: int,
         parent: BlockHash,
         extra_keys: BlockExtraKeys | None,
+        packed: bytes,
+        base: int,
     ) -> list[BlockHash]:
+        # cbor2 encodes the whole span in one call; each block's token bytes are then a
+        # slice of it, located from the per-token widths. Per block this leaves one
+        # concatenation and one sha256 in Python.
         bs = self.block_size
-        end = start + num_blocks * bs
-        encoded = list(map(_CBOR_INTS.__getitem__, token_ids[start:end]))
+        count = num_blocks * bs
+        span = token_ids[start : start + count]
+        if not isinstance(span, list | tuple):
+            span = list(span)
+        body = cbor2.dumps(span)
+        widths = _cbor_uint_widths(packed, base, count)
+        offset = len(_cbor_array_header(count))
         header = self._array_header
-        join = b"".join
         sha256 = hashlib.sha256
         dumps = cbor2.dumps
         out: list[BlockHash] = []
         append = out.append
         for i in range(num_blocks):
-            offset = i * bs
+            end = offset + sum(widths[i * bs : (i + 1) * bs])
             if extra_keys is None:
                 tail = _CBOR_NONE
             else:
-                keys = extra_keys(start + offset, start + offset + bs)
+                keys = extra_keys(start + i * bs, start + (i + 1) * bs)
                 tail = _CBOR_NONE if keys is None else dumps(keys, canonical=True)
             if len(parent) == 32:
-                payload = (
-                    _CBOR_TRIPLE_WITH_32B_PARENT
-                    + parent
-                    + header
-                    + join(encoded[offset : offset + bs])
-                    + tail
-                )
+                head = _CBOR_TRIPLE_WITH_32B_PARENT + parent
             else:  # a caller-supplied parent of another length: let cbor2 frame it
-                payload = (
-                    b"\x83" + dumps(parent) + header + join(encoded[offset : offset + bs]) + tail
-                )
-            parent = sha256(payload).digest()
+                head = b"\x83" + dumps(parent)
+            parent = sha256(head + header + body[offset:end] + tail).digest()
             append(parent)
+            offset = end
         return out
 
 

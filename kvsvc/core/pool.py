@@ -147,7 +147,6 @@ class PoolKVCache:
         self.max_num_batched_tokens = max_num_batched_tokens
         self._requests: dict[str, RequestState] = {}
         self._num_preemptions = 0
-        self._no_blocks: tuple[list[int], ...] = tuple([] for _ in range(self.num_groups))
         coordinator = self.manager.coordinator
         # Groups that never drop blocks always report 0 leading nulls: skip asking.
         self._null_counts = (
@@ -281,7 +280,7 @@ class PoolKVCache:
             request.num_computed_tokens = computed_before
             return AllocateOutcome(
                 False,
-                self._no_blocks,
+                self._no_new_blocks(),
                 self._zeros if null_counts is None else null_counts(request_id),
                 0,
                 num_new_tokens,
@@ -347,7 +346,7 @@ class PoolKVCache:
         )
         if block_ids is None:
             return AllocateOutcome(
-                False, self._no_blocks, self._zeros, num_cached, num_scheduled, 0
+                False, self._no_new_blocks(), self._zeros, num_cached, num_scheduled, 0
             )
         if manager.enable_caching and not start.skip_prefix_cache_read:
             manager.record_prefix_lookup(request, num_cached)
@@ -363,6 +362,10 @@ class PoolKVCache:
             request.num_computed_tokens,
         )
 
+    def _no_new_blocks(self) -> tuple[list[int], ...]:
+        # Fresh lists: callers own what an outcome holds.
+        return tuple([] for _ in range(self.num_groups))
+
     def free(self, request_ids: Sequence[str], *, preempted: bool = False) -> int:
         """Release requests; their full blocks stay cached for reuse.
 
@@ -377,6 +380,8 @@ class PoolKVCache:
             NotFound: an id that is not live; nothing is freed then.
             InvalidArgument: an id listed twice.
         """
+        if isinstance(request_ids, str):
+            raise InvalidArgument("request_ids", "must be a sequence of ids, not one string")
         ids = list(request_ids)
         for request_id in ids:
             if request_id not in self._requests:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import random
 from typing import Any
 
 import cbor2
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvsvc.core import (
     BlockExtraKeys,
@@ -15,7 +18,7 @@ from kvsvc.core import (
     HashingContext,
     MultiModalItem,
 )
-from kvsvc.core.hashing import pack_token_ids, validate_token_ids
+from kvsvc.core.hashing import _cbor_uint_widths, pack_token_ids, validate_token_ids
 from kvsvc.errors import InvalidArgument
 
 
@@ -206,3 +209,34 @@ def test_token_validation_accepts_the_whole_int32_range() -> None:
     assert pack_token_ids([0, 2**31 - 1], "t") == b"\x00\x00\x00\x00\xff\xff\xff\x7f"
     validate_token_ids([2**31 - 1], "t")
     validate_token_ids([], "t")
+
+
+@settings(deadline=None, max_examples=200)
+@given(
+    st.lists(
+        st.one_of(st.integers(0, 300), st.integers(0, 2**16 + 5), st.integers(0, 2**31 - 1)),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_cbor_widths_match_cbor2(tokens: list[int]) -> None:
+    packed = b"\xaa" * 8 + pack_token_ids(tokens, "t")
+    widths = _cbor_uint_widths(packed, 8, len(tokens))
+    assert list(widths) == [len(cbor2.dumps(t, canonical=True)) for t in tokens]
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 23, 24, 32, 255, 256, 300])
+def test_golden_digests_for_every_header_and_integer_width(block_size: int) -> None:
+    # Block sizes cover 1-, 2- and 3-byte CBOR array headers; tokens every integer width.
+    rng = random.Random(block_size)
+    widths = [0, 23, 24, 255, 256, 65535, 65536, 2**31 - 1]
+    tokens = [rng.choice(widths) + rng.randrange(0, 2) for _ in range(3 * block_size)]
+    tokens = [min(t, 2**31 - 1) for t in tokens]
+    parent = sha256_cbor("vllm-none-hash")
+    expected = []
+    for i in range(3):
+        parent = sha256_cbor((parent, tuple(tokens[i * block_size : (i + 1) * block_size]), None))
+        expected.append(parent)
+    hasher = BlockHasher("sha256_cbor", block_size)
+    assert hasher.hash_blocks(tokens, 0, 3, None) == expected
+    assert hasher.hash_blocks(tokens, 1, 2, expected[0]) == expected[1:]
