@@ -5,10 +5,15 @@ from __future__ import annotations
 import urllib.request
 
 import pytest
+
+pytest.importorskip("torch")  # kvsvc.worker (the package) imports torch
+
 from prometheus_client import generate_latest
 
 from kvsvc.errors import InvalidArgument
 from kvsvc.worker.metrics import AgentMetrics, parse_listen, serve_metrics
+
+pytestmark = pytest.mark.torch
 
 KNOWN_AT_ZERO = [
     "kvsvc_agent_tensor_bytes",

@@ -6,6 +6,9 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("torch")  # kvsvc.worker (the package) imports torch
+
+
 from kvsvc.errors import InvalidArgument
 from kvsvc.worker.profiling import (
     CudaMemorySnapshot,
@@ -15,6 +18,8 @@ from kvsvc.worker.profiling import (
     profile_memory,
     read_meminfo,
 )
+
+pytestmark = pytest.mark.torch
 
 GiB = 1 << 30
 
