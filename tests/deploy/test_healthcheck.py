@@ -4,7 +4,6 @@ on loopback and a real agent metrics endpoint.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,6 +13,7 @@ import pytest
 from kvsvc.server.app import KVCACHE_SERVICE, pool_health_name
 from kvsvc.server.config import PoolConfig
 from kvsvc.tools.healthcheck import check_agent, check_grpc, main
+from tests.deploy.files import free_port
 from tests.server.harness import ServerThread, bring_up, running_server
 
 
@@ -26,13 +26,6 @@ def server() -> Iterator[ServerThread]:
         yield srv
         for rank in ranks:
             rank.close()
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on (bound, then released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_the_server_itself_is_serving(server: ServerThread) -> None:

@@ -11,8 +11,10 @@ Pool ``p`` (test ranks, 8 usable blocks of 16 tokens) gets, in order:
 6. ``a`` again, resumed after preemption                           -> OK, 32 cached
 7. Free ``a``
 
-so the expected counters are known exactly (see ``Workload``). Pool ``w`` is planned and
-allocated by a real agent process (CPU, llama-3.2-1b, 16 MiB) serving its own /metrics.
+so the expected counters are known exactly (see ``Workload``). Pool ``u`` (the same size)
+is for tests that hold blocks for a moment and must not disturb ``p``'s figures. Pool
+``w`` is planned and allocated by a real agent process (CPU, llama-3.2-1b, 16 MiB) serving
+its own /metrics.
 """
 
 from __future__ import annotations
@@ -168,12 +170,17 @@ def live() -> Iterator[LiveKvsvc]:
 
     pools = (
         PoolConfig(name="p", world_size=1, max_model_len=128),
+        PoolConfig(name="u", world_size=1, max_model_len=128),
         PoolConfig(name="w", world_size=1, max_model_len=256),
     )
     with running_server(*pools, metrics_listen="127.0.0.1:0", heartbeat_timeout_s=600) as srv:
         metrics_port = srv.server.metrics_port
         fresh = scrape(metrics_port)
-        ranks = bring_up(srv, "p", kv_cache_bytes=(USABLE_BLOCKS + 1) * BYTES_PER_BLOCK)
+        ranks = [
+            rank
+            for pool in ("p", "u")
+            for rank in bring_up(srv, pool, kv_cache_bytes=(USABLE_BLOCKS + 1) * BYTES_PER_BLOCK)
+        ]
         agent: Child | None = None
         try:
             usage = _run_workload(srv.address)

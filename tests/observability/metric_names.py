@@ -116,9 +116,7 @@ def promql_metric_names(expr: str) -> set[str]:
     variables (``$pool``, ``${pool}``, ``$__rate_interval``), string literals. A
     ``{__name__=...}`` selector is not resolved (kvsvc's artefacts never use one).
     """
-    tokens = [
-        (m.lastgroup, m.group()) for m in _TOKEN.finditer(expr) if m.lastgroup is not None
-    ]
+    tokens = [(m.lastgroup, m.group()) for m in _TOKEN.finditer(expr) if m.lastgroup is not None]
     names: set[str] = set()
     brace_depth = 0
     label_list_depth: int | None = None  # paren depth of an open label list

@@ -153,7 +153,7 @@ def test_layout_is_sane(dashboard: dict[str, Any]) -> None:
     assert len(ids) == len(set(ids)), "duplicate panel ids"
     for panel in panels(dashboard):
         grid = panel["gridPos"]
-        assert 0 <= grid["x"] and grid["x"] + grid["w"] <= 24, panel["title"]
+        assert grid["x"] >= 0 and grid["x"] + grid["w"] <= 24, panel["title"]
         assert grid["h"] > 0 and grid["y"] >= 0, panel["title"]
         assert panel["type"] in ("row", "timeseries", "stat"), panel["type"]
     for panel in panels(dashboard):
@@ -166,7 +166,7 @@ def test_layout_is_sane(dashboard: dict[str, Any]) -> None:
 def test_metric_name_extraction() -> None:
     """The checker itself: it finds metric names and nothing else, so a typo fails."""
     expr = (
-        'histogram_quantile(0.99, sum by (instance, le) (rate(grpc_server_handling_seconds_bucket{'
+        "histogram_quantile(0.99, sum by (instance, le) (rate(grpc_server_handling_seconds_bucket{"
         'instance=~"$instance", grpc_method="Step"}[$__rate_interval])))'
         " / on (pool) group_left (model) kvsvc_pool_info > bool 0.5"
     )

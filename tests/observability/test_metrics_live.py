@@ -61,7 +61,7 @@ def promtool_check(text: str) -> subprocess.CompletedProcess[str]:
 
 def test_a_fresh_server_exports_every_pool_series_at_zero(live: LiveKvsvc) -> None:
     samples = parse(live.fresh_scrape)
-    for pool in ("p", "w"):
+    for pool in ("p", "u", "w"):
         assert value(samples, "kvsvc_pool_state", pool=pool, state="WAITING_FOR_WORKERS") == 1
         for state in ("PLANNED", "READY", "DEGRADED"):
             assert value(samples, "kvsvc_pool_state", pool=pool, state=state) == 0
@@ -163,15 +163,17 @@ def test_usage_ratio_excludes_the_null_block(live: LiveKvsvc) -> None:
     """Hold a request's blocks and read the ratio: used / usable, the null block left out."""
     from kvsvc_client import KVCacheClient
 
-    with KVCacheClient(live.server.address, pool="p") as kv:
+    with KVCacheClient(live.server.address, pool="u") as kv:
         kv.allocate("held", list(range(5000, 5048)), 48, start=True)  # 3 blocks
         try:
             s = parse(live.scrape())
-            assert value(s, "kvsvc_pool_used_blocks", pool="p") == 3
-            assert value(s, "kvsvc_pool_requests", pool="p") == 1
-            assert value(s, "kvsvc_kv_cache_usage_ratio", pool="p") == 3 / USABLE_BLOCKS
+            assert value(s, "kvsvc_pool_used_blocks", pool="u") == 3
+            assert value(s, "kvsvc_pool_free_blocks", pool="u") == USABLE_BLOCKS - 3
+            assert value(s, "kvsvc_pool_requests", pool="u") == 1
+            assert value(s, "kvsvc_kv_cache_usage_ratio", pool="u") == 3 / USABLE_BLOCKS
         finally:
             kv.free("held")
+    assert value(parse(live.scrape()), "kvsvc_pool_used_blocks", pool="u") == 0
 
 
 def test_pool_info_and_state(live: LiveKvsvc) -> None:
@@ -185,7 +187,7 @@ def test_pool_info_and_state(live: LiveKvsvc) -> None:
         "prefix_caching": "true",
         "world_size": "1",
     }
-    for pool in ("p", "w"):
+    for pool in ("p", "u", "w"):
         states = {
             labels["state"]: v
             for labels, v in zip(
@@ -269,7 +271,7 @@ def test_labels_are_bounded(live: LiveKvsvc, which: str) -> None:
             assert not {v for _, v in labels} & request_ids, f"{name}: a request id as a label"
         if name.startswith("kvsvc_"):
             pools = {dict(labels).get("pool") for labels in series} - {None}
-            assert pools <= {"p", "w"}, name
+            assert pools <= {"p", "u", "w"}, name
 
 
 def test_names_follow_prometheus_conventions(live: LiveKvsvc) -> None:
