@@ -9,7 +9,8 @@ What it measures (medians unless said otherwise):
 - a scheduler-like workload: 256 requests with 2048-token prompts sharing a 1024-token
   prefix, admitted one at a time (``get_computed_blocks`` + ``allocate_slots``), then 128
   decode steps of ``allocate_slots(req, 1)`` for every request, then ``free``; the same
-  workload through the ``PoolKVCache`` facade the server calls.
+  workload through the ``PoolKVCache`` facade the server calls (xxh3, sha256_cbor, and a
+  full + sliding-window hybrid model).
 
 Per-call times come from ``perf_counter_ns`` around each call; they include the timer's own
 overhead (printed). Run ``python benchmarks/core_bench.py`` for the table, ``--json`` for one
@@ -39,7 +40,7 @@ from kvsvc.core import (
     RequestStart,
     RequestState,
 )
-from kvsvc.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from kvsvc.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
 # vLLM's own in-process manager on the same 2-core machine (from the issue).
 ANCHOR = {
@@ -231,12 +232,31 @@ def bench_manager_workload(sizes: Sizes, algo: str = "xxh3_128") -> dict[str, fl
     }
 
 
-def bench_facade_workload(sizes: Sizes, algo: str) -> dict[str, float]:
-    """The same workload through PoolKVCache (validation, hashing, bookkeeping included)."""
+def bench_facade_workload(sizes: Sizes, algo: str, hybrid: bool = False) -> dict[str, float]:
+    """The same workload through PoolKVCache (validation, hashing, bookkeeping included).
+
+    ``hybrid`` adds a sliding-window group (window 512) next to full attention, as in
+    Gemma-style models: twice the tables, blocks dropped as the window moves.
+    """
     prompts = _workload_prompts(sizes)
     max_len = sizes.prompt_len + sizes.decode_steps + 16
+    config = _workload_config(sizes)
+    if hybrid:
+        full = config.kv_cache_groups[0].kv_cache_spec
+        assert isinstance(full, FullAttentionSpec)
+        sliding = SlidingWindowSpec(
+            block_size=full.block_size,
+            num_kv_heads=full.num_kv_heads,
+            head_size=full.head_size,
+            dtype=full.dtype,
+            sliding_window=512,
+        )
+        config = KVCacheConfig(
+            num_blocks=2 * config.num_blocks,
+            kv_cache_groups=[*config.kv_cache_groups, KVCacheGroupSpec(["s"], sliding)],
+        )
     pool = PoolKVCache(
-        _workload_config(sizes),
+        config,
         max_model_len=max_len,
         hash_algo=algo,
         hash_seed="b",
@@ -291,8 +311,12 @@ def run(sizes: Sizes) -> dict[str, float]:
     ):
         results[key] = bench_hash(algo, sizes.hash_tokens, sizes.hash_repeats, sizes.block_size)
     results.update(bench_manager_workload(sizes))
-    for algo, tag in (("xxh3_128", "xxh3"), ("sha256_cbor", "sha256")):
-        for name, value in bench_facade_workload(sizes, algo).items():
+    for algo, tag, hybrid in (
+        ("xxh3_128", "xxh3", False),
+        ("sha256_cbor", "sha256", False),
+        ("xxh3_128", "hybrid", True),
+    ):
+        for name, value in bench_facade_workload(sizes, algo, hybrid).items():
             results[f"facade_{tag}_{name}"] = value
     return results
 
@@ -323,6 +347,12 @@ ROWS: list[tuple[str, str, Callable[[float], str]]] = [
     ("facade_xxh3_free_us_p50", "facade xxh3: free (us)", lambda v: f"{v:.1f}"),
     ("facade_sha256_admit_us_p50", "facade sha256: first allocate (us)", lambda v: f"{v:.1f}"),
     ("facade_sha256_decode_us_p50", "facade sha256: decode allocate (us)", lambda v: f"{v:.2f}"),
+    (
+        "facade_hybrid_admit_us_p50",
+        "facade full+sliding: first allocate (us)",
+        lambda v: f"{v:.1f}",
+    ),
+    ("facade_hybrid_decode_us_p50", "facade full+sliding: decode (us)", lambda v: f"{v:.2f}"),
     ("timer_overhead_us", "perf_counter_ns pair (in per-call times)", lambda v: f"{v:.3f}"),
 ]
 

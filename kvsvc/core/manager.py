@@ -12,11 +12,18 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from math import gcd, lcm
 
-from kvsvc.core.block_pool import BlockPool
+from kvsvc.core.block_pool import NULL_BLOCK_ID, BlockPool
 from kvsvc.core.coordinator import KVCacheCoordinator, make_coordinator
 from kvsvc.core.events import MEDIUM_GPU, KVEventBatch, KVEventQueue
 from kvsvc.core.hashing import BlockHash, BlockHasher, HashingContext
-from kvsvc.core.managers import FullAttentionManager, SingleTypeKVCacheManager, representative_spec
+from kvsvc.core.managers import (
+    ChunkedLocalAttentionManager,
+    FullAttentionManager,
+    SingleTypeKVCacheManager,
+    SinkFullAttentionManager,
+    SlidingWindowManager,
+    representative_spec,
+)
 from kvsvc.core.request import RequestState
 from kvsvc.core.stats import PrefixCacheStats
 from kvsvc.specs import CrossAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec
@@ -149,13 +156,30 @@ class KVCacheManager:
         self.num_kv_cache_groups = len(specs)
         self.prefix_cache_stats = PrefixCacheStats()
         self._empty_blocks: tuple[Sequence[int], ...] = tuple(() for _ in specs)
-        # A single full-attention group gets a shortcut for running requests.
+        # Shortcuts for running requests: one full-attention group, or attention groups
+        # with plain tables (no Mamba state juggling, no cross attention).
         managers = self.coordinator.managers
+        self._running_marker: dict[str, int] | None = (
+            managers[0].num_cached_block if managers else None
+        )
         self._plain_group: SingleTypeKVCacheManager | None = (
             managers[0]
-            if len(managers) == 1 and type(managers[0]) in (FullAttentionManager,)
+            if len(managers) == 1 and type(managers[0]) is FullAttentionManager
             else None
         )
+        plain_tables = (
+            FullAttentionManager,
+            SinkFullAttentionManager,
+            SlidingWindowManager,
+            ChunkedLocalAttentionManager,
+        )
+        self._windowed_groups: tuple[SingleTypeKVCacheManager, ...] | None = (
+            managers if managers and all(type(m) in plain_tables for m in managers) else None
+        )
+        self._block_sizes = tuple(m.block_size for m in managers)
+        self._dropping_indexes = tuple(i for i, m in enumerate(managers) if m.may_drop_blocks)
+        # request id -> its tables (the managers' lists), for the windowed shortcut.
+        self._tables: dict[str, tuple[list[int], ...]] = {}
 
     # -- requests ------------------------------------------------------------------------
 
@@ -283,14 +307,19 @@ class KVCacheManager:
     ) -> tuple[list[int], ...] | None:
         """``allocate_slots`` returning the bare per-group lists (one object less per call)."""
         if (
-            self._plain_group is not None
-            and new_computed_blocks is None
+            new_computed_blocks is None
             and not num_external_computed_tokens
-            and request.request_id in self._plain_group.num_cached_block
+            and self._running_marker is not None
+            and request.request_id in self._running_marker
         ):
-            return self._allocate_running_plain(
-                request, num_new_tokens, num_lookahead_tokens, delay_cache_blocks
-            )
+            if self._plain_group is not None:
+                return self._allocate_running_plain(
+                    request, num_new_tokens, num_lookahead_tokens, delay_cache_blocks
+                )
+            if self._windowed_groups is not None:
+                return self._allocate_running_windowed(
+                    request, num_new_tokens, num_lookahead_tokens, delay_cache_blocks
+                )
         coordinator = self.coordinator
         request_id = request.request_id
         hit_blocks = new_computed_blocks.blocks if new_computed_blocks else self._empty_blocks
@@ -331,6 +360,73 @@ class KVCacheManager:
                 request, min(total_computed + num_new_tokens, request.num_tokens)
             )
         return new_blocks
+
+    def _allocate_running_windowed(
+        self,
+        request: RequestState,
+        num_new_tokens: int,
+        num_lookahead_tokens: int,
+        delay_cache_blocks: bool,
+    ) -> tuple[list[int], ...] | None:
+        # A running request of a pool whose groups are all attention with plain tables
+        # (full, sink, sliding window, chunked local): the general path without the per-group
+        # dispatch layers. Same arithmetic, same order of operations.
+        managers = self._windowed_groups
+        assert managers is not None
+        request_id = request.request_id
+        tables = self._tables.get(request_id)
+        if tables is None:
+            tables = self._tables[request_id] = tuple(m.req_to_blocks[request_id] for m in managers)
+        max_model_len = self.max_model_len
+        total_computed = request.num_computed_tokens
+        if total_computed > max_model_len:
+            total_computed = max_model_len
+        num_tokens_main_model = total_computed + num_new_tokens
+        num_tokens_need_slot = num_tokens_main_model + num_lookahead_tokens
+        if num_tokens_need_slot > max_model_len:
+            num_tokens_need_slot = max_model_len
+        counts = []
+        num_to_allocate = 0
+        for block_size, table in zip(self._block_sizes, tables):  # noqa: B905  # same length
+            count = -(-num_tokens_need_slot // block_size) - len(table)
+            counts.append(count)
+            if count > 0:
+                num_to_allocate += count
+        if num_to_allocate:
+            num_free = self.block_pool.free_queue.num_free_blocks
+            if num_to_allocate > num_free and num_to_allocate > num_free + (
+                self.coordinator.get_num_freeable_skipped_blocks(request_id, total_computed)
+            ):
+                return None
+        for i in self._dropping_indexes:
+            # Only call out when the window passed a block that is not null yet.
+            manager = managers[i]
+            table = tables[i]
+            skipped = min(
+                manager.get_num_skipped_tokens(total_computed) // manager.block_size, len(table)
+            )
+            if skipped > 0 and table[skipped - 1] != NULL_BLOCK_ID:
+                manager.remove_skipped_blocks(request_id, total_computed)
+        new_blocks: list[list[int]] = []
+        if num_to_allocate:
+            get_new_blocks = self.block_pool.get_new_blocks
+            for table, count in zip(tables, counts):  # noqa: B905  # same length
+                if count > 0:
+                    blocks = get_new_blocks(count)
+                    table.extend(blocks)
+                    new_blocks.append(blocks)
+                else:
+                    new_blocks.append([])
+        else:
+            new_blocks = [[] for _ in tables]
+        if self.enable_caching and not delay_cache_blocks:
+            num_to_cache = num_tokens_main_model
+            if num_to_cache > request.num_tokens:
+                num_to_cache = request.num_tokens
+            for manager in managers:
+                if num_to_cache // manager.block_size > manager.num_cached_block[request_id]:
+                    manager.cache_blocks(request, num_to_cache)
+        return tuple(new_blocks)
 
     def _allocate_running_plain(
         self,
@@ -379,6 +475,7 @@ class KVCacheManager:
         """Release a request's blocks, each table tail first (tails are evicted first)."""
         request_id = request if isinstance(request, str) else request.request_id
         self.coordinator.free(request_id)
+        self._tables.pop(request_id, None)
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
         """Replace blocks outside the attention window with the null block and free them."""
