@@ -10,6 +10,7 @@ check passes, the engine's traffic is served, and SIGTERM stops everyone cleanly
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import signal
 import subprocess
@@ -33,7 +34,13 @@ from tests.deploy.files import (
     rewrite_flag,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(
+        importlib.util.find_spec("torch") is None,
+        reason="the worker agent needs torch (the worker extra)",
+    ),
+]
 
 _METRICS_LINE = re.compile(r"metrics on http://[^\s:]+:(\d+)/metrics")
 # `kvsvc serve` prints this line; at log level INFO its log also says "kvsvc serving on

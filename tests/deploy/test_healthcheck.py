@@ -83,6 +83,7 @@ def test_bad_arguments_exit_2_naming_the_flag(
 
 
 def test_agent_readiness_from_its_metrics() -> None:
+    pytest.importorskip("torch", reason="kvsvc.worker imports torch (the worker extra)")
     from kvsvc.worker.metrics import AgentMetrics, serve_metrics
 
     metrics = AgentMetrics("p", 0, "cpu")
@@ -99,6 +100,7 @@ def test_agent_readiness_from_its_metrics() -> None:
 
 
 def test_a_metrics_endpoint_of_something_else_is_not_an_agent(server: ServerThread) -> None:
+    pytest.importorskip("torch", reason="kvsvc.worker imports torch (the worker extra)")
     from prometheus_client import CollectorRegistry
 
     from kvsvc.worker.metrics import serve_metrics

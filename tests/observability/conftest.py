@@ -123,10 +123,10 @@ def _run_workload(address: str) -> Any:
 
 
 def _start_agent(address: str) -> tuple[Child | None, int | None, str]:
-    try:
-        import kvsvc.commands.worker  # noqa: F401
-    except ModuleNotFoundError:
-        return None, None, "the `kvsvc worker` command is not built yet"
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return None, None, "no torch (the worker extra): no worker agent to scrape"
     agent = spawn(
         "worker",
         [

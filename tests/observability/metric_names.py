@@ -46,7 +46,10 @@ def server_metric_names() -> frozenset[str]:
 
 @cache
 def agent_metric_names() -> frozenset[str]:
-    """The names a worker agent exports."""
+    """The names a worker agent exports (skips without torch: kvsvc.worker imports it)."""
+    import pytest
+
+    pytest.importorskip("torch", reason="kvsvc.worker imports torch (the worker extra)")
     from kvsvc.worker.metrics import AgentMetrics
 
     return frozenset(sample_names(AgentMetrics("p", 0, "cpu").registry))
