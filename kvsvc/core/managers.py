@@ -107,8 +107,7 @@ class SingleTypeKVCacheManager:
 
     def _num_evictable(self, block_ids: Sequence[int]) -> int:
         # Null's reference count is never 0, so it is excluded without a test.
-        ref = self.pool.ref_cnt
-        return sum(1 for block_id in block_ids if not ref[block_id])
+        return list(map(self.pool.ref_cnt.__getitem__, block_ids)).count(0)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Leading tokens the next token no longer attends to (0: keep everything)."""
@@ -116,49 +115,42 @@ class SingleTypeKVCacheManager:
 
     def get_num_freeable_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> int:
         """Blocks ``remove_skipped_blocks`` would return to the free queue (a dry run)."""
-        return sum(
-            1
-            for block_id in self._skipped_blocks(request_id, total_computed_tokens)
-            if self.pool.ref_cnt[block_id] == 1
-        )
+        _, skipped = self._skipped_blocks(request_id, total_computed_tokens)
+        return list(map(self.pool.ref_cnt.__getitem__, skipped)).count(1)
 
-    def _skipped_blocks(self, request_id: str, total_computed_tokens: int) -> list[int]:
-        """Table entries, tail first, that fell out of the window and are not null yet."""
+    def _skipped_blocks(self, request_id: str, total_computed_tokens: int) -> tuple[int, list[int]]:
+        """Table entries that fell out of the window and are not null yet.
+
+        Returns:
+            The index after the last skipped entry, and the entries, tail first (they are
+            the run just before that index).
+        """
         num_skipped_tokens = self.get_num_skipped_tokens(total_computed_tokens)
         if num_skipped_tokens <= 0:
-            return []
+            return 0, []
         blocks = self.req_to_blocks.get(request_id)
         if not blocks:
-            return []
+            return 0, []
         # The window may already reach into tokens without blocks (external tokens).
-        num_skipped = min(num_skipped_tokens // self.block_size, len(blocks))
+        end = min(num_skipped_tokens // self.block_size, len(blocks))
         found: list[int] = []
-        for i in range(num_skipped - 1, -1, -1):
+        for i in range(end - 1, -1, -1):
             if blocks[i] == NULL_BLOCK_ID:
                 # Earlier entries were nulled by an earlier call.
                 break
             found.append(blocks[i])
-        return found
+        return end, found
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
         """Null out and free the blocks no longer attended to, tail first.
 
         The tail of the dropped run covers the longer prefix, so it is evicted first.
         """
-        num_skipped_tokens = self.get_num_skipped_tokens(total_computed_tokens)
-        if num_skipped_tokens <= 0:
-            return
-        blocks = self.req_to_blocks.get(request_id)
-        if not blocks:
-            return
-        removed: list[int] = []
-        for i in range(min(num_skipped_tokens // self.block_size, len(blocks)) - 1, -1, -1):
-            block_id = blocks[i]
-            if block_id == NULL_BLOCK_ID:
-                break
-            removed.append(block_id)
-            blocks[i] = NULL_BLOCK_ID
+        end, removed = self._skipped_blocks(request_id, total_computed_tokens)
         if removed:
+            self.req_to_blocks[request_id][end - len(removed) : end] = [NULL_BLOCK_ID] * len(
+                removed
+            )
             self.pool.free_blocks(removed)
 
     # -- allocation ----------------------------------------------------------------------
@@ -334,8 +326,18 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     may_drop_blocks = True
 
-    def __init__(self, spec: KVCacheSpec, pool: BlockPool, group_id: int, **kwargs: bool | int):
-        super().__init__(spec, pool, group_id, **kwargs)  # type: ignore[arg-type]
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        pool: BlockPool,
+        group_id: int,
+        *,
+        enable_caching: bool,
+        hash_block_size: int,
+    ) -> None:
+        super().__init__(
+            spec, pool, group_id, enable_caching=enable_caching, hash_block_size=hash_block_size
+        )
         assert isinstance(spec, SlidingWindowSpec)
         self.sliding_window = spec.sliding_window
 
@@ -414,8 +416,18 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
 
     may_drop_blocks = True
 
-    def __init__(self, spec: KVCacheSpec, pool: BlockPool, group_id: int, **kwargs: bool | int):
-        super().__init__(spec, pool, group_id, **kwargs)  # type: ignore[arg-type]
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        pool: BlockPool,
+        group_id: int,
+        *,
+        enable_caching: bool,
+        hash_block_size: int,
+    ) -> None:
+        super().__init__(
+            spec, pool, group_id, enable_caching=enable_caching, hash_block_size=hash_block_size
+        )
         assert isinstance(spec, ChunkedLocalAttentionSpec)
         self.attention_chunk_size = spec.attention_chunk_size
 
@@ -475,8 +487,18 @@ class MambaManager(SingleTypeKVCacheManager):
 
     may_drop_blocks = True
 
-    def __init__(self, spec: KVCacheSpec, pool: BlockPool, group_id: int, **kwargs: bool | int):
-        super().__init__(spec, pool, group_id, **kwargs)  # type: ignore[arg-type]
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        pool: BlockPool,
+        group_id: int,
+        *,
+        enable_caching: bool,
+        hash_block_size: int,
+    ) -> None:
+        super().__init__(
+            spec, pool, group_id, enable_caching=enable_caching, hash_block_size=hash_block_size
+        )
         assert isinstance(spec, MambaSpec)
         self.mamba_cache_mode = spec.mamba_cache_mode
         self.num_speculative_blocks = spec.num_speculative_blocks
@@ -533,7 +555,7 @@ class MambaManager(SingleTypeKVCacheManager):
         idx = self._last_state_to_free(request_id, total_computed_tokens)
         if idx is not None:
             block_id = self.req_to_blocks[request_id][idx]
-            skipped = self._skipped_blocks(request_id, total_computed_tokens)
+            _, skipped = self._skipped_blocks(request_id, total_computed_tokens)
             if block_id not in skipped and self.pool.ref_cnt[block_id] == 1:
                 count += 1
         return count
@@ -670,8 +692,18 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
 class SinkFullAttentionManager(FullAttentionManager):
     """Full attention plus ``sink_len`` attention-sink tokens held for the pool's lifetime."""
 
-    def __init__(self, spec: KVCacheSpec, pool: BlockPool, group_id: int, **kwargs: bool | int):
-        super().__init__(spec, pool, group_id, **kwargs)  # type: ignore[arg-type]
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        pool: BlockPool,
+        group_id: int,
+        *,
+        enable_caching: bool,
+        hash_block_size: int,
+    ) -> None:
+        super().__init__(
+            spec, pool, group_id, enable_caching=enable_caching, hash_block_size=hash_block_size
+        )
         assert isinstance(spec, SinkFullAttentionSpec)
         sink_len = spec.sink_len
         if not sink_len or sink_len < 0 or sink_len % self.block_size:
