@@ -14,10 +14,11 @@ from tests.deploy.files import PROMETHEUS, load_yaml, require_tool
 from tests.observability.metric_names import exported_metric_names, unknown_metric_names
 
 ALERTS = PROMETHEUS / "alerts.yml"
-# The alerts the deployment promises (issue #5) and one for a pool that never gets ready.
+# The alerts the deployment promises (issue #5), and two for a pool that never gets ready.
 EXPECTED_ALERTS = {
     "KvsvcPoolDegraded",
     "KvsvcPoolNotReady",
+    "KvsvcPlanFailing",
     "KvsvcKVCacheUsageHigh",
     "KvsvcAllocateNoSpace",
     "KvsvcWorkerHeartbeatLost",
