@@ -63,8 +63,9 @@ class AllocateOutcome:
 
     Attributes:
         ok: False means NO_SPACE: nothing changed (the engine preempts or waits).
-        new_block_ids: per group, the entries appended to the table by this call (may hold
-            the null id 0 for Mamba groups).
+        new_block_ids: per group, the entries appended to the table by this call. On the
+            first call that is the whole table: prefix hits, null padding (window groups),
+            then new blocks. Later entries may hold the null id 0 (Mamba groups).
         num_null_blocks: per group, how many leading entries of the table are now the null
             block (sliding window, chunked local and Mamba groups drop blocks).
         num_cached_tokens: first call: tokens served from the prefix cache; otherwise 0.
@@ -353,6 +354,10 @@ class PoolKVCache:
         request.num_computed_tokens = num_cached + num_scheduled
         self._requests[request_id] = request
         null_counts = self._null_counts
+        if num_cached or manager.coordinator.may_drop_blocks:
+            # The table started empty: all of it (hits, null padding, new blocks) was
+            # appended by this call, and the engine needs all of it.
+            block_ids = tuple(list(t) for t in manager.coordinator.get_blocks(request_id))
         return AllocateOutcome(
             True,
             block_ids,

@@ -98,8 +98,9 @@ def test_admission_hit_is_capped_to_recompute_the_last_token() -> None:
     out = pool.allocate("b", prompt, 100, start=START)
     assert out.ok
     assert (out.num_cached_tokens, out.num_scheduled_tokens, out.num_computed_tokens) == (8, 4, 12)
-    # The recomputed block is a fresh one; block 3 stays cached (both hold its hash now).
-    assert out.new_block_ids == ([4],)
+    # The first call reports the whole table: the hits, then the recomputed block, a fresh
+    # one; block 3 stays cached (both hold its hash now).
+    assert out.new_block_ids == ([1, 2, 4],)
     assert pool.block_table("b").groups == ([1, 2, 4],)
     assert pool.manager.block_pool.cached_blocks_of(pool._requests["b"].block_hashes[2], 0) == [
         3,
@@ -308,7 +309,7 @@ def test_zero_budget_admission_holds_the_hit() -> None:
     pool = make_pool()
     assert pool.allocate("a", list(range(9)), 9, start=START).ok
     out = pool.allocate("b", list(range(9)), 0, start=START)
-    assert out.ok and out.new_block_ids == ([],)
+    assert out.ok and out.new_block_ids == ([1, 2],)
     assert (out.num_cached_tokens, out.num_scheduled_tokens, out.num_computed_tokens) == (8, 0, 8)
     assert pool.block_table("b").groups == ([1, 2],)
     out = pool.allocate("c", [500, 501], 0, start=START)
@@ -354,3 +355,21 @@ def test_encoder_tokens_size_cross_attention_on_admission() -> None:
     assert not pool.enable_caching
     out = pool.allocate("a", [1, 2, 3], 3, start=RequestStart(num_encoder_tokens=9))
     assert out.ok and out.new_block_ids == ([1], [2, 3, 4])
+
+
+def test_first_call_reports_the_whole_table_with_hits_and_null_padding() -> None:
+    pool = PoolKVCache(
+        make_config(30, full_spec(4), sliding_spec(4, 8)), max_model_len=64, hash_algo="xxh3_128"
+    )
+    prompt = list(range(12))
+    out = pool.allocate("a", [*prompt, 50], 13, start=START)
+    assert out.ok and out.new_block_ids == ([1, 2, 3, 4], [5, 6, 7, 8])
+    # A 12-token hit: full attention needs all three blocks, the window only the last two.
+    out = pool.allocate("b", [*prompt, 90, 91], 14, start=START)
+    assert out.ok and out.num_cached_tokens == 12
+    assert out.new_block_ids == ([1, 2, 3, 9], [0, 6, 7, 10])
+    assert out.num_null_blocks == (0, 1)
+    assert pool.block_table("b").groups == out.new_block_ids
+    # Later calls report only what they append.
+    out = pool.allocate("b", [92, 93, 94], 3)
+    assert out.ok and out.new_block_ids == ([11], [12])
