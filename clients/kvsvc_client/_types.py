@@ -1,0 +1,186 @@
+"""Plain result and context types of the engine client (no protobuf in the public API)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import grpc
+
+
+class AllocateStatus(Enum):
+    OK = "ok"
+    # Not enough free blocks; nothing changed. Preempt something or wait.
+    NO_SPACE = "no_space"
+
+
+@dataclass(frozen=True, slots=True)
+class MultiModalItem:
+    """A multimodal input's content hash and its placeholder tokens' position."""
+
+    identifier: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class HashingContext:
+    """Everything besides token ids that decides which cached blocks a prompt may reuse."""
+
+    cache_salt: str = ""
+    lora_name: str = ""
+    lora_path: str = ""
+    mm_items: tuple[MultiModalItem, ...] = ()
+    # One digest of the prompt embeddings per full hash block.
+    prompt_embeds_digests: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStart:
+    """Marks a request's first Allocate (admission, or resumption after preemption)."""
+
+    hashing: HashingContext | None = None
+    skip_prefix_cache_read: bool = False
+    resumed: bool = False
+    num_encoder_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class AllocateResult:
+    """The outcome of one allocation.
+
+    Attributes:
+        status: OK, or NO_SPACE (nothing changed).
+        new_block_ids: per KV cache group, block ids appended to the request's table.
+        num_null_blocks: per group, leading table entries that are now the null block.
+        num_cached_tokens: tokens served from the prefix cache (first call).
+        num_scheduled_tokens: tokens this call scheduled.
+        num_computed_tokens: the request's computed tokens after this call.
+    """
+
+    status: AllocateStatus
+    new_block_ids: tuple[tuple[int, ...], ...]
+    num_null_blocks: tuple[int, ...]
+    num_cached_tokens: int
+    num_scheduled_tokens: int
+    num_computed_tokens: int
+
+    @property
+    def ok(self) -> bool:
+        return self.status is AllocateStatus.OK
+
+
+@dataclass(frozen=True, slots=True)
+class FreeResult:
+    num_freed_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class OperationError:
+    """A Step operation the server rejected (it changed nothing)."""
+
+    code: grpc.StatusCode
+    message: str
+
+
+StepOutcome = AllocateResult | FreeResult | OperationError
+
+
+@dataclass(frozen=True, slots=True)
+class BlockTable:
+    groups: tuple[tuple[int, ...], ...]
+    num_computed_tokens: int
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    pool: str
+    num_blocks: int
+    num_free_blocks: int
+    usage: float
+    num_requests: int
+    num_cached_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    preempted_queries: int
+    preempted_hits: int
+    num_evictions: int
+    block_size: int
+    kv_cache_capacity_tokens: int
+
+    @property
+    def hit_rate(self) -> float:
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    block_hashes: tuple[bytes, ...]
+    parent_block_hash: bytes | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_name: str
+    medium: str
+    group_index: int
+    group_kind: str
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_hashes: tuple[bytes, ...]
+    medium: str
+    group_index: int
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    """A batch of prefix-index events.
+
+    ``gap`` is set on a batch that carries no events but says events before
+    ``oldest_available_sequence`` were lost to this subscriber.
+    """
+
+    sequence: int
+    timestamp: float
+    events: tuple[KVEvent, ...]
+    epoch: str
+    gap: bool = False
+    oldest_available_sequence: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    rank: int
+    device: str
+    hostname: str
+    registered: bool
+    allocated: bool
+    heartbeat_age_seconds: float
+    kv_cache_bytes: int
+    memory_free_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class PoolInfo:
+    name: str
+    state: str
+    world_size: int
+    num_registered: int
+    block_size: int
+    num_blocks: int
+    hash_algo: str
+    enable_prefix_caching: bool
+    error: str
+    max_model_len: int
+    workers: tuple[WorkerInfo, ...] = field(default_factory=tuple)

@@ -1,0 +1,340 @@
+"""Request building and response parsing shared by the sync and asyncio clients."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any, cast
+
+import grpc
+
+from kvsvc.v1 import admin_pb2, kvcache_pb2, pools_pb2
+from kvsvc_client._types import (
+    AllBlocksCleared,
+    AllocateResult,
+    AllocateStatus,
+    BlockRemoved,
+    BlockStored,
+    BlockTable,
+    EventBatch,
+    FreeResult,
+    HashingContext,
+    KVEvent,
+    OperationError,
+    PoolInfo,
+    RequestStart,
+    StepOutcome,
+    Usage,
+    WorkerInfo,
+)
+from kvsvc_client.errors import error_from_rpc
+
+_CODE_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+_STATE_NAMES = {
+    value: name.removeprefix("POOL_STATE_") for name, value in pools_pb2.PoolState.items()
+}
+
+
+def hashing_to_pb(hashing: HashingContext | None) -> kvcache_pb2.HashingContext | None:
+    if hashing is None:
+        return None
+    return kvcache_pb2.HashingContext(
+        cache_salt=hashing.cache_salt,
+        lora_name=hashing.lora_name,
+        lora_path=hashing.lora_path,
+        mm_items=[
+            kvcache_pb2.MultiModalItem(identifier=i.identifier, offset=i.offset, length=i.length)
+            for i in hashing.mm_items
+        ],
+        prompt_embeds_digests=hashing.prompt_embeds_digests,
+    )
+
+
+def start_to_pb(start: RequestStart | bool) -> kvcache_pb2.RequestStart | None:
+    if start is False:
+        return None
+    if start is True:
+        return kvcache_pb2.RequestStart()
+    return kvcache_pb2.RequestStart(
+        hashing=hashing_to_pb(start.hashing),
+        skip_prefix_cache_read=start.skip_prefix_cache_read,
+        resumed=start.resumed,
+        num_encoder_tokens=start.num_encoder_tokens,
+    )
+
+
+def allocate_request(
+    pool: str,
+    request_id: str,
+    new_token_ids: Sequence[int],
+    num_new_tokens: int,
+    num_lookahead_tokens: int,
+    start: RequestStart | bool,
+) -> kvcache_pb2.AllocateRequest:
+    request = kvcache_pb2.AllocateRequest(
+        pool=pool,
+        request_id=request_id,
+        new_token_ids=new_token_ids,
+        num_new_tokens=num_new_tokens,
+        num_lookahead_tokens=num_lookahead_tokens,
+    )
+    start_pb = start_to_pb(start)
+    if start_pb is not None:
+        request.start.CopyFrom(start_pb)
+    return request
+
+
+def allocate_result(response: kvcache_pb2.AllocateResponse) -> AllocateResult:
+    return AllocateResult(
+        status=AllocateStatus.OK
+        if response.status == kvcache_pb2.ALLOCATE_STATUS_OK
+        else AllocateStatus.NO_SPACE,
+        new_block_ids=tuple(tuple(g.block_ids) for g in response.new_blocks),
+        num_null_blocks=tuple(g.num_null_blocks for g in response.new_blocks),
+        num_cached_tokens=response.num_cached_tokens,
+        num_scheduled_tokens=response.num_scheduled_tokens,
+        num_computed_tokens=response.num_computed_tokens,
+    )
+
+
+class StepBuilder:
+    """Collects one scheduling step's operations; ``send()`` applies them in order.
+
+    Operations are encoded column-wise (see ``StepRequest`` in kvcache.proto); results come
+    back in the same order, one per operation.
+    """
+
+    def __init__(self, pool: str) -> None:
+        self._pool = pool
+        self._types: list[int] = []
+        self._ids: list[str] = []
+        self._counts: list[int] = []
+        self._tokens: list[int] = []
+        self._new: list[int] = []
+        self._lookahead: list[int] = []
+        self._starts: dict[int, kvcache_pb2.RequestStart] = {}
+
+    def __len__(self) -> int:
+        return len(self._types)
+
+    def allocate(
+        self,
+        request_id: str,
+        new_token_ids: Sequence[int] = (),
+        num_new_tokens: int = 0,
+        *,
+        num_lookahead_tokens: int = 0,
+        start: RequestStart | bool = False,
+    ) -> StepBuilder:
+        """Add an allocation (``start`` on a request's first call, as for ``allocate``)."""
+        start_pb = start_to_pb(start)
+        if start_pb is not None:
+            self._starts[len(self._types)] = start_pb
+        self._types.append(kvcache_pb2.STEP_OPERATION_TYPE_ALLOCATE)
+        self._ids.append(request_id)
+        self._counts.append(len(new_token_ids))
+        self._tokens.extend(new_token_ids)
+        self._new.append(num_new_tokens)
+        self._lookahead.append(num_lookahead_tokens)
+        return self
+
+    def free(self, request_id: str) -> StepBuilder:
+        """Add the release of a finished request."""
+        return self._release(request_id, kvcache_pb2.STEP_OPERATION_TYPE_FREE)
+
+    def preempt(self, request_id: str) -> StepBuilder:
+        """Add the release of a preempted request (it comes back with a first call)."""
+        return self._release(request_id, kvcache_pb2.STEP_OPERATION_TYPE_PREEMPT)
+
+    def _release(self, request_id: str, kind: int) -> StepBuilder:
+        self._types.append(kind)
+        self._ids.append(request_id)
+        self._counts.append(0)
+        self._new.append(0)
+        self._lookahead.append(0)
+        return self
+
+    def to_pb(self) -> kvcache_pb2.StepRequest:
+        return kvcache_pb2.StepRequest(
+            pool=self._pool,
+            types=cast(list[kvcache_pb2.StepOperationType], self._types),
+            request_ids=self._ids,
+            num_token_ids=self._counts,
+            token_ids=self._tokens,
+            num_new_tokens=self._new,
+            num_lookahead_tokens=self._lookahead if any(self._lookahead) else (),
+            starts=self._starts,
+        )
+
+    def parse(self, response: kvcache_pb2.StepResponse) -> StepResultList:
+        return StepResultList(self._types, response)
+
+
+class StepResultList(Sequence[StepOutcome]):
+    """The results of a Step, one per operation, decoded on access.
+
+    A decode step of a few hundred requests mostly needs to know which ones got
+    ``NO_SPACE`` and which got new blocks; decoding every result eagerly would cost more
+    than the server's work. The response's columns are copied into lists once; an
+    operation's result object is built when it is indexed.
+    """
+
+    def __init__(self, types: Sequence[int], response: kvcache_pb2.StepResponse) -> None:
+        self._types = types
+        self._statuses = list(response.statuses)
+        if len(self._statuses) != len(types):
+            raise RuntimeError(
+                f"server returned {len(self._statuses)} results for {len(types)} operations"
+            )
+        self._groups = response.num_groups
+        self._counts = list(response.num_new_blocks)
+        self._block_ids = list(response.new_block_ids)
+        self._nulls = list(response.num_null_blocks)
+        self._scheduled = list(response.num_scheduled_tokens)
+        self._computed = list(response.num_computed_tokens)
+        self._cached = list(response.num_cached_tokens)
+        self._freed = list(response.num_freed_blocks)
+        self._errors = dict(response.errors)
+        self._offsets: list[int] | None = None
+
+    def __len__(self) -> int:
+        return len(self._types)
+
+    @property
+    def statuses(self) -> list[int]:
+        """Raw per-operation status codes (kvsvc.v1.AllocateStatus values)."""
+        return self._statuses
+
+    def no_space_indices(self) -> list[int]:
+        """Indices of the allocations that got NO_SPACE."""
+        no_space = kvcache_pb2.ALLOCATE_STATUS_NO_SPACE
+        return [i for i, status in enumerate(self._statuses) if status == no_space]
+
+    def error_indices(self) -> list[int]:
+        return sorted(self._errors)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        error = self._errors.get(index)
+        if error is not None:
+            return OperationError(
+                _CODE_BY_VALUE.get(error.code, grpc.StatusCode.UNKNOWN), error.message
+            )
+        if self._types[index] != kvcache_pb2.STEP_OPERATION_TYPE_ALLOCATE:
+            return FreeResult(self._freed[index])
+        if self._offsets is None:
+            self._offsets = [0, *itertools.accumulate(self._counts)]
+        groups = self._groups
+        base = index * groups
+        pos = self._offsets[base]
+        per_group = []
+        for count in self._counts[base : base + groups]:
+            per_group.append(tuple(self._block_ids[pos : pos + count]))
+            pos += count
+        return AllocateResult(
+            status=AllocateStatus.OK
+            if self._statuses[index] == kvcache_pb2.ALLOCATE_STATUS_OK
+            else AllocateStatus.NO_SPACE,
+            new_block_ids=tuple(per_group),
+            num_null_blocks=tuple(self._nulls[base : base + groups]),
+            num_cached_tokens=self._cached[index],
+            num_scheduled_tokens=self._scheduled[index],
+            num_computed_tokens=self._computed[index],
+        )
+
+
+def block_table(response: kvcache_pb2.GetBlockTableResponse) -> BlockTable:
+    return BlockTable(
+        groups=tuple(tuple(g.block_ids) for g in response.groups),
+        num_computed_tokens=response.num_computed_tokens,
+        num_tokens=response.num_tokens,
+    )
+
+
+def usage(response: kvcache_pb2.GetUsageResponse) -> Usage:
+    stats = response.prefix_cache
+    return Usage(
+        pool=response.pool,
+        num_blocks=response.num_blocks,
+        num_free_blocks=response.num_free_blocks,
+        usage=response.usage,
+        num_requests=response.num_requests,
+        num_cached_blocks=response.num_cached_blocks,
+        prefix_cache_queries=stats.queries,
+        prefix_cache_hits=stats.hits,
+        preempted_queries=stats.preempted_queries,
+        preempted_hits=stats.preempted_hits,
+        num_evictions=response.num_evictions,
+        block_size=response.block_size,
+        kv_cache_capacity_tokens=response.kv_cache_capacity_tokens,
+    )
+
+
+def _event(event: kvcache_pb2.KVEvent) -> KVEvent:
+    kind = event.WhichOneof("event")
+    if kind == "stored":
+        s = event.stored
+        return BlockStored(
+            block_hashes=tuple(s.block_hashes),
+            parent_block_hash=s.parent_block_hash if s.HasField("parent_block_hash") else None,
+            token_ids=tuple(s.token_ids),
+            block_size=s.block_size,
+            lora_name=s.lora_name,
+            medium=s.medium,
+            group_index=s.group_index,
+            group_kind=s.group_kind,
+        )
+    if kind == "removed":
+        r = event.removed
+        return BlockRemoved(
+            block_hashes=tuple(r.block_hashes), medium=r.medium, group_index=r.group_index
+        )
+    return AllBlocksCleared()
+
+
+def event_batch(response: kvcache_pb2.WatchEventsResponse) -> EventBatch:
+    return EventBatch(
+        sequence=response.sequence,
+        timestamp=response.timestamp,
+        events=tuple(_event(e) for e in response.events),
+        epoch=response.epoch,
+        gap=response.gap,
+        oldest_available_sequence=response.oldest_available_sequence,
+    )
+
+
+def pool_info(summary: admin_pb2.PoolSummary) -> PoolInfo:
+    return PoolInfo(
+        name=summary.name,
+        state=_STATE_NAMES.get(summary.state, "UNSPECIFIED"),
+        world_size=summary.world_size,
+        num_registered=summary.num_registered,
+        block_size=summary.block_size,
+        num_blocks=summary.num_blocks,
+        hash_algo=summary.hash_algo,
+        enable_prefix_caching=summary.enable_prefix_caching,
+        error=summary.error,
+        max_model_len=summary.max_model_len,
+        workers=tuple(
+            WorkerInfo(
+                rank=w.rank,
+                device=w.device,
+                hostname=w.hostname,
+                registered=w.registered,
+                allocated=w.allocated,
+                heartbeat_age_seconds=w.heartbeat_age_seconds,
+                kv_cache_bytes=w.kv_cache_bytes,
+                memory_free_bytes=w.memory_free_bytes,
+            )
+            for w in summary.workers
+        ),
+    )
+
+
+def raise_from(exc: grpc.RpcError) -> Any:
+    raise error_from_rpc(exc) from None

@@ -1,0 +1,222 @@
+"""The blocking engine client."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from kvsvc.v1 import admin_pb2, admin_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc
+from kvsvc_client import _wire
+from kvsvc_client._common import CHANNEL_OPTIONS, RETRYABLE, ClientOptions
+from kvsvc_client._types import (
+    AllocateResult,
+    BlockTable,
+    EventBatch,
+    HashingContext,
+    PoolInfo,
+    RequestStart,
+    Usage,
+)
+from kvsvc_client.errors import error_from_rpc
+
+_T = TypeVar("_T")
+
+
+class SyncStep(_wire.StepBuilder):
+    """A step builder bound to a client: ``send()`` runs the Step RPC."""
+
+    def __init__(self, client: KVCacheClient) -> None:
+        super().__init__(client.pool)
+        self._client = client
+
+    def send(self, timeout: float | None = None) -> _wire.StepResultList:
+        """Apply the operations in order; one result per operation (never retried)."""
+        response = self._client._call(self._client._stub.Step, self.to_pb(), timeout, retry=False)
+        return self.parse(response)
+
+
+class KVCacheClient:
+    """Engine-facing client of one pool.
+
+    Every call has a deadline (``options.timeout``). Calls without side effects (lookup,
+    block_table, usage, admin) are retried on UNAVAILABLE; allocate, free and step are not.
+
+    Example::
+
+        with KVCacheClient("127.0.0.1:50051", pool="llama") as kv:
+            r = kv.allocate("req-1", prompt_ids, num_new_tokens=512, start=True)
+            if r.ok:
+                ...
+    """
+
+    def __init__(
+        self,
+        target: str,
+        pool: str,
+        *,
+        options: ClientOptions | None = None,
+        channel: grpc.Channel | None = None,
+    ) -> None:
+        self.pool = pool
+        self.options = options or ClientOptions()
+        self._own_channel = channel is None
+        self._channel = channel or grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._stub = kvcache_pb2_grpc.KVCacheServiceStub(self._channel)
+        self._admin = admin_pb2_grpc.AdminServiceStub(self._channel)
+        self._metadata = self.options.metadata()
+
+    def close(self) -> None:
+        if self._own_channel:
+            self._channel.close()
+
+    def __enter__(self) -> KVCacheClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(
+        self, method: Callable[..., _T], request: Any, timeout: float | None, retry: bool
+    ) -> _T:
+        attempts = 1 + (self.options.retries if retry else 0)
+        for attempt in range(attempts):
+            try:
+                return method(
+                    request, timeout=timeout or self.options.timeout, metadata=self._metadata
+                )
+            except grpc.RpcError as exc:
+                if attempt + 1 < attempts and exc.code() in RETRYABLE:  # type: ignore[attr-defined]
+                    time.sleep(self.options.delay(attempt))
+                    continue
+                raise error_from_rpc(exc) from None
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------------ engine calls
+
+    def allocate(
+        self,
+        request_id: str,
+        new_token_ids: Sequence[int] = (),
+        num_new_tokens: int = 0,
+        *,
+        num_lookahead_tokens: int = 0,
+        start: RequestStart | bool = False,
+        timeout: float | None = None,
+    ) -> AllocateResult:
+        """Allocate slots for a request's next ``num_new_tokens`` tokens.
+
+        Args:
+            request_id: the engine's id of the request.
+            new_token_ids: tokens appended since the last call (the whole prompt on the
+                first call).
+            num_new_tokens: tokens to compute this step (on the first call: a budget).
+            num_lookahead_tokens: extra slots for speculative tokens.
+            start: on the first call, ``True`` or a :class:`RequestStart` with the hashing
+                context; ``False`` on later calls.
+        """
+        request = _wire.allocate_request(
+            self.pool, request_id, new_token_ids, num_new_tokens, num_lookahead_tokens, start
+        )
+        return _wire.allocate_result(self._call(self._stub.Allocate, request, timeout, retry=False))
+
+    def free(self, *request_ids: str, preempted: bool = False, timeout: float | None = None) -> int:
+        """Release requests; returns blocks whose last holder this was."""
+        reason = (
+            kvcache_pb2.FREE_REASON_PREEMPTED if preempted else kvcache_pb2.FREE_REASON_FINISHED
+        )
+        request = kvcache_pb2.FreeRequest(pool=self.pool, request_ids=request_ids, reason=reason)
+        return self._call(self._stub.Free, request, timeout, retry=False).num_freed_blocks
+
+    def step(self) -> SyncStep:
+        """A builder for one scheduling step's batch of operations."""
+        return SyncStep(self)
+
+    def lookup(
+        self,
+        token_ids: Sequence[int],
+        hashing: HashingContext | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> int:
+        """Cached prefix tokens of a prompt (no side effects)."""
+        request = kvcache_pb2.LookupRequest(
+            pool=self.pool, token_ids=token_ids, hashing=_wire.hashing_to_pb(hashing)
+        )
+        return self._call(self._stub.Lookup, request, timeout, retry=True).num_cached_tokens
+
+    def block_table(self, request_id: str, *, timeout: float | None = None) -> BlockTable:
+        request = kvcache_pb2.GetBlockTableRequest(pool=self.pool, request_id=request_id)
+        return _wire.block_table(self._call(self._stub.GetBlockTable, request, timeout, retry=True))
+
+    def usage(self, *, timeout: float | None = None) -> Usage:
+        request = kvcache_pb2.GetUsageRequest(pool=self.pool)
+        return _wire.usage(self._call(self._stub.GetUsage, request, timeout, retry=True))
+
+    def reset_prefix_cache(self, *, timeout: float | None = None) -> bool:
+        request = kvcache_pb2.ResetPrefixCacheRequest(pool=self.pool)
+        return self._call(self._stub.ResetPrefixCache, request, timeout, retry=True).reset
+
+    def watch_events(
+        self, from_sequence: int | None = None, *, reconnect: bool = True, epoch: str = ""
+    ) -> Iterator[EventBatch]:
+        """Follow the pool's prefix-index events (blocks until cancelled by ``close``).
+
+        After a disconnect the iterator reconnects with backoff and resumes after the last
+        batch it yielded, so nothing is missed while the server holds it; a batch with
+        ``gap=True`` says what could not be replayed.
+        """
+        next_seq = from_sequence
+        attempt = 0
+        while True:
+            request = kvcache_pb2.WatchEventsRequest(pool=self.pool, epoch=epoch)
+            if next_seq is not None:
+                request.from_sequence = next_seq
+            stream = self._stub.WatchEvents(request, metadata=self._metadata)
+            try:
+                for message in stream:
+                    attempt = 0
+                    batch = _wire.event_batch(message)
+                    epoch = batch.epoch or epoch
+                    next_seq = batch.oldest_available_sequence if batch.gap else batch.sequence + 1
+                    yield batch
+                return
+            except grpc.RpcError as exc:
+                if not reconnect or exc.code() not in RETRYABLE:  # type: ignore[attr-defined]
+                    raise error_from_rpc(exc) from None
+                time.sleep(self.options.delay(attempt))
+                attempt += 1
+            finally:
+                stream.cancel()
+
+    # ------------------------------------------------------------------ admin
+
+    def list_pools(self, *, timeout: float | None = None) -> list[PoolInfo]:
+        response = self._call(
+            self._admin.ListPools, admin_pb2.ListPoolsRequest(), timeout, retry=True
+        )
+        return [_wire.pool_info(p) for p in response.pools]
+
+    def get_plan(
+        self, pool: str | None = None, *, timeout: float | None = None
+    ) -> admin_pb2.GetPlanResponse:
+        request = admin_pb2.GetPlanRequest(pool=pool or self.pool)
+        return self._call(self._admin.GetPlan, request, timeout, retry=True)
+
+    def wait_until_ready(self, timeout: float = 60.0, poll: float = 0.1) -> PoolInfo:
+        """Poll the admin view until the pool is READY (or DEGRADED); raise on timeout."""
+        deadline = time.monotonic() + timeout
+        info: PoolInfo | None = None
+        while time.monotonic() < deadline:
+            try:
+                info = next((p for p in self.list_pools() if p.name == self.pool), None)
+            except Exception:
+                info = None
+            if info is not None and info.state in ("READY", "DEGRADED"):
+                return info
+            time.sleep(poll)
+        state = info.state if info is not None else "unreachable"
+        detail = f" ({info.error})" if info is not None and info.error else ""
+        raise TimeoutError(f"pool {self.pool!r} not ready after {timeout:.0f}s: {state}{detail}")

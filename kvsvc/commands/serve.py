@@ -1,0 +1,150 @@
+"""``kvsvc serve``: run the server (flags define one pool; ``--config`` holds several)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from kvsvc.server.config import (
+    DEFAULT_LISTEN,
+    DEFAULT_METRICS_LISTEN,
+    HASH_ALGOS,
+    LAYOUTS,
+    ConfigError,
+    PoolConfig,
+    ServerConfig,
+    load_config_file,
+    server_config_from_dict,
+)
+from kvsvc.units import parse_bytes
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="run the kvsvc server",
+        description="Run the kvsvc gRPC server: engine, worker and admin services, health, "
+        "reflection and a Prometheus /metrics endpoint.",
+    )
+    server = parser.add_argument_group("server")
+    server.add_argument("--listen", help=f"gRPC address HOST:PORT (default {DEFAULT_LISTEN})")
+    server.add_argument(
+        "--metrics-listen",
+        help=f"/metrics address HOST:PORT (default {DEFAULT_METRICS_LISTEN}); 'off' disables",
+    )
+    server.add_argument("--config", help="TOML or JSON file with server settings and [[pools]]")
+    server.add_argument(
+        "--auth-token",
+        default=os.environ.get("KVSVC_AUTH_TOKEN"),
+        help="require 'authorization: Bearer TOKEN' on every call (env KVSVC_AUTH_TOKEN)",
+    )
+    server.add_argument(
+        "--max-message-bytes", type=parse_bytes, help="largest message (e.g. 64MiB)"
+    )
+    server.add_argument(
+        "--heartbeat-timeout", type=float, help="seconds before a silent rank degrades its pool"
+    )
+    server.add_argument("--event-buffer", type=int, help="event batches kept per pool for replay")
+    server.add_argument(
+        "--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR")
+    )
+
+    pool = parser.add_argument_group("pool (one, defined by flags)")
+    pool.add_argument("--pool", help="pool name")
+    pool.add_argument("--world-size", type=int, default=1, help="ranks (TP x PP) in the pool")
+    pool.add_argument(
+        "--block-size", type=int, help="required block-size multiple of attention layers"
+    )
+    pool.add_argument(
+        "--max-model-len",
+        type=int,
+        help="longest request (default: the model length the agents report; -1 fits memory)",
+    )
+    pool.add_argument("--hash-algo", choices=HASH_ALGOS, default="xxh3_128")
+    pool.add_argument("--hash-seed", help="seed of the first block's parent hash")
+    pool.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    pool.add_argument("--num-gpu-blocks-override", type=int, help="plan exactly this many blocks")
+    pool.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    pool.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    pool.add_argument("--disable-hybrid-kv-cache-manager", action="store_true")
+    pool.add_argument("--layout", choices=LAYOUTS, default="layer_outer")
+    parser.set_defaults(func=run)
+
+
+def build_config(args: argparse.Namespace) -> ServerConfig:
+    """The server config from ``--config`` plus flags (flags win; the flag pool is added)."""
+    data: dict[str, Any] = load_config_file(args.config) if args.config else {}
+    overrides: dict[str, Any] = {}
+    if args.listen:
+        overrides["listen"] = args.listen
+    if args.metrics_listen:
+        overrides["metrics_listen"] = None if args.metrics_listen == "off" else args.metrics_listen
+    if args.auth_token:
+        overrides["auth_token"] = args.auth_token
+    if args.max_message_bytes:
+        overrides["max_message_bytes"] = args.max_message_bytes
+    if args.heartbeat_timeout:
+        overrides["heartbeat_timeout_s"] = args.heartbeat_timeout
+    if args.event_buffer:
+        overrides["event_buffer_batches"] = args.event_buffer
+    if args.pool:
+        overrides["extra_pools"] = (
+            PoolConfig(
+                name=args.pool,
+                world_size=args.world_size,
+                block_size=args.block_size,
+                max_model_len=args.max_model_len,
+                hash_algo=args.hash_algo,
+                hash_seed=args.hash_seed,
+                enable_prefix_caching=not args.no_prefix_caching,
+                num_gpu_blocks_override=args.num_gpu_blocks_override,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
+                layout=args.layout,
+            ),
+        )
+    return server_config_from_dict(data, overrides)
+
+
+async def serve(config: ServerConfig, ready: Any | None = None) -> None:
+    """Run until SIGINT/SIGTERM, then stop gracefully."""
+    from kvsvc.server.app import create_server
+
+    server, port = await create_server(config)
+    print(
+        f"kvsvc serving on port {port}"
+        + (f", metrics on port {server.metrics_port}" if server.metrics_port else ""),
+        flush=True,
+    )
+    if ready is not None:
+        ready(server)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logging.getLogger("kvsvc.server").info("shutting down")
+    await server.stop(grace=5.0)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = build_config(args)
+    except ConfigError as exc:
+        print(f"kvsvc serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(config))
+    except OSError as exc:
+        print(f"kvsvc serve: {exc}", file=sys.stderr)
+        return 1
+    return 0

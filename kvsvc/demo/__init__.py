@@ -1,0 +1,1 @@
+"""The simulated engine and process orchestration behind `kvsvc demo`."""

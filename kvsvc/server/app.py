@@ -1,0 +1,172 @@
+"""Assembling and running the server: gRPC services, health, reflection, metrics.
+
+Health (``grpc.health.v1``): the overall service ``""`` is SERVING while the server runs;
+``kvsvc.v1.KVCacheService`` is SERVING when every pool serves engine calls (READY or
+DEGRADED); each pool also has its own entry, ``kvsvc.v1.KVCacheService/<pool>``
+(see :func:`pool_health_name`). Shutdown sets everything NOT_SERVING first, then stops
+the server with a grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvsvc.server.config import ServerConfig, split_host_port
+from kvsvc.server.pool import Pool, PoolState
+from kvsvc.server.servicers import AdminServicer, KVCacheServicer, Pools, WorkerServicer
+from kvsvc.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    kvcache_pb2,
+    kvcache_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+
+log = logging.getLogger("kvsvc.server")
+
+KVCACHE_SERVICE = kvcache_pb2.DESCRIPTOR.services_by_name["KVCacheService"].full_name
+WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
+ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def pool_health_name(pool: str) -> str:
+    """The health-check service name of one pool (SERVING once it is READY)."""
+    return f"{KVCACHE_SERVICE}/{pool}"
+
+
+class KvsvcServer:
+    """A running (or startable) kvsvc server. Use :func:`create_server`."""
+
+    def __init__(self, config: ServerConfig, *, metrics_registry: Any | None = None) -> None:
+        from kvsvc.server.metrics import ServerMetrics
+
+        self.config = config
+        self.pools = Pools(
+            {
+                p.name: Pool(
+                    p,
+                    event_capacity=config.event_buffer_batches,
+                    heartbeat_timeout_s=config.heartbeat_timeout_s,
+                    on_state_change=self._on_pool_state_change,
+                )
+                for p in config.pools
+            }
+        )
+        self.metrics = ServerMetrics(self.pools, registry=metrics_registry)
+        self.health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._metrics_http: Any = None
+        self.port = 0
+        self.metrics_port = 0
+        self._last_health: dict[str, int] = {}
+
+    def _on_pool_state_change(self, pool: Pool) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._update_health()))
+        self._tasks = [t for t in self._tasks if not t.done()]
+
+    async def _update_health(self) -> None:
+        serving_states = (PoolState.READY, PoolState.DEGRADED)
+        statuses = {
+            pool_health_name(name): SERVING if pool.state in serving_states else NOT_SERVING
+            for name, pool in self.pools.by_name.items()
+        }
+        statuses[KVCACHE_SERVICE] = (
+            SERVING if all(s == SERVING for s in statuses.values()) else NOT_SERVING
+        )
+        for service, status in statuses.items():
+            if self._last_health.get(service) != status:
+                self._last_health[service] = status
+                await self.health.set(service, status)
+
+    async def start(self) -> None:
+        options = [
+            ("grpc.max_send_message_length", self.config.max_message_bytes),
+            ("grpc.max_receive_message_length", self.config.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        server = grpc.aio.server(options=options)
+        observer = self.metrics.call_observer
+        token = self.config.auth_token
+        kvcache_pb2_grpc.add_KVCacheServiceServicer_to_server(
+            KVCacheServicer(self.pools, observer, token, self.config.max_step_operations), server
+        )
+        worker_pb2_grpc.add_WorkerServiceServicer_to_server(
+            WorkerServicer(self.pools, observer, token), server
+        )
+        admin_pb2_grpc.add_AdminServiceServicer_to_server(
+            AdminServicer(self.pools, observer, token, time.monotonic), server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (
+                KVCACHE_SERVICE,
+                WORKER_SERVICE,
+                ADMIN_SERVICE,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            server,
+        )
+        host, port = split_host_port(self.config.listen, "listen")
+        self.port = server.add_insecure_port(f"{_bracket(host)}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {self.config.listen}")
+        await self._update_health()
+        await server.start()
+        self._server = server
+        if self.config.metrics_listen:
+            self._metrics_http, self.metrics_port = self.metrics.serve_http(
+                self.config.metrics_listen
+            )
+        self._tasks.append(asyncio.get_running_loop().create_task(self._watch_heartbeats()))
+        log.info(
+            "kvsvc serving on port %d (metrics %s); pools: %s",
+            self.port,
+            self.metrics_port or "off",
+            ", ".join(self.pools.by_name),
+        )
+
+    async def _watch_heartbeats(self) -> None:
+        interval = min(1.0, self.config.heartbeat_timeout_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            for pool in self.pools.by_name.values():
+                pool.check_heartbeats()
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Graceful stop: health NOT_SERVING first, then drain calls for ``grace`` s."""
+        await self.health.enter_graceful_shutdown()
+        for task in self._tasks:
+            task.cancel()
+        if self._server is not None:
+            await self._server.stop(grace)
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http = None
+
+    async def wait_for_termination(self) -> None:
+        assert self._server is not None
+        await self._server.wait_for_termination()
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+async def create_server(config: ServerConfig, **kwargs: Any) -> tuple[KvsvcServer, int]:
+    """Build and start a server; returns it and the gRPC port it bound (port 0 -> free)."""
+    server = KvsvcServer(config, **kwargs)
+    await server.start()
+    return server, server.port

@@ -1,0 +1,129 @@
+"""The one place where kvsvc errors become gRPC status codes.
+
+Handlers raise :mod:`kvsvc.errors` exceptions; :func:`rpc_handler` turns them into the
+status code of :data:`STATUS_FOR`. Anything else is a bug: it is logged with its traceback
+under an incident id and the caller gets INTERNAL with that id — never ``str(err)``,
+which could leak internals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from kvsvc.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    KvsvcError,
+    NotFound,
+    PlanningError,
+    Unauthenticated,
+)
+
+log = logging.getLogger("kvsvc.server")
+
+STATUS_FOR: dict[type[KvsvcError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    PlanningError: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+}
+
+
+def status_for(error: KvsvcError) -> grpc.StatusCode:
+    for cls in type(error).__mro__:
+        code = STATUS_FOR.get(cls)  # type: ignore[call-overload]
+        if code is not None:
+            return code
+    return grpc.StatusCode.UNKNOWN
+
+
+class CallObserver:
+    """Receives the outcome of every handled call (the metrics module implements it)."""
+
+    def observe(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
+        """Record one finished call."""
+
+
+_Handler = TypeVar("_Handler", bound=Callable[..., Awaitable[Any]])
+
+
+def rpc_handler(method: str) -> Callable[[_Handler], _Handler]:
+    """Wrap a unary servicer method: auth check, error mapping, call accounting.
+
+    The servicer must have ``_observer: CallObserver`` and ``_authorize(context)``.
+    """
+
+    def decorate(fn: _Handler) -> _Handler:
+        @functools.wraps(fn)
+        async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            started = time.perf_counter()
+            code = grpc.StatusCode.OK
+            try:
+                self._authorize(context)
+                return await fn(self, request, context)
+            except KvsvcError as exc:
+                code = status_for(exc)
+                await context.abort(code, str(exc))
+            except grpc.aio.AbortError:
+                code = context.code() or grpc.StatusCode.UNKNOWN  # type: ignore[assignment]
+                raise
+            except Exception:
+                code = grpc.StatusCode.INTERNAL
+                incident = uuid.uuid4().hex[:12]
+                log.exception("internal error in %s (incident %s)", method, incident)
+                await context.abort(
+                    code, f"internal error (incident {incident}; see the server log)"
+                )
+            finally:
+                self._observer.observe(method, code, time.perf_counter() - started)
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+def rpc_stream_handler(method: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """:func:`rpc_handler` for server-streaming methods (async generators)."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            started = time.perf_counter()
+            code = grpc.StatusCode.OK
+            try:
+                self._authorize(context)
+                async for message in fn(self, request, context):
+                    yield message
+            except KvsvcError as exc:
+                code = status_for(exc)
+                await context.abort(code, str(exc))
+            except grpc.aio.AbortError:
+                code = context.code() or grpc.StatusCode.UNKNOWN  # type: ignore[assignment]
+                raise
+            except (GeneratorExit, asyncio.CancelledError):
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except Exception:
+                code = grpc.StatusCode.INTERNAL
+                incident = uuid.uuid4().hex[:12]
+                log.exception("internal error in %s (incident %s)", method, incident)
+                await context.abort(
+                    code, f"internal error (incident {incident}; see the server log)"
+                )
+            finally:
+                self._observer.observe(method, code, time.perf_counter() - started)
+
+        return wrapper
+
+    return decorate

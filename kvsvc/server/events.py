@@ -1,0 +1,93 @@
+"""Per-pool event log: a bounded replay buffer of KV event batches plus live followers.
+
+The core numbers batches 1, 2, 3, ...; the log keeps the newest ``capacity`` of them as
+ready-to-send protobuf messages (converted once, shared by every subscriber). A follower
+asks for a start sequence: it gets what is still held, a ``gap`` marker first when its
+start was already dropped, then new batches as they arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+
+from kvsvc.errors import InvalidArgument
+from kvsvc.v1 import kvcache_pb2 as pb
+
+
+class EventLog:
+    def __init__(self, capacity: int) -> None:
+        self.epoch = uuid.uuid4().hex
+        self._batches: deque[pb.WatchEventsResponse] = deque(maxlen=capacity)
+        self._last_seq = 0
+        self._wakeup = asyncio.Event()
+        self.num_dropped_batches = 0
+        self.num_events_by_type: dict[str, int] = {"stored": 0, "removed": 0, "cleared": 0}
+        self.num_subscribers = 0
+
+    @property
+    def last_sequence(self) -> int:
+        return self._last_seq
+
+    @property
+    def oldest_sequence(self) -> int:
+        """Sequence of the oldest batch held (last + 1 when nothing is held)."""
+        return self._batches[0].sequence if self._batches else self._last_seq + 1
+
+    def append(self, batch: pb.WatchEventsResponse) -> None:
+        """Add the next batch (its sequence must follow the last one) and wake followers."""
+        assert batch.sequence == self._last_seq + 1, (batch.sequence, self._last_seq)
+        if len(self._batches) == self._batches.maxlen:
+            self.num_dropped_batches += 1
+        batch.epoch = self.epoch
+        self._batches.append(batch)
+        self._last_seq = batch.sequence
+        for event in batch.events:
+            kind = event.WhichOneof("event")
+            if kind:
+                self.num_events_by_type[kind] += 1
+        wakeup, self._wakeup = self._wakeup, asyncio.Event()
+        wakeup.set()
+
+    def _get(self, sequence: int) -> pb.WatchEventsResponse:
+        return self._batches[sequence - self._batches[0].sequence]
+
+    async def follow(
+        self, from_sequence: int | None, epoch: str = ""
+    ) -> AsyncIterator[pb.WatchEventsResponse]:
+        """Yield batches from ``from_sequence`` (None: only new ones) until cancelled.
+
+        Raises:
+            InvalidArgument: ``from_sequence`` is beyond the next sequence of this epoch.
+        """
+        if epoch and epoch != self.epoch:
+            # The subscriber's numbers are from another life of this index: replay all.
+            from_sequence = 0
+        if from_sequence is None:
+            next_seq = self._last_seq + 1
+        else:
+            if from_sequence > self._last_seq + 1:
+                raise InvalidArgument(
+                    "from_sequence",
+                    f"{from_sequence} is beyond the next sequence number {self._last_seq + 1}",
+                )
+            next_seq = max(from_sequence, 1)
+        self.num_subscribers += 1
+        try:
+            while True:
+                if next_seq < self.oldest_sequence:
+                    yield pb.WatchEventsResponse(
+                        gap=True, oldest_available_sequence=self.oldest_sequence, epoch=self.epoch
+                    )
+                    next_seq = self.oldest_sequence
+                while next_seq <= self._last_seq:
+                    if next_seq < self.oldest_sequence:  # dropped while we were sending
+                        break
+                    yield self._get(next_seq)
+                    next_seq += 1
+                if next_seq > self._last_seq:
+                    await self._wakeup.wait()
+        finally:
+            self.num_subscribers -= 1

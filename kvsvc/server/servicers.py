@@ -1,0 +1,445 @@
+"""gRPC servicers: thin adapters from the wire to :class:`~kvsvc.server.pool.Pool`.
+
+Each handler validates the shape of its message, converts it (``kvsvc.server.wire``,
+``kvsvc.convert``), calls the pool, and converts back. Errors are raised as
+:mod:`kvsvc.errors` and mapped to status codes by the decorators of
+:mod:`kvsvc.server.errors`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from collections.abc import AsyncIterator
+from typing import Any, cast
+
+import grpc
+
+from kvsvc.convert import config_to_pb, layer_specs_from_pb
+from kvsvc.errors import InvalidArgument, KvsvcError, NotFound, Unauthenticated
+from kvsvc.server.errors import CallObserver, rpc_handler, rpc_stream_handler, status_for
+from kvsvc.server.pool import MemoryReport, Pool, PoolState, Registration
+from kvsvc.server.wire import (
+    StepColumns,
+    StepResults,
+    allocate_response,
+    check_request_id,
+    hashing_from_pb,
+    start_from_pb,
+)
+from kvsvc.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    kvcache_pb2,
+    kvcache_pb2_grpc,
+    pools_pb2,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+
+TOKEN_ID_LIMIT = 2**31
+# Above this much work (tokens + 64 per operation) a call runs in a worker thread so the
+# event loop keeps serving other pools, health checks and streams meanwhile.
+OFFLOAD_WORK_THRESHOLD = 200_000
+
+_ALLOCATE = kvcache_pb2.STEP_OPERATION_TYPE_ALLOCATE
+_FREE = kvcache_pb2.STEP_OPERATION_TYPE_FREE
+_PREEMPT = kvcache_pb2.STEP_OPERATION_TYPE_PREEMPT
+
+
+def _pb_state(state: PoolState) -> pools_pb2.PoolState:
+    """The wire enum of a pool state (the values are the same by construction)."""
+    return cast(pools_pb2.PoolState, state.value)
+
+
+class Pools:
+    """The pools a server serves, by name."""
+
+    def __init__(self, pools: dict[str, Pool]) -> None:
+        self.by_name = pools
+
+    def get(self, name: str) -> Pool:
+        pool = self.by_name.get(name)
+        if pool is None:
+            if not name:
+                raise InvalidArgument("pool", "must name a pool")
+            known = ", ".join(sorted(self.by_name)) or "none"
+            raise NotFound(f"unknown pool {name!r} (pools: {known})")
+        return pool
+
+
+class _Base:
+    def __init__(self, pools: Pools, observer: CallObserver, auth_token: str | None) -> None:
+        self._pools = pools
+        self._observer = observer
+        self._expected_auth = f"Bearer {auth_token}".encode() if auth_token else None
+
+    def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        if self._expected_auth is None:
+            return
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization":
+                given = value.encode() if isinstance(value, str) else value
+                if hmac.compare_digest(given, self._expected_auth):
+                    return
+                raise Unauthenticated("wrong token in the authorization metadata")
+        raise Unauthenticated("missing authorization metadata (expected 'Bearer <token>')")
+
+
+def _check_token_ids(token_ids: list[int], field: str) -> None:
+    if token_ids and (min(token_ids) < 0 or max(token_ids) >= TOKEN_ID_LIMIT):
+        bad = next(t for t in token_ids if t < 0 or t >= TOKEN_ID_LIMIT)
+        raise InvalidArgument(field, f"token id {bad} is outside [0, 2^31)")
+
+
+async def _run(pool: Pool, work: int, fn: Any, *args: Any) -> Any:
+    """Run ``fn`` as the pool's one writer: inline when small, in a thread when large."""
+    async with pool.lock:
+        if work > OFFLOAD_WORK_THRESHOLD:
+            result = await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        else:
+            result = fn(*args)
+        pool.drain_events()
+        return result
+
+
+class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
+    def __init__(
+        self, pools: Pools, observer: CallObserver, auth_token: str | None, max_step_operations: int
+    ) -> None:
+        super().__init__(pools, observer, auth_token)
+        self._max_step_operations = max_step_operations
+
+    @rpc_handler("Allocate")
+    async def Allocate(self, request: Any, context: Any) -> kvcache_pb2.AllocateResponse:
+        pool = self._pools.get(request.pool)
+        pool.ensure_serving()
+        check_request_id(request.request_id)
+        start = start_from_pb(request.start, "start") if request.HasField("start") else None
+        tokens = list(request.new_token_ids)
+        outcome = await _run(
+            pool,
+            len(tokens),
+            self._allocate_one,
+            pool,
+            request.request_id,
+            tokens,
+            request.num_new_tokens,
+            request.num_lookahead_tokens,
+            start,
+        )
+        pool.stats_allocate(outcome)
+        return allocate_response(outcome)
+
+    @staticmethod
+    def _allocate_one(
+        pool: Pool,
+        request_id: str,
+        tokens: list[int],
+        num_new_tokens: int,
+        num_lookahead_tokens: int,
+        start: Any,
+    ) -> Any:
+        cache = pool.ensure_serving()
+        return cache.allocate(request_id, tokens, num_new_tokens, num_lookahead_tokens, start)
+
+    @rpc_handler("Free")
+    async def Free(self, request: Any, context: Any) -> kvcache_pb2.FreeResponse:
+        pool = self._pools.get(request.pool)
+        pool.ensure_serving()
+        ids = list(request.request_ids)
+        for i, request_id in enumerate(ids):
+            check_request_id(request_id, f"request_ids[{i}]")
+        if len(set(ids)) != len(ids):
+            raise InvalidArgument("request_ids", "lists a request more than once")
+        preempted = request.reason == kvcache_pb2.FREE_REASON_PREEMPTED
+        freed = await _run(pool, len(ids), self._free, pool, ids, preempted)
+        return kvcache_pb2.FreeResponse(num_freed_blocks=freed)
+
+    @staticmethod
+    def _free(pool: Pool, ids: list[str], preempted: bool) -> int:
+        freed: int = pool.ensure_serving().free(ids, preempted=preempted)
+        pool.stats_free(len(ids), freed, preempted)
+        return freed
+
+    @rpc_handler("Step")
+    async def Step(self, request: Any, context: Any) -> kvcache_pb2.StepResponse:
+        pool = self._pools.get(request.pool)
+        pool.ensure_serving()
+        columns = StepColumns(request, self._max_step_operations)
+        work = len(columns.token_ids) + 64 * len(columns.types)
+        results: StepResults = await _run(pool, work, self._apply_step, pool, columns)
+        pool.stats_step(len(columns.types))
+        return results.to_pb()
+
+    @staticmethod
+    def _apply_step(pool: Pool, columns: StepColumns) -> StepResults:
+        """Apply a Step's operations in order; an invalid one is rejected alone."""
+        cache = pool.ensure_serving()
+        allocate = cache.allocate
+        free = cache.free
+        results = StepResults(cache.num_groups)
+        add_allocate = results.add_allocate
+        token_ids = columns.token_ids
+        counts = columns.num_token_ids
+        new_tokens = columns.num_new_tokens
+        lookahead = columns.num_lookahead_tokens
+        request_ids = columns.request_ids
+        starts = columns.starts
+        stats = pool.stats_allocate
+        pos = 0
+        for i, kind in enumerate(columns.types):
+            count = counts[i]
+            tokens = token_ids[pos : pos + count] if count else []
+            pos += count
+            request_id = request_ids[i]
+            try:
+                if kind == _ALLOCATE:
+                    if not request_id:
+                        raise InvalidArgument(f"request_ids[{i}]", "must not be empty")
+                    start = starts.get(i)
+                    if start is not None:
+                        start = start_from_pb(start, f"starts[{i}]")
+                    outcome = allocate(request_id, tokens, new_tokens[i], lookahead[i], start)
+                    stats(outcome)
+                    add_allocate(outcome)
+                elif kind in (_FREE, _PREEMPT):
+                    check_request_id(request_id, f"request_ids[{i}]")
+                    if count or new_tokens[i] or lookahead[i] or i in starts:
+                        raise InvalidArgument(
+                            f"types[{i}]", "a free carries no tokens, counts or start"
+                        )
+                    freed = free([request_id], preempted=kind == _PREEMPT)
+                    pool.stats_free(1, freed, kind == _PREEMPT)
+                    results.add_free(freed)
+                else:
+                    raise InvalidArgument(f"types[{i}]", f"unknown operation type {kind}")
+            except KvsvcError as exc:
+                results.add_error(i, status_for(exc).value[0], str(exc))
+        return results
+
+    @rpc_handler("Lookup")
+    async def Lookup(self, request: Any, context: Any) -> kvcache_pb2.LookupResponse:
+        pool = self._pools.get(request.pool)
+        cache = pool.ensure_serving()
+        tokens = list(request.token_ids)
+        _check_token_ids(tokens, "token_ids")
+        hashing = hashing_from_pb(request.hashing, "hashing")
+        cached = await _run(pool, len(tokens), cache.lookup, tokens, hashing)
+        pool.stats_lookup(cached)
+        return kvcache_pb2.LookupResponse(num_cached_tokens=cached)
+
+    @rpc_handler("GetBlockTable")
+    async def GetBlockTable(self, request: Any, context: Any) -> kvcache_pb2.GetBlockTableResponse:
+        pool = self._pools.get(request.pool)
+        cache = pool.ensure_serving()
+        check_request_id(request.request_id)
+        view = cache.block_table(request.request_id)
+        return kvcache_pb2.GetBlockTableResponse(
+            groups=[kvcache_pb2.BlockTable(block_ids=ids) for ids in view.groups],
+            num_computed_tokens=view.num_computed_tokens,
+            num_tokens=view.num_tokens,
+        )
+
+    @rpc_stream_handler("WatchEvents")
+    async def WatchEvents(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        pool = self._pools.get(request.pool)
+        start = request.from_sequence if request.HasField("from_sequence") else None
+        async for batch in pool.events.follow(start, request.epoch):
+            yield batch
+
+    @rpc_handler("GetUsage")
+    async def GetUsage(self, request: Any, context: Any) -> kvcache_pb2.GetUsageResponse:
+        pool = self._pools.get(request.pool)
+        cache = pool.ensure_serving()
+        usage = cache.usage()
+        assert pool.plan is not None
+        return kvcache_pb2.GetUsageResponse(
+            pool=pool.name,
+            num_blocks=usage.num_blocks,
+            num_free_blocks=usage.num_free_blocks,
+            usage=usage.usage,
+            num_requests=usage.num_requests,
+            num_cached_blocks=usage.num_cached_blocks,
+            prefix_cache=kvcache_pb2.PrefixCacheStats(
+                queries=usage.queries,
+                hits=usage.hits,
+                preempted_queries=usage.preempted_queries,
+                preempted_hits=usage.preempted_hits,
+                requests=usage.requests,
+                preempted_requests=usage.preempted_requests,
+            ),
+            num_evictions=usage.num_evictions,
+            num_allocated_blocks=usage.num_allocated_blocks,
+            block_size=cache.block_size,
+            kv_cache_capacity_tokens=pool.plan.kv_cache_tokens,
+        )
+
+    @rpc_handler("ResetPrefixCache")
+    async def ResetPrefixCache(
+        self, request: Any, context: Any
+    ) -> kvcache_pb2.ResetPrefixCacheResponse:
+        pool = self._pools.get(request.pool)
+        cache = pool.ensure_serving()
+        reset = await _run(pool, 0, cache.reset_prefix_cache)
+        return kvcache_pb2.ResetPrefixCacheResponse(reset=reset)
+
+
+class WorkerServicer(_Base, worker_pb2_grpc.WorkerServiceServicer):
+    @rpc_handler("Register")
+    async def Register(self, request: Any, context: Any) -> worker_pb2.RegisterResponse:
+        pool = self._pools.get(request.pool)
+        specs = layer_specs_from_pb(request.layers)
+        for name in (
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "max_model_len",
+            "max_num_encoder_input_tokens",
+        ):
+            if getattr(request, name) < 0:
+                raise InvalidArgument(name, "must be >= 0")
+        memory = request.memory
+        registration = Registration(
+            rank=request.rank,
+            world_size=request.world_size,
+            device=request.device,
+            hostname=request.hostname,
+            specs=specs,
+            memory=MemoryReport(
+                total_bytes=memory.total_bytes,
+                free_bytes=memory.free_bytes,
+                non_kv_bytes=memory.non_kv_bytes,
+                kv_cache_bytes=memory.kv_cache_bytes,
+            ),
+            tensor_parallel_size=request.tensor_parallel_size or 1,
+            pipeline_parallel_size=request.pipeline_parallel_size or 1,
+            max_model_len=request.max_model_len,
+            max_num_encoder_input_tokens=request.max_num_encoder_input_tokens,
+            model=request.model,
+            total_num_kv_heads=max(0, request.total_num_kv_heads),
+        )
+        slot = await pool.register(registration)
+        return worker_pb2.RegisterResponse(
+            session_id=slot.session_id, state=_pb_state(pool.state), num_registered=len(pool.slots)
+        )
+
+    @rpc_stream_handler("WatchPlan")
+    async def WatchPlan(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        pool = self._pools.get(request.pool)
+        converted: dict[int, Any] = {}
+        async for snapshot in pool.watch_plan(request.rank, request.session_id):
+            message = worker_pb2.WatchPlanResponse(
+                state=_pb_state(snapshot.state),
+                error=snapshot.error,
+                max_model_len=snapshot.max_model_len,
+            )
+            if snapshot.config is not None:
+                key = id(snapshot.config)
+                if key not in converted:
+                    converted = {key: config_to_pb(snapshot.config)}
+                message.config.CopyFrom(converted[key])
+            yield message
+
+    @rpc_handler("ReportAllocation")
+    async def ReportAllocation(
+        self, request: Any, context: Any
+    ) -> worker_pb2.ReportAllocationResponse:
+        pool = self._pools.get(request.pool)
+        state = pool.report_allocation(
+            request.rank,
+            request.session_id,
+            num_blocks=request.num_blocks,
+            allocated_bytes=request.allocated_bytes,
+            memory_free_bytes=request.memory_free_bytes,
+            views=list(request.views),
+        )
+        return worker_pb2.ReportAllocationResponse(state=_pb_state(state))
+
+    @rpc_handler("Heartbeat")
+    async def Heartbeat(self, request: Any, context: Any) -> worker_pb2.HeartbeatResponse:
+        pool = self._pools.get(request.pool)
+        state = pool.heartbeat(request.rank, request.session_id, request.memory_free_bytes)
+        if state is None:
+            return worker_pb2.HeartbeatResponse(state=_pb_state(pool.state), reregister=True)
+        return worker_pb2.HeartbeatResponse(state=_pb_state(state))
+
+
+def pool_summary(pool: Pool, now: float) -> admin_pb2.PoolSummary:
+    plan = pool.plan
+    workers = []
+    for rank in range(pool.config.world_size):
+        slot = pool.slots.get(rank)
+        if slot is None:
+            workers.append(admin_pb2.WorkerStatus(rank=rank))
+            continue
+        reg = slot.registration
+        workers.append(
+            admin_pb2.WorkerStatus(
+                rank=rank,
+                device=reg.device,
+                hostname=reg.hostname,
+                registered=True,
+                allocated=slot.allocated,
+                heartbeat_age_seconds=max(0.0, now - slot.last_seen),
+                kv_cache_bytes=slot.available_bytes,
+                memory_free_bytes=slot.memory_free_bytes or reg.memory.free_bytes,
+            )
+        )
+    return admin_pb2.PoolSummary(
+        name=pool.name,
+        state=_pb_state(pool.state),
+        world_size=pool.config.world_size,
+        num_registered=len(pool.slots),
+        block_size=plan.block_size if plan is not None else (pool.config.block_size or 0),
+        num_blocks=max(0, plan.num_blocks - 1) if plan is not None else 0,
+        hash_algo=pool.config.hash_algo,
+        enable_prefix_caching=pool.config.enable_prefix_caching,
+        error=pool.error,
+        workers=workers,
+        max_model_len=plan.max_model_len if plan is not None else 0,
+    )
+
+
+def plan_json(pool: Pool) -> str:
+    """The plan as ``kvsvc plan --json`` prints it, plus the pool's state (and error)."""
+    data: dict[str, Any] = pool.plan.to_dict() if pool.plan is not None else {}
+    data["pool"] = pool.name
+    data["state"] = pool.state.name
+    if pool.error:
+        data["error"] = pool.error
+    return json.dumps(data, sort_keys=False)
+
+
+class AdminServicer(_Base, admin_pb2_grpc.AdminServiceServicer):
+    def __init__(
+        self, pools: Pools, observer: CallObserver, auth_token: str | None, clock: Any
+    ) -> None:
+        super().__init__(pools, observer, auth_token)
+        self._clock = clock
+
+    @rpc_handler("ListPools")
+    async def ListPools(self, request: Any, context: Any) -> admin_pb2.ListPoolsResponse:
+        now = self._clock()
+        return admin_pb2.ListPoolsResponse(
+            pools=[pool_summary(p, now) for _, p in sorted(self._pools.by_name.items())]
+        )
+
+    @rpc_handler("GetPlan")
+    async def GetPlan(self, request: Any, context: Any) -> admin_pb2.GetPlanResponse:
+        pool = self._pools.get(request.pool)
+        response = admin_pb2.GetPlanResponse(
+            pool=pool_summary(pool, self._clock()), plan_json=plan_json(pool)
+        )
+        if pool.plan is not None:
+            response.worker_configs.extend(config_to_pb(c) for c in pool.plan.worker_configs)
+        return response
+
+
+__all__ = [
+    "AdminServicer",
+    "KVCacheServicer",
+    "PoolState",
+    "Pools",
+    "WorkerServicer",
+]

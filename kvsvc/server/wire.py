@@ -1,0 +1,243 @@
+"""Protobuf <-> core conversion for the engine-facing calls (the hot path).
+
+Kept apart from the servicers so the translation can be read (and optimised) in one
+place: ``Step`` decodes its columns into plain lists once and builds its response
+columns as lists, letting protobuf copy them in bulk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+from kvsvc.core import (
+    AllBlocksCleared,
+    AllocateOutcome,
+    BlockRemoved,
+    BlockStored,
+    HashingContext,
+    KVEventBatch,
+    MultiModalItem,
+    RequestStart,
+)
+from kvsvc.errors import InvalidArgument
+from kvsvc.v1 import kvcache_pb2 as pb
+
+MAX_REQUEST_ID_BYTES = 256
+STATUS_OK = pb.ALLOCATE_STATUS_OK
+STATUS_NO_SPACE = pb.ALLOCATE_STATUS_NO_SPACE
+
+
+def check_request_id(request_id: str, field: str = "request_id") -> None:
+    if not request_id:
+        raise InvalidArgument(field, "must not be empty")
+    if len(request_id) > MAX_REQUEST_ID_BYTES and len(request_id.encode()) > MAX_REQUEST_ID_BYTES:
+        raise InvalidArgument(field, f"longer than {MAX_REQUEST_ID_BYTES} bytes")
+
+
+def hashing_from_pb(msg: pb.HashingContext, where: str) -> HashingContext | None:
+    """The core's hashing context; None when the message carries nothing."""
+    items: list[MultiModalItem] = []
+    last_offset = -1
+    for i, item in enumerate(msg.mm_items):
+        field = f"{where}.mm_items[{i}]"
+        if not item.identifier:
+            raise InvalidArgument(f"{field}.identifier", "must not be empty")
+        if item.offset < 0 or item.length <= 0:
+            raise InvalidArgument(field, "offset must be >= 0 and length > 0")
+        if item.offset < last_offset:
+            raise InvalidArgument(field, "items must be sorted by offset")
+        last_offset = item.offset
+        items.append(MultiModalItem(item.identifier, item.offset, item.length))
+    if not (msg.cache_salt or msg.lora_name or msg.lora_path or items or msg.prompt_embeds_digests):
+        return None
+    if msg.lora_path and not msg.lora_name:
+        raise InvalidArgument(f"{where}.lora_name", "required when lora_path is set")
+    return HashingContext(
+        cache_salt=msg.cache_salt or None,
+        lora_name=msg.lora_name or None,
+        lora_path=msg.lora_path or None,
+        mm_items=tuple(items),
+        prompt_embeds_digests=tuple(msg.prompt_embeds_digests),
+    )
+
+
+def start_from_pb(msg: pb.RequestStart, where: str) -> RequestStart:
+    if msg.num_encoder_tokens < 0:
+        raise InvalidArgument(f"{where}.num_encoder_tokens", "must be >= 0")
+    return RequestStart(
+        hashing=hashing_from_pb(msg.hashing, f"{where}.hashing"),
+        skip_prefix_cache_read=msg.skip_prefix_cache_read,
+        resumed=msg.resumed,
+        num_encoder_tokens=msg.num_encoder_tokens,
+    )
+
+
+def allocate_response(outcome: AllocateOutcome) -> pb.AllocateResponse:
+    return pb.AllocateResponse(
+        status=STATUS_OK if outcome.ok else STATUS_NO_SPACE,
+        new_blocks=[
+            pb.GroupBlocks(block_ids=ids, num_null_blocks=nulls)
+            for ids, nulls in zip(outcome.new_block_ids, outcome.num_null_blocks, strict=True)
+        ],
+        num_cached_tokens=outcome.num_cached_tokens,
+        num_scheduled_tokens=outcome.num_scheduled_tokens if outcome.ok else 0,
+        num_computed_tokens=outcome.num_computed_tokens,
+    )
+
+
+class StepColumns:
+    """A Step request decoded into plain lists, validated for shape."""
+
+    __slots__ = (
+        "num_lookahead_tokens",
+        "num_new_tokens",
+        "num_token_ids",
+        "request_ids",
+        "starts",
+        "token_ids",
+        "types",
+    )
+
+    def __init__(self, request: pb.StepRequest, max_operations: int) -> None:
+        self.types: list[int] = list(request.types)
+        n = len(self.types)
+        if n > max_operations:
+            raise InvalidArgument("types", f"{n} operations exceed the limit of {max_operations}")
+        self.request_ids: list[str] = list(request.request_ids)
+        self.token_ids: list[int] = list(request.token_ids)
+        self.num_token_ids: list[int] = list(request.num_token_ids) or [0] * n
+        self.num_new_tokens: list[int] = list(request.num_new_tokens) or [0] * n
+        self.num_lookahead_tokens: list[int] = list(request.num_lookahead_tokens) or [0] * n
+        for name in ("request_ids", "num_token_ids", "num_new_tokens", "num_lookahead_tokens"):
+            if len(getattr(self, name)) != n:
+                raise InvalidArgument(
+                    name, f"has {len(getattr(self, name))} entries for {n} operations"
+                )
+        if sum(self.num_token_ids) != len(self.token_ids) or min(self.num_token_ids, default=0) < 0:
+            raise InvalidArgument(
+                "num_token_ids",
+                f"counts must be >= 0 and add up to len(token_ids) = {len(self.token_ids)}",
+            )
+        self.starts: dict[int, Any] = dict(request.starts) if request.starts else {}
+        for index in self.starts:
+            if not 0 <= index < n:
+                raise InvalidArgument("starts", f"key {index} is not an operation index")
+
+
+class StepResults:
+    """Response columns accumulated operation by operation."""
+
+    __slots__ = (
+        "_zero_groups",
+        "cached",
+        "computed",
+        "errors",
+        "freed",
+        "new_block_ids",
+        "num_groups",
+        "num_new_blocks",
+        "num_null_blocks",
+        "scheduled",
+        "statuses",
+    )
+
+    def __init__(self, num_groups: int) -> None:
+        self.num_groups = num_groups
+        self._zero_groups = [0] * num_groups
+        self.statuses: list[int] = []
+        self.scheduled: list[int] = []
+        self.computed: list[int] = []
+        self.cached: list[int] = []
+        self.num_new_blocks: list[int] = []
+        self.new_block_ids: list[int] = []
+        self.num_null_blocks: list[int] = []
+        self.freed: list[int] = []
+        self.errors: dict[int, pb.StepError] = {}
+
+    def add_allocate(self, outcome: AllocateOutcome) -> None:
+        ok = outcome.ok
+        self.statuses.append(STATUS_OK if ok else STATUS_NO_SPACE)
+        self.scheduled.append(outcome.num_scheduled_tokens if ok else 0)
+        self.computed.append(outcome.num_computed_tokens)
+        self.cached.append(outcome.num_cached_tokens)
+        for ids in outcome.new_block_ids:
+            self.num_new_blocks.append(len(ids))
+            if ids:
+                self.new_block_ids.extend(ids)
+        self.num_null_blocks.extend(outcome.num_null_blocks)
+        self.freed.append(0)
+
+    def add_free(self, num_freed: int) -> None:
+        self.statuses.append(STATUS_OK)
+        self.scheduled.append(0)
+        self.computed.append(0)
+        self.cached.append(0)
+        self.num_new_blocks.extend(self._zero_groups)
+        self.num_null_blocks.extend(self._zero_groups)
+        self.freed.append(num_freed)
+
+    def add_error(self, index: int, code: int, message: str) -> None:
+        self.statuses.append(pb.ALLOCATE_STATUS_UNSPECIFIED)
+        self.scheduled.append(0)
+        self.computed.append(0)
+        self.cached.append(0)
+        self.num_new_blocks.extend(self._zero_groups)
+        self.num_null_blocks.extend(self._zero_groups)
+        self.freed.append(0)
+        self.errors[index] = pb.StepError(code=code, message=message)
+
+    def to_pb(self) -> pb.StepResponse:
+        return pb.StepResponse(
+            statuses=cast(list[pb.AllocateStatus], self.statuses),
+            num_scheduled_tokens=self.scheduled,
+            num_computed_tokens=self.computed,
+            num_cached_tokens=self.cached,
+            num_groups=self.num_groups,
+            num_new_blocks=self.num_new_blocks,
+            new_block_ids=self.new_block_ids,
+            num_null_blocks=self.num_null_blocks,
+            num_freed_blocks=self.freed,
+            errors=self.errors,
+        )
+
+
+def _stored_to_pb(event: BlockStored) -> pb.KVEvent:
+    stored = pb.BlockStored(
+        block_hashes=event.block_hashes,
+        token_ids=event.token_ids,
+        block_size=event.block_size,
+        lora_name=event.lora_name or "",
+        medium=event.medium,
+        group_index=event.group_index,
+        group_kind=event.group_kind,
+    )
+    if event.parent_block_hash is not None:
+        stored.parent_block_hash = event.parent_block_hash
+    return pb.KVEvent(stored=stored)
+
+
+def event_batch_to_pb(batch: KVEventBatch) -> pb.WatchEventsResponse:
+    events: list[pb.KVEvent] = []
+    for event in batch.events:
+        if isinstance(event, BlockStored):
+            events.append(_stored_to_pb(event))
+        elif isinstance(event, BlockRemoved):
+            events.append(
+                pb.KVEvent(
+                    removed=pb.BlockRemoved(
+                        block_hashes=event.block_hashes,
+                        medium=event.medium,
+                        group_index=event.group_index,
+                    )
+                )
+            )
+        elif isinstance(event, AllBlocksCleared):
+            events.append(pb.KVEvent(cleared=pb.AllBlocksCleared()))
+        else:  # pragma: no cover - the core defines exactly these
+            raise TypeError(f"unknown event {event!r}")
+    return pb.WatchEventsResponse(sequence=batch.seq, timestamp=batch.timestamp, events=events)
+
+
+def token_ids_list(values: Sequence[int]) -> list[int]:
+    return values if isinstance(values, list) else list(values)
