@@ -26,8 +26,8 @@ test: venv lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: venv
-	$(VENV)/bin/ruff check kvsvc clients tests benchmarks
-	$(VENV)/bin/ruff format --check kvsvc clients tests benchmarks
+	$(VENV)/bin/ruff check kvsvc clients tests benchmarks deploy
+	$(VENV)/bin/ruff format --check kvsvc clients tests benchmarks deploy
 	$(VENV)/bin/mypy
 
 # Regenerate the one copy of the protobuf/gRPC stubs (kvsvc/v1) from protos/.

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_PORT_LINE = re.compile(r"kvsvc serving on port (\d+)(?:, metrics on port (\d+))?")
+_PORT_LINE = re.compile(r"^kvsvc serving on port (\d+)(?:, metrics on port (\d+))?$")
 
 
 @dataclass

@@ -274,8 +274,8 @@ class _PoolCollector(Collector):
             lookup_hits.add_metric([name], c.lookup_hit_tokens)
             allocations.add_metric([name, "ok"], c.allocate_ok)
             allocations.add_metric([name, "no_space"], c.allocate_no_space)
-            allocated.add_metric([name], c.allocated_blocks)
-            freed.add_metric([name], c.freed_blocks)
+            allocated.add_metric([name], snapshot.num_allocated_blocks if snapshot else 0)
+            freed.add_metric([name], snapshot.num_freed_blocks if snapshot else 0)
             frees.add_metric([name, "finished"], c.free_requests)
             frees.add_metric([name, "preempted"], c.preempt_requests)
             for kind, count in pool.events.num_events_by_type.items():

@@ -102,7 +102,6 @@ class EngineCounters:
 
     allocate_ok: int = 0
     allocate_no_space: int = 0
-    allocated_blocks: int = 0
     free_requests: int = 0
     preempt_requests: int = 0
     freed_blocks: int = 0
@@ -532,8 +531,6 @@ class Pool:
         counters = self.counters
         if outcome.ok:
             counters.allocate_ok += 1
-            for ids in outcome.new_block_ids:
-                counters.allocated_blocks += len(ids)
         else:
             counters.allocate_no_space += 1
 

@@ -17,9 +17,10 @@ from typing import Any, cast
 import grpc
 
 from kvsvc.convert import config_to_pb, layer_specs_from_pb
-from kvsvc.errors import InvalidArgument, KvsvcError, NotFound, Unauthenticated
-from kvsvc.server.errors import CallObserver, rpc_handler, rpc_stream_handler, status_for
+from kvsvc.errors import InvalidArgument, NotFound, Unauthenticated
+from kvsvc.server.errors import CallObserver, rpc_handler, rpc_stream_handler
 from kvsvc.server.pool import MemoryReport, Pool, PoolState, Registration
+from kvsvc.server.step import apply_step
 from kvsvc.server.wire import (
     StepColumns,
     StepResults,
@@ -128,6 +129,7 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
             request.num_new_tokens,
             request.num_lookahead_tokens,
             start,
+            request.num_rejected_tokens,
         )
         pool.stats_allocate(outcome)
         return allocate_response(outcome)
@@ -140,9 +142,17 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
         num_new_tokens: int,
         num_lookahead_tokens: int,
         start: Any,
+        num_rejected_tokens: int,
     ) -> Any:
         cache = pool.ensure_serving()
-        return cache.allocate(request_id, tokens, num_new_tokens, num_lookahead_tokens, start)
+        return cache.allocate(
+            request_id,
+            tokens,
+            num_new_tokens,
+            num_lookahead_tokens,
+            start,
+            num_rejected_tokens=num_rejected_tokens,
+        )
 
     @rpc_handler("Free")
     async def Free(self, request: Any, context: Any) -> kvcache_pb2.FreeResponse:
@@ -175,49 +185,7 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
 
     @staticmethod
     def _apply_step(pool: Pool, columns: StepColumns) -> StepResults:
-        """Apply a Step's operations in order; an invalid one is rejected alone."""
-        cache = pool.ensure_serving()
-        allocate = cache.allocate
-        free = cache.free
-        results = StepResults(cache.num_groups)
-        add_allocate = results.add_allocate
-        token_ids = columns.token_ids
-        counts = columns.num_token_ids
-        new_tokens = columns.num_new_tokens
-        lookahead = columns.num_lookahead_tokens
-        request_ids = columns.request_ids
-        starts = columns.starts
-        stats = pool.stats_allocate
-        pos = 0
-        for i, kind in enumerate(columns.types):
-            count = counts[i]
-            tokens = token_ids[pos : pos + count] if count else []
-            pos += count
-            request_id = request_ids[i]
-            try:
-                if kind == _ALLOCATE:
-                    if not request_id:
-                        raise InvalidArgument(f"request_ids[{i}]", "must not be empty")
-                    start = starts.get(i)
-                    if start is not None:
-                        start = start_from_pb(start, f"starts[{i}]")
-                    outcome = allocate(request_id, tokens, new_tokens[i], lookahead[i], start)
-                    stats(outcome)
-                    add_allocate(outcome)
-                elif kind in (_FREE, _PREEMPT):
-                    check_request_id(request_id, f"request_ids[{i}]")
-                    if count or new_tokens[i] or lookahead[i] or i in starts:
-                        raise InvalidArgument(
-                            f"types[{i}]", "a free carries no tokens, counts or start"
-                        )
-                    freed = free([request_id], preempted=kind == _PREEMPT)
-                    pool.stats_free(1, freed, kind == _PREEMPT)
-                    results.add_free(freed)
-                else:
-                    raise InvalidArgument(f"types[{i}]", f"unknown operation type {kind}")
-            except KvsvcError as exc:
-                results.add_error(i, status_for(exc).value[0], str(exc))
-        return results
+        return apply_step(pool.ensure_serving(), columns, pool.counters)
 
     @rpc_handler("Lookup")
     async def Lookup(self, request: Any, context: Any) -> kvcache_pb2.LookupResponse:
@@ -384,6 +352,8 @@ def pool_summary(pool: Pool, now: float) -> admin_pb2.PoolSummary:
                 heartbeat_age_seconds=max(0.0, now - slot.last_seen),
                 kv_cache_bytes=slot.available_bytes,
                 memory_free_bytes=slot.memory_free_bytes or reg.memory.free_bytes,
+                allocated_bytes=slot.allocated_bytes,
+                views=slot.views,
             )
         )
     return admin_pb2.PoolSummary(

@@ -7,7 +7,6 @@ columns as lists, letting protobuf copy them in bulk.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, cast
 
 from kvsvc.core import (
@@ -92,6 +91,7 @@ class StepColumns:
     __slots__ = (
         "num_lookahead_tokens",
         "num_new_tokens",
+        "num_rejected_tokens",
         "num_token_ids",
         "request_ids",
         "starts",
@@ -109,7 +109,14 @@ class StepColumns:
         self.num_token_ids: list[int] = list(request.num_token_ids) or [0] * n
         self.num_new_tokens: list[int] = list(request.num_new_tokens) or [0] * n
         self.num_lookahead_tokens: list[int] = list(request.num_lookahead_tokens) or [0] * n
-        for name in ("request_ids", "num_token_ids", "num_new_tokens", "num_lookahead_tokens"):
+        self.num_rejected_tokens: list[int] = list(request.num_rejected_tokens) or [0] * n
+        for name in (
+            "request_ids",
+            "num_token_ids",
+            "num_new_tokens",
+            "num_lookahead_tokens",
+            "num_rejected_tokens",
+        ):
             if len(getattr(self, name)) != n:
                 raise InvalidArgument(
                     name, f"has {len(getattr(self, name))} entries for {n} operations"
@@ -154,19 +161,6 @@ class StepResults:
         self.num_null_blocks: list[int] = []
         self.freed: list[int] = []
         self.errors: dict[int, pb.StepError] = {}
-
-    def add_allocate(self, outcome: AllocateOutcome) -> None:
-        ok = outcome.ok
-        self.statuses.append(STATUS_OK if ok else STATUS_NO_SPACE)
-        self.scheduled.append(outcome.num_scheduled_tokens if ok else 0)
-        self.computed.append(outcome.num_computed_tokens)
-        self.cached.append(outcome.num_cached_tokens)
-        for ids in outcome.new_block_ids:
-            self.num_new_blocks.append(len(ids))
-            if ids:
-                self.new_block_ids.extend(ids)
-        self.num_null_blocks.extend(outcome.num_null_blocks)
-        self.freed.append(0)
 
     def add_free(self, num_freed: int) -> None:
         self.statuses.append(STATUS_OK)
@@ -237,7 +231,3 @@ def event_batch_to_pb(batch: KVEventBatch) -> pb.WatchEventsResponse:
         else:  # pragma: no cover - the core defines exactly these
             raise TypeError(f"unknown event {event!r}")
     return pb.WatchEventsResponse(sequence=batch.seq, timestamp=batch.timestamp, events=events)
-
-
-def token_ids_list(values: Sequence[int]) -> list[int]:
-    return values if isinstance(values, list) else list(values)

@@ -1,5 +1,6 @@
 from kvsvc.v1 import pools_pb2 as _pools_pb2
 from kvsvc.v1 import specs_pb2 as _specs_pb2
+from kvsvc.v1 import worker_pb2 as _worker_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -13,7 +14,7 @@ class ListPoolsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("rank", "device", "hostname", "registered", "allocated", "heartbeat_age_seconds", "kv_cache_bytes", "memory_free_bytes")
+    __slots__ = ("rank", "device", "hostname", "registered", "allocated", "heartbeat_age_seconds", "kv_cache_bytes", "memory_free_bytes", "allocated_bytes", "views")
     RANK_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +23,8 @@ class WorkerStatus(_message.Message):
     HEARTBEAT_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    VIEWS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     device: str
     hostname: str
@@ -30,7 +33,9 @@ class WorkerStatus(_message.Message):
     heartbeat_age_seconds: float
     kv_cache_bytes: int
     memory_free_bytes: int
-    def __init__(self, rank: _Optional[int] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., registered: _Optional[bool] = ..., allocated: _Optional[bool] = ..., heartbeat_age_seconds: _Optional[float] = ..., kv_cache_bytes: _Optional[int] = ..., memory_free_bytes: _Optional[int] = ...) -> None: ...
+    allocated_bytes: int
+    views: _containers.RepeatedCompositeFieldContainer[_worker_pb2.AllocatedView]
+    def __init__(self, rank: _Optional[int] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., registered: _Optional[bool] = ..., allocated: _Optional[bool] = ..., heartbeat_age_seconds: _Optional[float] = ..., kv_cache_bytes: _Optional[int] = ..., memory_free_bytes: _Optional[int] = ..., allocated_bytes: _Optional[int] = ..., views: _Optional[_Iterable[_Union[_worker_pb2.AllocatedView, _Mapping]]] = ...) -> None: ...
 
 class PoolSummary(_message.Message):
     __slots__ = ("name", "state", "world_size", "num_registered", "block_size", "num_blocks", "hash_algo", "enable_prefix_caching", "error", "workers", "max_model_len")

@@ -73,20 +73,22 @@ class RequestStart(_message.Message):
     def __init__(self, hashing: _Optional[_Union[HashingContext, _Mapping]] = ..., skip_prefix_cache_read: _Optional[bool] = ..., resumed: _Optional[bool] = ..., num_encoder_tokens: _Optional[int] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("pool", "request_id", "new_token_ids", "num_new_tokens", "num_lookahead_tokens", "start")
+    __slots__ = ("pool", "request_id", "new_token_ids", "num_new_tokens", "num_lookahead_tokens", "start", "num_rejected_tokens")
     POOL_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
+    NUM_REJECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     pool: str
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_new_tokens: int
     num_lookahead_tokens: int
     start: RequestStart
-    def __init__(self, pool: _Optional[str] = ..., request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., start: _Optional[_Union[RequestStart, _Mapping]] = ...) -> None: ...
+    num_rejected_tokens: int
+    def __init__(self, pool: _Optional[str] = ..., request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., start: _Optional[_Union[RequestStart, _Mapping]] = ..., num_rejected_tokens: _Optional[int] = ...) -> None: ...
 
 class GroupBlocks(_message.Message):
     __slots__ = ("block_ids", "num_null_blocks")
@@ -127,7 +129,7 @@ class FreeResponse(_message.Message):
     def __init__(self, num_freed_blocks: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("pool", "types", "request_ids", "num_token_ids", "token_ids", "num_new_tokens", "num_lookahead_tokens", "starts")
+    __slots__ = ("pool", "types", "request_ids", "num_token_ids", "token_ids", "num_new_tokens", "num_lookahead_tokens", "starts", "num_rejected_tokens")
     class StartsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +145,7 @@ class StepRequest(_message.Message):
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STARTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REJECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     pool: str
     types: _containers.RepeatedScalarFieldContainer[StepOperationType]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -151,7 +154,8 @@ class StepRequest(_message.Message):
     num_new_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_lookahead_tokens: _containers.RepeatedScalarFieldContainer[int]
     starts: _containers.MessageMap[int, RequestStart]
-    def __init__(self, pool: _Optional[str] = ..., types: _Optional[_Iterable[_Union[StepOperationType, str]]] = ..., request_ids: _Optional[_Iterable[str]] = ..., num_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., num_lookahead_tokens: _Optional[_Iterable[int]] = ..., starts: _Optional[_Mapping[int, RequestStart]] = ...) -> None: ...
+    num_rejected_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pool: _Optional[str] = ..., types: _Optional[_Iterable[_Union[StepOperationType, str]]] = ..., request_ids: _Optional[_Iterable[str]] = ..., num_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., num_lookahead_tokens: _Optional[_Iterable[int]] = ..., starts: _Optional[_Mapping[int, RequestStart]] = ..., num_rejected_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepError(_message.Message):
     __slots__ = ("code", "message")
