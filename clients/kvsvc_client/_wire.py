@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import array
 import itertools
+import sys
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -33,6 +35,28 @@ _CODE_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 _STATE_NAMES = {
     value: name.removeprefix("POOL_STATE_") for name, value in pools_pb2.PoolState.items()
 }
+
+
+# Prompts longer than this travel packed (4 bytes per id): building and parsing a repeated
+# varint field costs ~50 ns per id on each side, packing a few ns.
+PACK_THRESHOLD = 16
+
+
+def pack_token_ids(token_ids: Sequence[int]) -> bytes | None:
+    """Little-endian 32-bit packing of the ids, or None when short or not packable.
+
+    Ids that do not fit (negative, >= 2**32, not ints) are sent unpacked, so the server
+    answers with its usual INVALID_ARGUMENT naming the field.
+    """
+    if len(token_ids) < PACK_THRESHOLD:
+        return None
+    try:
+        values = array.array("I", token_ids)
+    except (OverflowError, TypeError):
+        return None
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values.tobytes()
 
 
 def hashing_to_pb(hashing: HashingContext | None) -> kvcache_pb2.HashingContext | None:
@@ -74,10 +98,14 @@ def allocate_request(
     request = kvcache_pb2.AllocateRequest(
         pool=pool,
         request_id=request_id,
-        new_token_ids=new_token_ids,
         num_new_tokens=num_new_tokens,
         num_lookahead_tokens=num_lookahead_tokens,
     )
+    packed = pack_token_ids(new_token_ids)
+    if packed is not None:
+        request.packed_new_token_ids = packed
+    else:
+        request.new_token_ids.extend(new_token_ids)
     start_pb = start_to_pb(start)
     if start_pb is not None:
         request.start.CopyFrom(start_pb)
@@ -155,12 +183,14 @@ class StepBuilder:
         return self
 
     def to_pb(self) -> kvcache_pb2.StepRequest:
+        packed = pack_token_ids(self._tokens)
         return kvcache_pb2.StepRequest(
             pool=self._pool,
             types=cast(list[kvcache_pb2.StepOperationType], self._types),
             request_ids=self._ids,
             num_token_ids=self._counts,
-            token_ids=self._tokens,
+            token_ids=self._tokens if packed is None else (),
+            packed_token_ids=packed or b"",
             num_new_tokens=self._new,
             num_lookahead_tokens=self._lookahead if any(self._lookahead) else (),
             starts=self._starts,

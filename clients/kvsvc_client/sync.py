@@ -142,9 +142,12 @@ class KVCacheClient:
         timeout: float | None = None,
     ) -> int:
         """Cached prefix tokens of a prompt (no side effects)."""
-        request = kvcache_pb2.LookupRequest(
-            pool=self.pool, token_ids=token_ids, hashing=_wire.hashing_to_pb(hashing)
-        )
+        request = kvcache_pb2.LookupRequest(pool=self.pool, hashing=_wire.hashing_to_pb(hashing))
+        packed = _wire.pack_token_ids(token_ids)
+        if packed is not None:
+            request.packed_token_ids = packed
+        else:
+            request.token_ids.extend(token_ids)
         return self._call(self._stub.Lookup, request, timeout, retry=True).num_cached_tokens
 
     def block_table(self, request_id: str, *, timeout: float | None = None) -> BlockTable:

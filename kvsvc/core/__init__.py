@@ -51,7 +51,13 @@ from kvsvc.core.managers import (
     make_manager,
     manager_class_for,
 )
-from kvsvc.core.pool import AllocateOutcome, BlockTableView, PoolKVCache, RequestStart
+from kvsvc.core.pool import (
+    AllocateOutcome,
+    BlockTableView,
+    PoolKVCache,
+    RequestStart,
+    RunningColumns,
+)
 from kvsvc.core.request import RequestState
 from kvsvc.core.stats import PrefixCacheStats, UsageSnapshot
 
@@ -89,6 +95,7 @@ __all__ = [
     "PrefixCacheStats",
     "RequestStart",
     "RequestState",
+    "RunningColumns",
     "SingleTypeKVCacheManager",
     "SinkFullAttentionManager",
     "SlidingWindowManager",

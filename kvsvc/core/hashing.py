@@ -33,9 +33,11 @@ that have a prompt-embeddings digest.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import os
 import struct
+import sys
 from bisect import bisect_right
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -477,6 +479,26 @@ def pack_token_ids(token_ids: Sequence[int], field: str) -> bytes:
     if not packed[3::4].isascii():
         raise _bad_token_error(token_ids, field)
     return packed
+
+
+def unpack_token_ids(packed: bytes, field: str) -> list[int]:
+    """Token ids from their packed form (little-endian 32-bit), checked like the list form.
+
+    The wire may carry a prompt this way: decoding bytes is several times cheaper than
+    materialising a repeated int field element by element.
+
+    Raises:
+        InvalidArgument: a length that is not a multiple of 4, or an id >= 2**31.
+    """
+    if len(packed) % 4:
+        raise InvalidArgument(field, f"packed token ids need 4 bytes each, got {len(packed)} bytes")
+    values = array.array("I")
+    values.frombytes(packed)
+    if sys.byteorder == "big":
+        values.byteswap()
+    if not packed[3::4].isascii():
+        raise _bad_token_error(values, field)
+    return values.tolist()
 
 
 def _bad_token_error(token_ids: Sequence[int], field: str) -> InvalidArgument:

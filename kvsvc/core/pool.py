@@ -24,9 +24,11 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from kvsvc.core.events import MEDIUM_GPU, KVEventBatch
 from kvsvc.core.hashing import (
+    MAX_TOKEN_ID_EXCLUSIVE,
     BlockExtraKeys,
     HashingContext,
     pack_token_ids,
@@ -35,7 +37,7 @@ from kvsvc.core.hashing import (
 from kvsvc.core.manager import KVCacheManager
 from kvsvc.core.request import RequestState
 from kvsvc.core.stats import UsageSnapshot
-from kvsvc.errors import InvalidArgument, NotFound
+from kvsvc.errors import InvalidArgument, KvsvcError, NotFound
 from kvsvc.specs import KVCacheConfig
 
 
@@ -79,6 +81,34 @@ class AllocateOutcome:
     num_cached_tokens: int
     num_scheduled_tokens: int
     num_computed_tokens: int
+
+
+def _token_error(token: object) -> InvalidArgument:
+    """The error ``allocate`` raises for this bad token id (same words on both paths)."""
+    try:
+        validate_token_ids((token,), "new_token_ids")  # type: ignore[arg-type]
+    except InvalidArgument as exc:
+        return exc
+    raise AssertionError(f"{token!r} passed validation")
+
+
+class RunningColumns:
+    """Where :meth:`PoolKVCache.allocate_running` appends its per-operation results.
+
+    ``new_block_ids`` holds, per operation, the blocks appended to its (single group's)
+    table, or the shared ``EMPTY`` list; ``errors`` maps an operation index to the error
+    that rejected it (its other entries are then placeholders).
+    """
+
+    __slots__ = ("errors", "new_block_ids", "num_computed_tokens", "ok")
+
+    EMPTY: ClassVar[list[int]] = []  # shared; never mutated
+
+    def __init__(self) -> None:
+        self.ok: list[bool] = []
+        self.num_computed_tokens: list[int] = []
+        self.new_block_ids: list[list[int]] = []
+        self.errors: dict[int, KvsvcError] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +219,11 @@ class PoolKVCache:
         return self.manager.hash_block_size
 
     @property
+    def has_plain_tables(self) -> bool:
+        """One full-attention group: tables only grow (see :meth:`allocate_running`)."""
+        return self.manager._plain_group is not None
+
+    @property
     def num_blocks(self) -> int:
         """Usable blocks (the null block excluded)."""
         return self.manager.block_pool.num_blocks - 1
@@ -204,6 +239,7 @@ class PoolKVCache:
         start: RequestStart | None = None,
         *,
         num_rejected_tokens: int = 0,
+        packed_token_ids: bytes | None = None,
     ) -> AllocateOutcome:
         """Admit, resume or continue a request and give it slots for this step.
 
@@ -217,6 +253,9 @@ class PoolKVCache:
             start: present exactly on the first call (admission or resumption).
             num_rejected_tokens: drafts rejected since the last call, taken off the
                 computed count before this step (speculative decoding).
+            packed_token_ids: ``new_token_ids`` already validated and packed by
+                :func:`kvsvc.core.hashing.unpack_token_ids` (the wire's compact form);
+                spares checking and packing them again.
 
         Returns:
             The outcome; ``ok=False`` (NO_SPACE) changed nothing. A refused first call does
@@ -235,13 +274,18 @@ class PoolKVCache:
             )
         if start is not None:
             return self._admit(
-                request_id, new_token_ids, num_new_tokens, num_lookahead_tokens, start
+                request_id,
+                new_token_ids,
+                num_new_tokens,
+                num_lookahead_tokens,
+                start,
+                packed_token_ids,
             )
         request = self._requests.get(request_id)
         if request is None:
             raise NotFound(f"request {request_id!r} is not live in this pool")
         num_tokens_before = len(request.all_token_ids)
-        if new_token_ids:
+        if new_token_ids and packed_token_ids is None:
             validate_token_ids(new_token_ids, "new_token_ids")
             if num_tokens_before + len(new_token_ids) > self.max_model_len:
                 raise InvalidArgument(
@@ -304,6 +348,7 @@ class PoolKVCache:
         budget: int,
         num_lookahead_tokens: int,
         start: RequestStart,
+        packed: bytes | None = None,
     ) -> AllocateOutcome:
         if request_id in self._requests:
             raise InvalidArgument(
@@ -312,7 +357,11 @@ class PoolKVCache:
             )
         if not prompt:
             raise InvalidArgument("new_token_ids", "the first call must carry the prompt")
-        packed = pack_token_ids(prompt, "new_token_ids")
+        # Token lists that come with their packed form were decoded for this call (the
+        # wire path): take them over instead of copying.
+        owned = packed is not None and isinstance(prompt, list)
+        if packed is None:
+            packed = pack_token_ids(prompt, "new_token_ids")
         if len(prompt) > self.max_model_len:
             raise InvalidArgument(
                 "new_token_ids",
@@ -326,7 +375,7 @@ class PoolKVCache:
         try:
             request = manager.new_request(
                 request_id,
-                list(prompt),
+                prompt if owned else list(prompt),  # type: ignore[arg-type]
                 hashing=start.hashing,
                 skip_reading_prefix_cache=start.skip_prefix_cache_read,
                 resumed=start.resumed,
@@ -370,6 +419,137 @@ class PoolKVCache:
     def _no_new_blocks(self) -> tuple[list[int], ...]:
         # Fresh lists: callers own what an outcome holds.
         return tuple([] for _ in range(self.num_groups))
+
+    def allocate_running(
+        self,
+        request_ids: Sequence[str],
+        token_ids: Sequence[int],
+        token_counts: Sequence[int],
+        num_new_tokens: Sequence[int],
+        begin: int,
+        end: int,
+        token_pos: int,
+        out: RunningColumns,
+    ) -> int:
+        """``allocate`` for operations ``begin..end`` of a batch of running requests.
+
+        The engine's decode step is a few hundred calls like ``allocate(rid, [token], 1)``;
+        made one by one they cost more in call overhead than in work. This applies them in
+        order with the same semantics as ``allocate(rid, tokens, n)`` (each atomic, an
+        invalid one rejected alone) and appends their results to ``out``'s columns instead
+        of building an outcome object per call. Operation ``i`` owns ``token_counts[i]``
+        ids of ``token_ids``, starting at ``token_pos`` for ``begin``.
+
+        Only for pools where :attr:`has_plain_tables` (one full-attention group: no null
+        blocks to report); operations with more than one token take the general path.
+
+        Returns:
+            The token position after operation ``end - 1``.
+        """
+        requests = self._requests
+        manager = self.manager
+        plain = manager._plain_group
+        max_model_len = self.max_model_len
+        ok_out = out.ok
+        computed_out = out.num_computed_tokens
+        blocks_out = out.new_block_ids
+        errors = out.errors
+        empty = out.EMPTY
+        if plain is None:
+            raise TypeError("allocate_running needs a pool with one full-attention group")
+        tables = plain.req_to_blocks
+        cached_counts = plain.num_cached_block
+        block_size = plain.block_size
+        pool = manager.block_pool
+        free_queue = pool.free_queue
+        caching = manager.enable_caching
+        hasher = manager.hasher
+        hash_block_size = hasher.block_size if hasher is not None else 0
+        pos = token_pos
+        for i in range(begin, end):
+            count = token_counts[i]
+            num_new = num_new_tokens[i]
+            request_id = request_ids[i]
+            request = requests.get(request_id)
+            if count > 1 or request is None or num_new < 0:
+                # General path: error reporting, multi-token appends.
+                tokens = token_ids[pos : pos + count]
+                pos += count
+                try:
+                    outcome = self.allocate(request_id, tokens, num_new)
+                except KvsvcError as exc:
+                    errors[i] = exc
+                    ok_out.append(False)
+                    computed_out.append(0)
+                    blocks_out.append(empty)
+                    continue
+                ok_out.append(outcome.ok)
+                computed_out.append(outcome.num_computed_tokens)
+                blocks_out.append(outcome.new_block_ids[0] or empty)
+                continue
+            # One full-attention group, a running request, at most one new token.
+            tokens_list = request.all_token_ids
+            num_tokens_before = len(tokens_list)
+            if count:
+                token = token_ids[pos]
+                pos += 1
+                if type(token) is not int or not 0 <= token < MAX_TOKEN_ID_EXCLUSIVE:
+                    errors[i] = _token_error(token)
+                    ok_out.append(False)
+                    computed_out.append(0)
+                    blocks_out.append(empty)
+                    continue
+                if num_tokens_before + 1 > max_model_len:
+                    errors[i] = InvalidArgument(
+                        "new_token_ids",
+                        f"request {request_id!r} would reach {num_tokens_before + 1} tokens, "
+                        f"past max_model_len={max_model_len}",
+                    )
+                    ok_out.append(False)
+                    computed_out.append(0)
+                    blocks_out.append(empty)
+                    continue
+            computed = request.num_computed_tokens
+            num_main = computed + num_new
+            if num_main > max_model_len:
+                errors[i] = InvalidArgument(
+                    "num_new_tokens",
+                    f"{computed} computed + {num_new} new tokens exceed max_model_len="
+                    f"{max_model_len}",
+                )
+                ok_out.append(False)
+                computed_out.append(0)
+                blocks_out.append(empty)
+                continue
+            table = tables[request_id]
+            needed = -(-num_main // block_size) - len(table)
+            if needed > 0 and needed > free_queue.num_free_blocks:
+                # NO_SPACE: nothing was changed yet.
+                ok_out.append(False)
+                computed_out.append(computed)
+                blocks_out.append(empty)
+                continue
+            if count:
+                tokens_list.append(token)
+                if (
+                    hasher is not None
+                    and len(tokens_list) >= (len(request.block_hashes) + 1) * hash_block_size
+                ):
+                    request.update_block_hashes()
+            if needed > 0:
+                new_blocks = pool.get_new_blocks(needed)
+                table.extend(new_blocks)
+            else:
+                new_blocks = empty
+            if caching:
+                num_to_cache = num_main if num_main < len(tokens_list) else len(tokens_list)
+                if num_to_cache // block_size > cached_counts[request_id]:
+                    plain.cache_blocks(request, num_to_cache)
+            request.num_computed_tokens = num_main
+            ok_out.append(True)
+            computed_out.append(num_main)
+            blocks_out.append(new_blocks)
+        return pos
 
     def free(self, request_ids: Sequence[str], *, preempted: bool = False) -> int:
         """Release requests; their full blocks stay cached for reuse.

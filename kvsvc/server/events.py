@@ -1,9 +1,11 @@
 """Per-pool event log: a bounded replay buffer of KV event batches plus live followers.
 
-The core numbers batches 1, 2, 3, ...; the log keeps the newest ``capacity`` of them as
-ready-to-send protobuf messages (converted once, shared by every subscriber). A follower
-asks for a start sequence: it gets what is still held, a ``gap`` marker first when its
-start was already dropped, then new batches as they arrive.
+The core numbers batches 1, 2, 3, ...; the log keeps the newest ``capacity`` of them. A
+batch is converted to protobuf the first time a subscriber needs it and the message is
+then shared by every subscriber: a sidecar nobody watches pays nothing for its events
+(a decode step that completes a block in each of 256 requests makes 256 events). A
+follower asks for a start sequence: it gets what is still held, a ``gap`` marker first
+when its start was already dropped, then new batches as they arrive.
 """
 
 from __future__ import annotations
@@ -13,14 +15,26 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator
 
+from kvsvc.core import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvsvc.errors import InvalidArgument
 from kvsvc.v1 import kvcache_pb2 as pb
+
+
+class _Entry:
+    """A held batch and, once someone asked for it, its wire form."""
+
+    __slots__ = ("batch", "message", "sequence")
+
+    def __init__(self, batch: KVEventBatch) -> None:
+        self.sequence = batch.seq
+        self.batch = batch
+        self.message: pb.WatchEventsResponse | None = None
 
 
 class EventLog:
     def __init__(self, capacity: int) -> None:
         self.epoch = uuid.uuid4().hex
-        self._batches: deque[pb.WatchEventsResponse] = deque(maxlen=capacity)
+        self._batches: deque[_Entry] = deque(maxlen=capacity)
         self._last_seq = 0
         self._wakeup = asyncio.Event()
         self.num_dropped_batches = 0
@@ -36,23 +50,32 @@ class EventLog:
         """Sequence of the oldest batch held (last + 1 when nothing is held)."""
         return self._batches[0].sequence if self._batches else self._last_seq + 1
 
-    def append(self, batch: pb.WatchEventsResponse) -> None:
+    def append(self, batch: KVEventBatch) -> None:
         """Add the next batch (its sequence must follow the last one) and wake followers."""
-        assert batch.sequence == self._last_seq + 1, (batch.sequence, self._last_seq)
+        assert batch.seq == self._last_seq + 1, (batch.seq, self._last_seq)
         if len(self._batches) == self._batches.maxlen:
             self.num_dropped_batches += 1
-        batch.epoch = self.epoch
-        self._batches.append(batch)
-        self._last_seq = batch.sequence
+        self._batches.append(_Entry(batch))
+        self._last_seq = batch.seq
+        counts = self.num_events_by_type
         for event in batch.events:
-            kind = event.WhichOneof("event")
-            if kind:
-                self.num_events_by_type[kind] += 1
+            if isinstance(event, BlockStored):
+                counts["stored"] += 1
+            elif isinstance(event, BlockRemoved):
+                counts["removed"] += 1
+            elif isinstance(event, AllBlocksCleared):
+                counts["cleared"] += 1
         wakeup, self._wakeup = self._wakeup, asyncio.Event()
         wakeup.set()
 
     def _get(self, sequence: int) -> pb.WatchEventsResponse:
-        return self._batches[sequence - self._batches[0].sequence]
+        entry = self._batches[sequence - self._batches[0].sequence]
+        if entry.message is None:
+            from kvsvc.server.wire import event_batch_to_pb
+
+            entry.message = event_batch_to_pb(entry.batch)
+            entry.message.epoch = self.epoch
+        return entry.message
 
     async def follow(
         self, from_sequence: int | None, epoch: str = ""

@@ -521,9 +521,7 @@ class Pool:
             return
         batch = cache.take_events()
         if batch is not None:
-            from kvsvc.server.wire import event_batch_to_pb
-
-            self.events.append(event_batch_to_pb(batch))
+            self.events.append(batch)
 
     # ---------------------------------------------------------------- accounting
 

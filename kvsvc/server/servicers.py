@@ -28,6 +28,7 @@ from kvsvc.server.wire import (
     check_request_id,
     hashing_from_pb,
     start_from_pb,
+    token_ids_of,
 )
 from kvsvc.v1 import (
     admin_pb2,
@@ -118,7 +119,13 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
         pool.ensure_serving()
         check_request_id(request.request_id)
         start = start_from_pb(request.start, "start") if request.HasField("start") else None
-        tokens = list(request.new_token_ids)
+        packed: bytes | None = request.packed_new_token_ids or None
+        tokens = token_ids_of(
+            request.new_token_ids,
+            request.packed_new_token_ids,
+            "new_token_ids",
+            "packed_new_token_ids",
+        )
         outcome = await _run(
             pool,
             len(tokens),
@@ -130,6 +137,7 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
             request.num_lookahead_tokens,
             start,
             request.num_rejected_tokens,
+            packed,
         )
         pool.stats_allocate(outcome)
         return allocate_response(outcome)
@@ -143,6 +151,7 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
         num_lookahead_tokens: int,
         start: Any,
         num_rejected_tokens: int,
+        packed: bytes | None,
     ) -> Any:
         cache = pool.ensure_serving()
         return cache.allocate(
@@ -152,6 +161,7 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
             num_lookahead_tokens,
             start,
             num_rejected_tokens=num_rejected_tokens,
+            packed_token_ids=packed,
         )
 
     @rpc_handler("Free")
@@ -191,7 +201,9 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
     async def Lookup(self, request: Any, context: Any) -> kvcache_pb2.LookupResponse:
         pool = self._pools.get(request.pool)
         cache = pool.ensure_serving()
-        tokens = list(request.token_ids)
+        tokens = token_ids_of(
+            request.token_ids, request.packed_token_ids, "token_ids", "packed_token_ids"
+        )
         _check_token_ids(tokens, "token_ids")
         hashing = hashing_from_pb(request.hashing, "hashing")
         cached = await _run(pool, len(tokens), cache.lookup, tokens, hashing)

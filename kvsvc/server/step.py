@@ -1,21 +1,30 @@
 """Applying a Step: the hot path of the whole service.
 
-An engine sends one Step per scheduling step, typically a decode token for each of a few
-hundred running requests. Everything here is arranged so that the per-operation cost is
-the core's own work plus a handful of list appends: columns are plain lists, bound
-methods and constants are locals, single-group pools skip the per-group loops, and the
-outcome counters are taken from the result columns in bulk at the end.
+An engine sends one Step per scheduling step, typically one decode token for each of a
+few hundred running requests. The per-operation cost must be the core's own work, not
+call and object overhead, so:
+
+* pools with one full-attention group (most models) hand every run of running-request
+  allocations to the core's columnar :meth:`~kvsvc.core.PoolKVCache.allocate_running`
+  (one loop, no outcome object per operation) and build the response columns in bulk;
+* other pools (hybrid, sliding window, Mamba) and the other operations (first calls,
+  frees, speculative bookkeeping) go through ``allocate``/``free`` one by one.
+
+Either way the operations apply in order, each atomically, and an invalid one is
+rejected alone.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from kvsvc.core import AllocateOutcome, RunningColumns
 from kvsvc.errors import InvalidArgument, KvsvcError
 from kvsvc.server.errors import status_for
 from kvsvc.server.wire import (
     STATUS_NO_SPACE,
     STATUS_OK,
+    STATUS_REJECTED,
     StepColumns,
     StepResults,
     check_request_id,
@@ -29,92 +38,183 @@ _PREEMPT = kvcache_pb2.STEP_OPERATION_TYPE_PREEMPT
 
 
 def apply_step(cache: Any, columns: StepColumns, counters: Any) -> StepResults:
-    """Apply the operations in order; an invalid one is rejected alone (no change)."""
-    num_groups = cache.num_groups
-    results = StepResults(num_groups)
+    """Apply a Step's operations to ``cache``; count outcomes into ``counters``."""
+    if cache.has_plain_tables:
+        results = _apply_plain(cache, columns, counters)
+    else:
+        results = _apply_general(cache, columns, counters)
+    counters.allocate_no_space += results.statuses.count(STATUS_NO_SPACE)
+    return results
+
+
+def _apply_one(
+    cache: Any, columns: StepColumns, i: int, pos: int, counters: Any
+) -> tuple[int, AllocateOutcome | int]:
+    """Apply operation ``i`` through the general API.
+
+    Returns:
+        The next token position and the outcome (an allocation's, or the number of
+        blocks a free released).
+
+    Raises:
+        KvsvcError: the operation is invalid (nothing changed).
+    """
+    kind = columns.types[i]
+    count = columns.num_token_ids[i]
+    request_id = columns.request_ids[i]
+    if kind == _ALLOCATE:
+        tokens = columns.token_ids[pos : pos + count]
+        if not request_id:
+            raise InvalidArgument(f"request_ids[{i}]", "must not be empty")
+        start = columns.starts.get(i)
+        packed = columns.packed_token_ids
+        outcome = cache.allocate(
+            request_id,
+            tokens,
+            columns.num_new_tokens[i],
+            columns.num_lookahead_tokens[i],
+            start_from_pb(start, f"starts[{i}]") if start is not None else None,
+            num_rejected_tokens=columns.num_rejected_tokens[i],
+            # A first call's prompt is long: hand the core its already-checked packed form.
+            packed_token_ids=packed[4 * pos : 4 * (pos + count)]
+            if packed and start is not None
+            else None,
+        )
+        return pos + count, outcome
+    if kind in (_FREE, _PREEMPT):
+        check_request_id(request_id, f"request_ids[{i}]")
+        if (
+            count
+            or columns.num_new_tokens[i]
+            or columns.num_lookahead_tokens[i]
+            or columns.num_rejected_tokens[i]
+            or i in columns.starts
+        ):
+            raise InvalidArgument(f"types[{i}]", "a free carries no tokens, counts or start")
+        preempted = kind == _PREEMPT
+        freed: int = cache.free((request_id,), preempted=preempted)
+        if preempted:
+            counters.preempt_requests += 1
+        else:
+            counters.free_requests += 1
+        counters.freed_blocks += freed
+        return pos + count, freed
+    raise InvalidArgument(f"types[{i}]", f"unknown operation type {kind}")
+
+
+def _apply_general(cache: Any, columns: StepColumns, counters: Any) -> StepResults:
+    results = StepResults(cache.num_groups)
     statuses = results.statuses
-    scheduled = results.scheduled
-    computed = results.computed
-    cached = results.cached
-    num_new_blocks = results.num_new_blocks
-    new_block_ids = results.new_block_ids
-    num_null_blocks = results.num_null_blocks
-    freed_column = results.freed
-    allocate = cache.allocate
-    token_ids = columns.token_ids
-    counts = columns.num_token_ids
-    new_tokens = columns.num_new_tokens
+    pos = 0
+    for i in range(len(columns.types)):
+        count = columns.num_token_ids[i]
+        try:
+            pos, outcome = _apply_one(cache, columns, i, pos, counters)
+        except KvsvcError as exc:
+            pos += count
+            results.add_error(i, status_for(exc).value[0], str(exc))
+            continue
+        if isinstance(outcome, int):
+            results.add_free(outcome)
+            continue
+        ok = outcome.ok
+        statuses.append(STATUS_OK if ok else STATUS_NO_SPACE)
+        results.scheduled.append(outcome.num_scheduled_tokens if ok else 0)
+        results.computed.append(outcome.num_computed_tokens)
+        results.cached.append(outcome.num_cached_tokens)
+        for ids in outcome.new_block_ids:
+            results.num_new_blocks.append(len(ids))
+            results.new_block_ids.extend(ids)
+        results.num_null_blocks.extend(outcome.num_null_blocks)
+        results.freed.append(0)
+        if ok:
+            counters.allocate_ok += 1
+    return results
+
+
+def _apply_plain(cache: Any, columns: StepColumns, counters: Any) -> StepResults:
+    types = columns.types
+    n = len(types)
+    starts = columns.starts
     lookahead = columns.num_lookahead_tokens
     rejected = columns.num_rejected_tokens
     request_ids = columns.request_ids
-    starts = columns.starts
-    single_group = num_groups == 1
-    num_frees = 0
+    counts = columns.num_token_ids
+    new_tokens = columns.num_new_tokens
+    out = RunningColumns()
+    # Sparse per-operation values of the operations that did not go through
+    # allocate_running (first calls, frees, speculative steps).
+    scheduled_of: dict[int, int] = {}
+    cached_of: dict[int, int] = {}
+    freed_of: dict[int, int] = {}
     pos = 0
-    for i, kind in enumerate(columns.types):
+    i = 0
+    while i < n:
+        j = i
+        while (
+            j < n
+            and types[j] == _ALLOCATE
+            and request_ids[j]
+            and not lookahead[j]
+            and not rejected[j]
+            and (not starts or j not in starts)
+        ):
+            j += 1
+        if j > i:
+            pos = cache.allocate_running(
+                request_ids, columns.token_ids, counts, new_tokens, i, j, pos, out
+            )
+            i = j
+            continue
         count = counts[i]
-        request_id = request_ids[i]
         try:
-            if kind == _ALLOCATE:
-                tokens = token_ids[pos : pos + count] if count else ()
-                pos += count
-                if not request_id:
-                    raise InvalidArgument(f"request_ids[{i}]", "must not be empty")
-                start = starts.get(i) if starts else None
-                if start is not None:
-                    start = start_from_pb(start, f"starts[{i}]")
-                outcome = (
-                    allocate(
-                        request_id,
-                        tokens,
-                        new_tokens[i],
-                        lookahead[i],
-                        start,
-                        num_rejected_tokens=rejected[i],
-                    )
-                    if rejected[i]
-                    else allocate(request_id, tokens, new_tokens[i], lookahead[i], start)
-                )
-                ok = outcome.ok
-                statuses.append(STATUS_OK if ok else STATUS_NO_SPACE)
-                scheduled.append(outcome.num_scheduled_tokens if ok else 0)
-                computed.append(outcome.num_computed_tokens)
-                cached.append(outcome.num_cached_tokens)
-                if single_group:
-                    ids = outcome.new_block_ids[0]
-                    num_new_blocks.append(len(ids))
-                    if ids:
-                        new_block_ids.extend(ids)
-                    num_null_blocks.append(outcome.num_null_blocks[0])
-                else:
-                    for ids in outcome.new_block_ids:
-                        num_new_blocks.append(len(ids))
-                        if ids:
-                            new_block_ids.extend(ids)
-                    num_null_blocks.extend(outcome.num_null_blocks)
-                freed_column.append(0)
-            elif kind in (_FREE, _PREEMPT):
-                pos += count
-                check_request_id(request_id, f"request_ids[{i}]")
-                if count or new_tokens[i] or lookahead[i] or rejected[i] or i in starts:
-                    raise InvalidArgument(
-                        f"types[{i}]", "a free carries no tokens, counts or start"
-                    )
-                preempted = kind == _PREEMPT
-                freed = cache.free((request_id,), preempted=preempted)
-                if preempted:
-                    counters.preempt_requests += 1
-                else:
-                    counters.free_requests += 1
-                counters.freed_blocks += freed
-                results.add_free(freed)
-                num_frees += 1
-            else:
-                pos += count
-                raise InvalidArgument(f"types[{i}]", f"unknown operation type {kind}")
+            pos, outcome = _apply_one(cache, columns, i, pos, counters)
         except KvsvcError as exc:
-            results.add_error(i, status_for(exc).value[0], str(exc))
-    # Frees also report OK; allocations are the rest.
-    counters.allocate_ok += statuses.count(STATUS_OK) - num_frees
-    counters.allocate_no_space += statuses.count(STATUS_NO_SPACE)
+            pos += count
+            out.errors[i] = exc
+            out.ok.append(False)
+            out.num_computed_tokens.append(0)
+            out.new_block_ids.append(out.EMPTY)
+            i += 1
+            continue
+        if isinstance(outcome, int):
+            freed_of[i] = outcome
+            out.ok.append(True)
+            out.num_computed_tokens.append(0)
+            out.new_block_ids.append(out.EMPTY)
+        else:
+            scheduled_of[i] = outcome.num_scheduled_tokens if outcome.ok else 0
+            cached_of[i] = outcome.num_cached_tokens
+            out.ok.append(outcome.ok)
+            out.num_computed_tokens.append(outcome.num_computed_tokens)
+            out.new_block_ids.append(outcome.new_block_ids[0])
+        i += 1
+
+    results = StepResults(1)
+    ok = out.ok
+    results.statuses = statuses = [STATUS_OK if flag else STATUS_NO_SPACE for flag in ok]
+    results.scheduled = scheduled = [
+        count if flag else 0 for count, flag in zip(new_tokens, ok, strict=True)
+    ]
+    results.computed = out.num_computed_tokens
+    blocks = out.new_block_ids
+    results.num_new_blocks = [len(ids) for ids in blocks]
+    results.new_block_ids = [block for ids in blocks if ids for block in ids]
+    results.num_null_blocks = [0] * n
+    results.cached = cached = [0] * n
+    results.freed = freed = [0] * n
+    for index, value in scheduled_of.items():
+        scheduled[index] = value
+    for index, value in cached_of.items():
+        cached[index] = value
+    for index, value in freed_of.items():
+        freed[index] = value
+        scheduled[index] = 0
+    for index, error in out.errors.items():
+        statuses[index] = STATUS_REJECTED
+        scheduled[index] = 0
+        results.errors[index] = kvcache_pb2.StepError(
+            code=status_for(error).value[0], message=str(error)
+        )
+    counters.allocate_ok += statuses.count(STATUS_OK) - len(freed_of)
     return results

@@ -19,12 +19,14 @@ from kvsvc.core import (
     MultiModalItem,
     RequestStart,
 )
+from kvsvc.core.hashing import unpack_token_ids
 from kvsvc.errors import InvalidArgument
 from kvsvc.v1 import kvcache_pb2 as pb
 
 MAX_REQUEST_ID_BYTES = 256
-STATUS_OK = pb.ALLOCATE_STATUS_OK
-STATUS_NO_SPACE = pb.ALLOCATE_STATUS_NO_SPACE
+STATUS_OK: int = pb.ALLOCATE_STATUS_OK
+STATUS_NO_SPACE: int = pb.ALLOCATE_STATUS_NO_SPACE
+STATUS_REJECTED: int = pb.ALLOCATE_STATUS_UNSPECIFIED
 
 
 def check_request_id(request_id: str, field: str = "request_id") -> None:
@@ -32,6 +34,15 @@ def check_request_id(request_id: str, field: str = "request_id") -> None:
         raise InvalidArgument(field, "must not be empty")
     if len(request_id) > MAX_REQUEST_ID_BYTES and len(request_id.encode()) > MAX_REQUEST_ID_BYTES:
         raise InvalidArgument(field, f"longer than {MAX_REQUEST_ID_BYTES} bytes")
+
+
+def token_ids_of(repeated: Any, packed: bytes, field: str, packed_field: str) -> list[int]:
+    """Token ids from whichever of the two encodings a request used (not both)."""
+    if packed:
+        if len(repeated):
+            raise InvalidArgument(packed_field, f"set either {field} or {packed_field}, not both")
+        return unpack_token_ids(packed, packed_field)
+    return list(repeated)
 
 
 def hashing_from_pb(msg: pb.HashingContext, where: str) -> HashingContext | None:
@@ -74,7 +85,7 @@ def start_from_pb(msg: pb.RequestStart, where: str) -> RequestStart:
 
 def allocate_response(outcome: AllocateOutcome) -> pb.AllocateResponse:
     return pb.AllocateResponse(
-        status=STATUS_OK if outcome.ok else STATUS_NO_SPACE,
+        status=pb.ALLOCATE_STATUS_OK if outcome.ok else pb.ALLOCATE_STATUS_NO_SPACE,
         new_blocks=[
             pb.GroupBlocks(block_ids=ids, num_null_blocks=nulls)
             for ids, nulls in zip(outcome.new_block_ids, outcome.num_null_blocks, strict=True)
@@ -93,6 +104,7 @@ class StepColumns:
         "num_new_tokens",
         "num_rejected_tokens",
         "num_token_ids",
+        "packed_token_ids",
         "request_ids",
         "starts",
         "token_ids",
@@ -105,7 +117,11 @@ class StepColumns:
         if n > max_operations:
             raise InvalidArgument("types", f"{n} operations exceed the limit of {max_operations}")
         self.request_ids: list[str] = list(request.request_ids)
-        self.token_ids: list[int] = list(request.token_ids)
+        self.token_ids: list[int] = token_ids_of(
+            request.token_ids, request.packed_token_ids, "token_ids", "packed_token_ids"
+        )
+        # Kept so admissions can hand the core their already-checked packed prompt.
+        self.packed_token_ids: bytes | None = request.packed_token_ids or None
         self.num_token_ids: list[int] = list(request.num_token_ids) or [0] * n
         self.num_new_tokens: list[int] = list(request.num_new_tokens) or [0] * n
         self.num_lookahead_tokens: list[int] = list(request.num_lookahead_tokens) or [0] * n
@@ -172,7 +188,7 @@ class StepResults:
         self.freed.append(num_freed)
 
     def add_error(self, index: int, code: int, message: str) -> None:
-        self.statuses.append(pb.ALLOCATE_STATUS_UNSPECIFIED)
+        self.statuses.append(STATUS_REJECTED)
         self.scheduled.append(0)
         self.computed.append(0)
         self.cached.append(0)

@@ -73,10 +73,11 @@ class RequestStart(_message.Message):
     def __init__(self, hashing: _Optional[_Union[HashingContext, _Mapping]] = ..., skip_prefix_cache_read: _Optional[bool] = ..., resumed: _Optional[bool] = ..., num_encoder_tokens: _Optional[int] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("pool", "request_id", "new_token_ids", "num_new_tokens", "num_lookahead_tokens", "start", "num_rejected_tokens")
+    __slots__ = ("pool", "request_id", "new_token_ids", "packed_new_token_ids", "num_new_tokens", "num_lookahead_tokens", "start", "num_rejected_tokens")
     POOL_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -84,11 +85,12 @@ class AllocateRequest(_message.Message):
     pool: str
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    packed_new_token_ids: bytes
     num_new_tokens: int
     num_lookahead_tokens: int
     start: RequestStart
     num_rejected_tokens: int
-    def __init__(self, pool: _Optional[str] = ..., request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., start: _Optional[_Union[RequestStart, _Mapping]] = ..., num_rejected_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, pool: _Optional[str] = ..., request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., packed_new_token_ids: _Optional[bytes] = ..., num_new_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., start: _Optional[_Union[RequestStart, _Mapping]] = ..., num_rejected_tokens: _Optional[int] = ...) -> None: ...
 
 class GroupBlocks(_message.Message):
     __slots__ = ("block_ids", "num_null_blocks")
@@ -129,7 +131,7 @@ class FreeResponse(_message.Message):
     def __init__(self, num_freed_blocks: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("pool", "types", "request_ids", "num_token_ids", "token_ids", "num_new_tokens", "num_lookahead_tokens", "starts", "num_rejected_tokens")
+    __slots__ = ("pool", "types", "request_ids", "num_token_ids", "token_ids", "num_new_tokens", "num_lookahead_tokens", "starts", "num_rejected_tokens", "packed_token_ids")
     class StartsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +148,7 @@ class StepRequest(_message.Message):
     NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STARTS_FIELD_NUMBER: _ClassVar[int]
     NUM_REJECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     pool: str
     types: _containers.RepeatedScalarFieldContainer[StepOperationType]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -155,7 +158,8 @@ class StepRequest(_message.Message):
     num_lookahead_tokens: _containers.RepeatedScalarFieldContainer[int]
     starts: _containers.MessageMap[int, RequestStart]
     num_rejected_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, pool: _Optional[str] = ..., types: _Optional[_Iterable[_Union[StepOperationType, str]]] = ..., request_ids: _Optional[_Iterable[str]] = ..., num_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., num_lookahead_tokens: _Optional[_Iterable[int]] = ..., starts: _Optional[_Mapping[int, RequestStart]] = ..., num_rejected_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    packed_token_ids: bytes
+    def __init__(self, pool: _Optional[str] = ..., types: _Optional[_Iterable[_Union[StepOperationType, str]]] = ..., request_ids: _Optional[_Iterable[str]] = ..., num_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., num_lookahead_tokens: _Optional[_Iterable[int]] = ..., starts: _Optional[_Mapping[int, RequestStart]] = ..., num_rejected_tokens: _Optional[_Iterable[int]] = ..., packed_token_ids: _Optional[bytes] = ...) -> None: ...
 
 class StepError(_message.Message):
     __slots__ = ("code", "message")
@@ -197,14 +201,16 @@ class StepResponse(_message.Message):
     def __init__(self, statuses: _Optional[_Iterable[_Union[AllocateStatus, str]]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., num_groups: _Optional[int] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_null_blocks: _Optional[_Iterable[int]] = ..., num_freed_blocks: _Optional[_Iterable[int]] = ..., errors: _Optional[_Mapping[int, StepError]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("pool", "token_ids", "hashing")
+    __slots__ = ("pool", "token_ids", "hashing", "packed_token_ids")
     POOL_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HASHING_FIELD_NUMBER: _ClassVar[int]
+    PACKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     pool: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     hashing: HashingContext
-    def __init__(self, pool: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., hashing: _Optional[_Union[HashingContext, _Mapping]] = ...) -> None: ...
+    packed_token_ids: bytes
+    def __init__(self, pool: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., hashing: _Optional[_Union[HashingContext, _Mapping]] = ..., packed_token_ids: _Optional[bytes] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("num_cached_tokens",)
