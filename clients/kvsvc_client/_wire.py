@@ -205,27 +205,27 @@ class StepResultList(Sequence[StepOutcome]):
 
     A decode step of a few hundred requests mostly needs to know which ones got
     ``NO_SPACE`` and which got new blocks; decoding every result eagerly would cost more
-    than the server's work. The response's columns are copied into lists once; an
-    operation's result object is built when it is indexed.
+    than the server's work. A response column is copied into a list the first time it is
+    needed; an operation's result object is built when it is indexed.
     """
 
     def __init__(self, types: Sequence[int], response: kvcache_pb2.StepResponse) -> None:
-        self._types = types
-        self._statuses = list(response.statuses)
-        if len(self._statuses) != len(types):
+        if len(response.statuses) != len(types):
             raise RuntimeError(
-                f"server returned {len(self._statuses)} results for {len(types)} operations"
+                f"server returned {len(response.statuses)} results for {len(types)} operations"
             )
+        self._types = types
+        self._response = response
         self._groups = response.num_groups
-        self._counts = list(response.num_new_blocks)
-        self._block_ids = list(response.new_block_ids)
-        self._nulls = list(response.num_null_blocks)
-        self._scheduled = list(response.num_scheduled_tokens)
-        self._computed = list(response.num_computed_tokens)
-        self._cached = list(response.num_cached_tokens)
-        self._freed = list(response.num_freed_blocks)
-        self._errors = dict(response.errors)
+        self._columns: dict[str, list[Any]] = {}
         self._offsets: list[int] | None = None
+
+    def _column(self, name: str) -> list[Any]:
+        """A response column as a list, converted on first use."""
+        column = self._columns.get(name)
+        if column is None:
+            column = self._columns[name] = list(getattr(self._response, name))
+        return column
 
     def __len__(self) -> int:
         return len(self._types)
@@ -233,15 +233,15 @@ class StepResultList(Sequence[StepOutcome]):
     @property
     def statuses(self) -> list[int]:
         """Raw per-operation status codes (kvsvc.v1.AllocateStatus values)."""
-        return self._statuses
+        return self._column("statuses")
 
     def no_space_indices(self) -> list[int]:
         """Indices of the allocations that got NO_SPACE."""
         no_space = kvcache_pb2.ALLOCATE_STATUS_NO_SPACE
-        return [i for i, status in enumerate(self._statuses) if status == no_space]
+        return [i for i, status in enumerate(self.statuses) if status == no_space]
 
     def error_indices(self) -> list[int]:
-        return sorted(self._errors)
+        return sorted(self._response.errors)
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):
@@ -250,31 +250,35 @@ class StepResultList(Sequence[StepOutcome]):
             index += len(self)
         if not 0 <= index < len(self):
             raise IndexError(index)
-        error = self._errors.get(index)
+        errors = self._response.errors
+        error = errors.get(index)
         if error is not None:
             return OperationError(
                 _CODE_BY_VALUE.get(error.code, grpc.StatusCode.UNKNOWN), error.message
             )
+        column = self._column
         if self._types[index] != kvcache_pb2.STEP_OPERATION_TYPE_ALLOCATE:
-            return FreeResult(self._freed[index])
+            return FreeResult(column("num_freed_blocks")[index])
+        counts = column("num_new_blocks")
         if self._offsets is None:
-            self._offsets = [0, *itertools.accumulate(self._counts)]
+            self._offsets = [0, *itertools.accumulate(counts)]
+        block_ids = column("new_block_ids")
         groups = self._groups
         base = index * groups
         pos = self._offsets[base]
         per_group = []
-        for count in self._counts[base : base + groups]:
-            per_group.append(tuple(self._block_ids[pos : pos + count]))
+        for count in counts[base : base + groups]:
+            per_group.append(tuple(block_ids[pos : pos + count]))
             pos += count
         return AllocateResult(
             status=AllocateStatus.OK
-            if self._statuses[index] == kvcache_pb2.ALLOCATE_STATUS_OK
+            if column("statuses")[index] == kvcache_pb2.ALLOCATE_STATUS_OK
             else AllocateStatus.NO_SPACE,
             new_block_ids=tuple(per_group),
-            num_null_blocks=tuple(self._nulls[base : base + groups]),
-            num_cached_tokens=self._cached[index],
-            num_scheduled_tokens=self._scheduled[index],
-            num_computed_tokens=self._computed[index],
+            num_null_blocks=tuple(column("num_null_blocks")[base : base + groups]),
+            num_cached_tokens=column("num_cached_tokens")[index],
+            num_scheduled_tokens=column("num_scheduled_tokens")[index],
+            num_computed_tokens=column("num_computed_tokens")[index],
         )
 
 

@@ -108,6 +108,21 @@ class FreeBlockQueue:
             self._num_linked -= n - first_linked
         return ids, first_linked
 
+    def popleft_fresh(self) -> int:
+        """Pop the first id if it comes from the stack or the untouched range, else 0.
+
+        The one-block case of a decode step: such ids never carry a hash, so the caller
+        needs no eviction; 0 (the null block, never queued) means "use ``popleft_n``".
+        """
+        stack = self._stack
+        if stack:
+            return stack.pop()
+        lo = self._lo
+        if lo < self.num_blocks:
+            self._lo = lo + 1
+            return lo
+        return 0
+
     def prepend_n(self, ids: Sequence[int]) -> None:
         """Put ``ids`` at the front, ``ids[0]`` first (they will be reused first)."""
         self._stack.extend(reversed(ids))
@@ -276,6 +291,15 @@ class BlockPool:
         self.num_allocated_blocks += num_blocks
         return ids
 
+    def get_new_block(self) -> int:
+        """``get_new_blocks(1)[0]`` without the list (a decode step's block-boundary case)."""
+        block_id = self.free_queue.popleft_fresh()
+        if not block_id:
+            return self.get_new_blocks(1)[0]
+        self.ref_cnt[block_id] = 1
+        self.num_allocated_blocks += 1
+        return block_id
+
     def reserve_blocks(self, num_blocks: int) -> list[int]:
         """Take blocks for the lifetime of the pool (e.g. attention-sink blocks)."""
         ids = self.get_new_blocks(num_blocks)
@@ -390,6 +414,22 @@ class BlockPool:
     ) -> None:
         # One event per contiguous run, so each event's tokens line up with its hashes.
         assert self.events is not None
+        if len(positions) == 1:
+            # A decode step completing one block: the common case, without the run scan.
+            i = positions[0]
+            self.events.append(
+                BlockStored(
+                    [block_hashes[i]],
+                    block_hashes[i - 1] if i > 0 else None,
+                    token_ids[i * block_size : (i + 1) * block_size],  # type: ignore[arg-type]
+                    block_size,
+                    lora_name,
+                    self.medium,
+                    group_id,
+                    self.group_kinds[group_id],
+                )
+            )
+            return
         run_start = 0
         for k in range(1, len(positions) + 1):
             if k < len(positions) and positions[k] == positions[k - 1] + 1:

@@ -536,7 +536,11 @@ class PoolKVCache:
                     and len(tokens_list) >= (len(request.block_hashes) + 1) * hash_block_size
                 ):
                     request.update_block_hashes()
-            if needed > 0:
+            if needed == 1:
+                block_id = pool.get_new_block()
+                table.append(block_id)
+                new_blocks = [block_id]
+            elif needed > 0:
                 new_blocks = pool.get_new_blocks(needed)
                 table.extend(new_blocks)
             else:
