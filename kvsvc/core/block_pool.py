@@ -421,7 +421,7 @@ class BlockPool:
                 BlockStored(
                     [block_hashes[i]],
                     block_hashes[i - 1] if i > 0 else None,
-                    token_ids[i * block_size : (i + 1) * block_size],  # type: ignore[arg-type]
+                    list(token_ids[i * block_size : (i + 1) * block_size]),
                     block_size,
                     lora_name,
                     self.medium,

@@ -21,6 +21,7 @@ calls per pool.
 
 from __future__ import annotations
 
+import array
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -359,7 +360,7 @@ class PoolKVCache:
             raise InvalidArgument("new_token_ids", "the first call must carry the prompt")
         # Token lists that come with their packed form were decoded for this call (the
         # wire path): take them over instead of copying.
-        owned = packed is not None and isinstance(prompt, list)
+        owned = packed is not None and isinstance(prompt, (list, array.array))
         if packed is None:
             packed = pack_token_ids(prompt, "new_token_ids")
         if len(prompt) > self.max_model_len:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, cast
 
 import grpc
@@ -89,7 +89,7 @@ class _Base:
         raise Unauthenticated("missing authorization metadata (expected 'Bearer <token>')")
 
 
-def _check_token_ids(token_ids: list[int], field: str) -> None:
+def _check_token_ids(token_ids: Sequence[int], field: str) -> None:
     if token_ids and (min(token_ids) < 0 or max(token_ids) >= TOKEN_ID_LIMIT):
         bad = next(t for t in token_ids if t < 0 or t >= TOKEN_ID_LIMIT)
         raise InvalidArgument(field, f"token id {bad} is outside [0, 2^31)")

@@ -7,6 +7,7 @@ columns as lists, letting protobuf copy them in bulk.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, cast
 
 from kvsvc.core import (
@@ -36,8 +37,12 @@ def check_request_id(request_id: str, field: str = "request_id") -> None:
         raise InvalidArgument(field, f"longer than {MAX_REQUEST_ID_BYTES} bytes")
 
 
-def token_ids_of(repeated: Any, packed: bytes, field: str, packed_field: str) -> list[int]:
-    """Token ids from whichever of the two encodings a request used (not both)."""
+def token_ids_of(repeated: Any, packed: bytes, field: str, packed_field: str) -> Sequence[int]:
+    """Token ids from whichever of the two encodings a request used (not both).
+
+    A list for the repeated field; an ``array('I')`` for the packed one (the core keeps it
+    as the request's token sequence without materialising a Python int per token).
+    """
     if packed:
         if len(repeated):
             raise InvalidArgument(packed_field, f"set either {field} or {packed_field}, not both")
@@ -117,7 +122,7 @@ class StepColumns:
         if n > max_operations:
             raise InvalidArgument("types", f"{n} operations exceed the limit of {max_operations}")
         self.request_ids: list[str] = list(request.request_ids)
-        self.token_ids: list[int] = token_ids_of(
+        self.token_ids: Sequence[int] = token_ids_of(
             request.token_ids, request.packed_token_ids, "token_ids", "packed_token_ids"
         )
         # Kept so admissions can hand the core their already-checked packed prompt.
