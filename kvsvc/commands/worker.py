@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from typing import Any
 
 from kvsvc.errors import InvalidArgument
@@ -269,6 +270,8 @@ def build_agent(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     """Run the agent until a signal (0) or a fatal error (1); bad flags exit 2."""
+    # torch warns at import when NumPy is absent; the agent never hands tensors to NumPy.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     logging.basicConfig(
         level=getattr(logging, args.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
