@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -98,48 +99,76 @@ def start_echo(pin: str | None) -> tuple[subprocess.Popen[str], int]:
     return proc, int(line.split()[-1])
 
 
-def bench_echo(port: int, n: int) -> list[float]:
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    call = channel.unary_unary("/bench.Echo/Echo")
-    payload = b"x" * 32
-    samples = time_calls(lambda: call(payload, timeout=10), n)
-    channel.close()
-    return samples
+class Echo:
+    def __init__(self, port: int) -> None:
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self.call = self.channel.unary_unary("/bench.Echo/Echo")
+        self.payload = b"x" * 32
+
+    def run(self, n: int) -> list[float]:
+        return time_calls(lambda: self.call(self.payload, timeout=10), n, warmup=5)
 
 
-def bench_allocate_new(kv: KVCacheClient, n: int) -> list[float]:
+class AllocateNew:
     """Admit a fresh 2048-token request (half of it a shared prefix), then free it."""
-    shared = list(range(1, 1025))
-    samples = []
-    for i in range(n + 20):
-        prompt = shared + [(i * 7919 + j) % 30000 + 1 for j in range(1024)]
-        started = time.perf_counter()
-        result = kv.allocate(f"new-{i}", prompt, num_new_tokens=2048, start=True)
-        elapsed = (time.perf_counter() - started) * 1e6
-        assert result.ok, result
-        kv.free(f"new-{i}")
-        if i >= 20:
-            samples.append(elapsed)
-    return samples
+
+    def __init__(self, kv: KVCacheClient) -> None:
+        self.kv = kv
+        self.shared = list(range(1, 1025))
+        self.i = 0
+
+    def run(self, n: int) -> list[float]:
+        samples = []
+        for _ in range(n):
+            i = self.i = self.i + 1
+            prompt = self.shared + [(i * 7919 + j) % 30000 + 1 for j in range(1024)]
+            started = time.perf_counter()
+            result = self.kv.allocate(f"new-{i}", prompt, num_new_tokens=2048, start=True)
+            samples.append((time.perf_counter() - started) * 1e6)
+            assert result.ok, result
+            self.kv.free(f"new-{i}")
+        return samples
 
 
-def bench_step(kv: KVCacheClient, n: int, batch: int = 256) -> list[float]:
-    step = kv.step()
-    for r in range(batch):
-        step.allocate(f"dec-{r}", [(r * 31 + j) % 30000 + 1 for j in range(64)], 64, start=True)
-    assert all(res.ok for res in step.send())  # type: ignore[union-attr]
-    samples = []
-    for it in range(n + 20):
+class DecodeStep:
+    """One Step carrying a decode token for each of ``batch`` running requests."""
+
+    def __init__(self, kv: KVCacheClient, batch: int = 256) -> None:
+        self.kv = kv
+        self.batch = batch
+        self.it = 0
         step = kv.step()
         for r in range(batch):
-            step.allocate(f"dec-{r}", [it % 30000 + 1], 1)
-        started = time.perf_counter()
-        results = step.send()
-        elapsed = (time.perf_counter() - started) * 1e6
-        if it >= 20:
-            samples.append(elapsed)
-        assert len(results) == batch
-    kv.free(*[f"dec-{r}" for r in range(batch)])
+            step.allocate(f"dec-{r}", [(r * 31 + j) % 30000 + 1 for j in range(64)], 64, start=True)
+        assert all(res.ok for res in step.send())  # type: ignore[union-attr]
+
+    def run(self, n: int) -> list[float]:
+        samples = []
+        for _ in range(n):
+            self.it += 1
+            step = self.kv.step()
+            for r in range(self.batch):
+                step.allocate(f"dec-{r}", [self.it % 30000 + 1], 1)
+            started = time.perf_counter()
+            results = step.send()
+            samples.append((time.perf_counter() - started) * 1e6)
+            assert len(results) == self.batch and not results.no_space_indices()
+        return samples
+
+    def close(self) -> None:
+        self.kv.free(*[f"dec-{r}" for r in range(self.batch)])
+
+
+def interleaved(rounds: int, **benches: tuple[Any, int]) -> dict[str, list[float]]:
+    """Run each bench a little in turn, ``rounds`` times.
+
+    This VM's speed drifts by tens of percent over seconds; interleaving makes every
+    figure (and so every ratio between them) see the same mix of fast and slow moments.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in benches}
+    for _ in range(rounds):
+        for name, (bench, n) in benches.items():
+            samples[name].extend(bench.run(n))
     return samples
 
 
@@ -189,8 +218,7 @@ def main() -> int:
     )
     parser.add_argument("--quick", action="store_true", help="fewer samples (CI smoke run)")
     args = parser.parse_args()
-    n = 200 if args.quick else 2000
-    n_step = 50 if args.quick else 500
+    rounds = 3 if args.quick else 20
     seconds = 1.0 if args.quick else 3.0
     server_pin = "1" if args.pin and os.cpu_count() and os.cpu_count() > 1 else None  # type: ignore[operator]
     if args.pin:
@@ -253,9 +281,21 @@ def main() -> int:
             )
             with KVCacheClient(address, pool="bench") as kv:
                 kv.wait_until_ready(timeout=120)
-                echo = bench_echo(echo_port, n)
-                allocate_new = bench_allocate_new(kv, n // 4)
-                step = bench_step(kv, n_step)
+                echo_bench = Echo(echo_port)
+                echo_bench.run(100)
+                decode = DecodeStep(kv)
+                samples = interleaved(
+                    rounds,
+                    echo=(echo_bench, 50),
+                    allocate_new=(AllocateNew(kv), 10),
+                    step=(decode, 25),
+                )
+                decode.close()
+                echo, allocate_new, step = (
+                    samples["echo"],
+                    samples["allocate_new"],
+                    samples["step"],
+                )
             concurrent = bench_concurrent(address, "bench", 8, seconds)
         finally:
             stop_all(children)
