@@ -112,6 +112,23 @@ def allocate_request(
     return request
 
 
+def free_request(pool: str, request_ids: Sequence[str], preempted: bool) -> kvcache_pb2.FreeRequest:
+    reason = kvcache_pb2.FREE_REASON_PREEMPTED if preempted else kvcache_pb2.FREE_REASON_FINISHED
+    return kvcache_pb2.FreeRequest(pool=pool, request_ids=request_ids, reason=reason)
+
+
+def lookup_request(
+    pool: str, token_ids: Sequence[int], hashing: HashingContext | None
+) -> kvcache_pb2.LookupRequest:
+    request = kvcache_pb2.LookupRequest(pool=pool, hashing=hashing_to_pb(hashing))
+    packed = pack_token_ids(token_ids)
+    if packed is not None:
+        request.packed_token_ids = packed
+    else:
+        request.token_ids.extend(token_ids)
+    return request
+
+
 def allocate_result(response: kvcache_pb2.AllocateResponse) -> AllocateResult:
     return AllocateResult(
         status=AllocateStatus.OK

@@ -94,10 +94,7 @@ class AsyncKVCacheClient:
     async def free(
         self, *request_ids: str, preempted: bool = False, timeout: float | None = None
     ) -> int:
-        reason = (
-            kvcache_pb2.FREE_REASON_PREEMPTED if preempted else kvcache_pb2.FREE_REASON_FINISHED
-        )
-        request = kvcache_pb2.FreeRequest(pool=self.pool, request_ids=request_ids, reason=reason)
+        request = _wire.free_request(self.pool, request_ids, preempted)
         response = await self._call(self._stub.Free, request, timeout, retry=False)
         return response.num_freed_blocks
 
@@ -111,12 +108,7 @@ class AsyncKVCacheClient:
         *,
         timeout: float | None = None,
     ) -> int:
-        request = kvcache_pb2.LookupRequest(pool=self.pool, hashing=_wire.hashing_to_pb(hashing))
-        packed = _wire.pack_token_ids(token_ids)
-        if packed is not None:
-            request.packed_token_ids = packed
-        else:
-            request.token_ids.extend(token_ids)
+        request = _wire.lookup_request(self.pool, token_ids, hashing)
         return (await self._call(self._stub.Lookup, request, timeout, retry=True)).num_cached_tokens
 
     async def block_table(self, request_id: str, *, timeout: float | None = None) -> BlockTable:

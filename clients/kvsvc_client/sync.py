@@ -124,10 +124,7 @@ class KVCacheClient:
 
     def free(self, *request_ids: str, preempted: bool = False, timeout: float | None = None) -> int:
         """Release requests; returns blocks whose last holder this was."""
-        reason = (
-            kvcache_pb2.FREE_REASON_PREEMPTED if preempted else kvcache_pb2.FREE_REASON_FINISHED
-        )
-        request = kvcache_pb2.FreeRequest(pool=self.pool, request_ids=request_ids, reason=reason)
+        request = _wire.free_request(self.pool, request_ids, preempted)
         return self._call(self._stub.Free, request, timeout, retry=False).num_freed_blocks
 
     def step(self) -> SyncStep:
@@ -142,12 +139,7 @@ class KVCacheClient:
         timeout: float | None = None,
     ) -> int:
         """Cached prefix tokens of a prompt (no side effects)."""
-        request = kvcache_pb2.LookupRequest(pool=self.pool, hashing=_wire.hashing_to_pb(hashing))
-        packed = _wire.pack_token_ids(token_ids)
-        if packed is not None:
-            request.packed_token_ids = packed
-        else:
-            request.token_ids.extend(token_ids)
+        request = _wire.lookup_request(self.pool, token_ids, hashing)
         return self._call(self._stub.Lookup, request, timeout, retry=True).num_cached_tokens
 
     def block_table(self, request_id: str, *, timeout: float | None = None) -> BlockTable:

@@ -58,6 +58,15 @@ class CallObserver:
 _Handler = TypeVar("_Handler", bound=Callable[..., Awaitable[Any]])
 
 
+async def _abort_internal(context: grpc.aio.ServicerContext, method: str) -> None:
+    """A bug: log the traceback under an incident id; tell the caller only the id."""
+    incident = uuid.uuid4().hex[:12]
+    log.exception("internal error in %s (incident %s)", method, incident)
+    await context.abort(
+        grpc.StatusCode.INTERNAL, f"internal error (incident {incident}; see the server log)"
+    )
+
+
 def rpc_handler(method: str) -> Callable[[_Handler], _Handler]:
     """Wrap a unary servicer method: auth check, error mapping, call accounting.
 
@@ -80,11 +89,7 @@ def rpc_handler(method: str) -> Callable[[_Handler], _Handler]:
                 raise
             except Exception:
                 code = grpc.StatusCode.INTERNAL
-                incident = uuid.uuid4().hex[:12]
-                log.exception("internal error in %s (incident %s)", method, incident)
-                await context.abort(
-                    code, f"internal error (incident {incident}; see the server log)"
-                )
+                await _abort_internal(context, method)
             finally:
                 self._observer.observe(method, code, time.perf_counter() - started)
 
@@ -116,11 +121,7 @@ def rpc_stream_handler(method: str) -> Callable[[Callable[..., Any]], Callable[.
                 raise
             except Exception:
                 code = grpc.StatusCode.INTERNAL
-                incident = uuid.uuid4().hex[:12]
-                log.exception("internal error in %s (incident %s)", method, incident)
-                await context.abort(
-                    code, f"internal error (incident {incident}; see the server log)"
-                )
+                await _abort_internal(context, method)
             finally:
                 self._observer.observe(method, code, time.perf_counter() - started)
 
