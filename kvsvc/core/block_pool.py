@@ -453,15 +453,19 @@ class BlockPool:
     def _evict_hashes(self, block_ids: Iterable[int]) -> None:
         """Drop the cached hash of each block that has one (the block stays where it is)."""
         hashes = self.block_hash
+        block_group = self.block_group
+        indexes = self._index
+        all_dups = self._dups
         removed: dict[int, list[BlockHash]] | None = {} if self.events is not None else None
+        num_evicted = 0
         for block_id in block_ids:
             block_hash = hashes[block_id]
             if block_hash is None:
                 continue
-            group_id = self.block_group[block_id]
-            index = self._index[group_id]
-            dups = self._dups[group_id]
+            group_id = block_group[block_id]
+            index = indexes[group_id]
             if index.get(block_hash) == block_id:
+                dups = all_dups[group_id]
                 later = dups.get(block_hash)
                 if later:
                     index[block_hash] = later.pop(0)
@@ -470,15 +474,21 @@ class BlockPool:
                 else:
                     del index[block_hash]
             else:
+                dups = all_dups[group_id]
                 later = dups[block_hash]
                 later.remove(block_id)
                 if not later:
                     del dups[block_hash]
             hashes[block_id] = None
-            self.num_cached_blocks -= 1
-            self.num_evictions += 1
+            num_evicted += 1
             if removed is not None:
-                removed.setdefault(group_id, []).append(block_hash)
+                group_hashes = removed.get(group_id)
+                if group_hashes is None:
+                    removed[group_id] = [block_hash]
+                else:
+                    group_hashes.append(block_hash)
+        self.num_cached_blocks -= num_evicted
+        self.num_evictions += num_evicted
         if removed:
             assert self.events is not None
             for group_id, group_hashes in removed.items():
