@@ -85,9 +85,11 @@ class EventLog:
         Raises:
             InvalidArgument: ``from_sequence`` is beyond the next sequence of this epoch.
         """
-        if epoch and epoch != self.epoch:
-            # The subscriber's numbers are from another life of this index: replay all.
-            from_sequence = 0
+        restarted = bool(epoch) and epoch != self.epoch
+        if restarted:
+            # The subscriber's numbers are from another life of this index: say so, then
+            # replay everything held.
+            from_sequence = self.oldest_sequence
         if from_sequence is None:
             next_seq = self._last_seq + 1
         else:
@@ -99,6 +101,10 @@ class EventLog:
             next_seq = max(from_sequence, 1)
         self.num_subscribers += 1
         try:
+            if restarted:
+                yield pb.WatchEventsResponse(
+                    gap=True, oldest_available_sequence=next_seq, epoch=self.epoch
+                )
             while True:
                 if next_seq < self.oldest_sequence:
                     yield pb.WatchEventsResponse(

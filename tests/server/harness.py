@@ -55,7 +55,7 @@ class ServerThread:
 def running_server(*pools: PoolConfig, **server_kwargs: Any) -> Iterator[ServerThread]:
     config = ServerConfig(
         pools=pools or (PoolConfig(name="p", world_size=1, max_model_len=1024),),
-        listen="127.0.0.1:0",
+        listen=server_kwargs.pop("listen", "127.0.0.1:0"),
         metrics_listen=server_kwargs.pop("metrics_listen", None),
         **server_kwargs,
     )
