@@ -56,6 +56,7 @@ class KvsvcServer:
                 p.name: Pool(
                     p,
                     event_capacity=config.event_buffer_batches,
+                    event_max_events=config.event_buffer_events,
                     heartbeat_timeout_s=config.heartbeat_timeout_s,
                     on_state_change=self._on_pool_state_change,
                 )

@@ -120,6 +120,7 @@ class ServerConfig:
         max_message_bytes: largest request or response message.
         heartbeat_timeout_s: a rank silent this long makes its pool DEGRADED.
         event_buffer_batches: event batches kept for WatchEvents replay, per pool.
+        event_buffer_events: events kept for replay, per pool (whichever bound is hit first).
         max_step_operations: operations one Step may carry.
     """
 
@@ -130,6 +131,7 @@ class ServerConfig:
     max_message_bytes: int = 64 * 1024 * 1024
     heartbeat_timeout_s: float = 10.0
     event_buffer_batches: int = 10000
+    event_buffer_events: int = 200_000
     max_step_operations: int = 8192
 
     def __post_init__(self) -> None:
@@ -150,6 +152,8 @@ class ServerConfig:
             raise ConfigError("heartbeat_timeout_s must be positive")
         if self.event_buffer_batches < 1:
             raise ConfigError("event_buffer_batches must be >= 1")
+        if self.event_buffer_events < 1:
+            raise ConfigError("event_buffer_events must be >= 1")
         if not 1 <= self.max_step_operations <= 1_000_000:
             raise ConfigError("max_step_operations must be in [1, 1000000]")
 

@@ -32,9 +32,13 @@ class _Entry:
 
 
 class EventLog:
-    def __init__(self, capacity: int) -> None:
+    """Holds at most ``capacity`` batches and ``max_events`` events (oldest dropped first)."""
+
+    def __init__(self, capacity: int, max_events: int = 200_000) -> None:
         self.epoch = uuid.uuid4().hex
         self._batches: deque[_Entry] = deque(maxlen=capacity)
+        self._max_events = max_events
+        self._num_events = 0
         self._last_seq = 0
         self._wakeup = asyncio.Event()
         self.num_dropped_batches = 0
@@ -53,9 +57,16 @@ class EventLog:
     def append(self, batch: KVEventBatch) -> None:
         """Add the next batch (its sequence must follow the last one) and wake followers."""
         assert batch.seq == self._last_seq + 1, (batch.seq, self._last_seq)
-        if len(self._batches) == self._batches.maxlen:
+        batches = self._batches
+        if len(batches) == batches.maxlen:
+            self._num_events -= len(batches[0].batch.events)
             self.num_dropped_batches += 1
-        self._batches.append(_Entry(batch))
+        batches.append(_Entry(batch))
+        self._num_events += len(batch.events)
+        # A bound on events, not only batches: a step can make hundreds of events.
+        while self._num_events > self._max_events and len(batches) > 1:
+            self._num_events -= len(batches.popleft().batch.events)
+            self.num_dropped_batches += 1
         self._last_seq = batch.seq
         counts = self.num_events_by_type
         for event in batch.events:

@@ -129,6 +129,7 @@ class Pool:
         config: PoolConfig,
         *,
         event_capacity: int = 10000,
+        event_max_events: int = 200_000,
         heartbeat_timeout_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         on_state_change: Callable[[Pool], None] | None = None,
@@ -140,7 +141,7 @@ class Pool:
         self.slots: dict[int, RankSlot] = {}
         self.plan: Any | None = None  # kvsvc.planner.KVCachePlan
         self.cache: Any | None = None  # kvsvc.core.PoolKVCache
-        self.events = EventLog(event_capacity)
+        self.events = EventLog(event_capacity, event_max_events)
         self.lock = asyncio.Lock()
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._clock = clock

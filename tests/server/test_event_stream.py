@@ -89,3 +89,16 @@ def test_the_client_resumes_across_a_server_restart() -> None:
         for rank in ranks:
             rank.close()
         follower.join(10)
+
+
+def test_the_replay_buffer_is_bounded_by_events_too() -> None:
+    with running_server(POOL, event_buffer_batches=100, event_buffer_events=3) as server:
+        ranks = bring_up(server, "p", kv_cache_bytes=KV_BYTES)
+        with KVCacheClient(server.address, pool="p") as kv:
+            for i in range(5):  # five batches of one stored event each
+                kv.allocate(f"r{i}", [100 * i + t for t in range(16)], 16, start=True)
+            stream = kv.watch_events(from_sequence=1)
+            gap = next(stream)
+            assert gap.gap and gap.oldest_available_sequence == 3
+        for rank in ranks:
+            rank.close()
