@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class AdminServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """The operator's view: pools, their ranks and plans (what `kvsvc ctl` shows).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -47,16 +48,19 @@ class AdminServiceStub:
 
 
 class AdminServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The operator's view: pools, their ranks and plans (what `kvsvc ctl` shows).
+    """
 
     def ListPools(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Every pool with its state, ranks and last error.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetPlan(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """One pool's plan, as `kvsvc plan --json` prints it, and per-rank configs.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -83,7 +87,8 @@ def add_AdminServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class AdminService:
-    """Missing associated documentation comment in .proto file."""
+    """The operator's view: pools, their ranks and plans (what `kvsvc ctl` shows).
+    """
 
     @staticmethod
     def ListPools(request,

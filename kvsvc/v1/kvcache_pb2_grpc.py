@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class KVCacheServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """The engine-facing KV cache manager of every pool this server serves.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -77,7 +78,8 @@ class KVCacheServiceStub:
 
 
 class KVCacheServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The engine-facing KV cache manager of every pool this server serves.
+    """
 
     def Allocate(self, request, context):
         """Allocate slots for one request's next tokens (first call: admit it).
@@ -187,7 +189,8 @@ def add_KVCacheServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class KVCacheService:
-    """Missing associated documentation comment in .proto file."""
+    """The engine-facing KV cache manager of every pool this server serves.
+    """
 
     @staticmethod
     def Allocate(request,

@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class WorkerServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """The worker-facing API: one agent per rank registers, gets its plan, reports back.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -57,10 +58,12 @@ class WorkerServiceStub:
 
 
 class WorkerServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The worker-facing API: one agent per rank registers, gets its plan, reports back.
+    """
 
     def Register(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Join a pool as one rank (replacing a dead agent of that rank).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -73,13 +76,15 @@ class WorkerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportAllocation(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The rank allocated its plan; the pool is READY when every rank did.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The rank is alive; answers the pool state (or asks to register again).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -116,7 +121,8 @@ def add_WorkerServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class WorkerService:
-    """Missing associated documentation comment in .proto file."""
+    """The worker-facing API: one agent per rank registers, gets its plan, reports back.
+    """
 
     @staticmethod
     def Register(request,
