@@ -9,6 +9,8 @@ Figures (median and p99 over many calls):
   echo              a small unary echo (the floor)
   allocate_new      Allocate of a new 2048-token request (hashing + lookup + allocation)
   step256           a Step carrying one decode token for each of 256 running requests
+                    (prompt lengths 64..79, so block boundaries fall on different steps;
+                    the lockstep row has them all on the same step: the worst case)
   concurrent        ops/s of Allocate decode calls from 8 client processes at once
   marginal          (step256 p50 - echo p50) / 256: the cost of one more request in a Step
 
@@ -131,15 +133,25 @@ class AllocateNew:
 
 
 class DecodeStep:
-    """One Step carrying a decode token for each of ``batch`` running requests."""
+    """One Step carrying a decode token for each of ``batch`` running requests.
 
-    def __init__(self, kv: KVCacheClient, batch: int = 256) -> None:
+    ``lockstep=False`` (the main figure): prompt lengths 64..79, as running requests'
+    lengths differ, so each step some requests fill a block and some start one.
+    ``lockstep=True`` (the worst case): every prompt is 64 tokens, so once every 16 steps
+    all requests fill a block in the same step (hash + index + event each) and the next
+    step all of them take a new block.
+    """
+
+    def __init__(self, kv: KVCacheClient, batch: int = 256, *, lockstep: bool = False) -> None:
         self.kv = kv
         self.batch = batch
         self.it = 0
+        self.prefix = "lock" if lockstep else "dec"
         step = kv.step()
         for r in range(batch):
-            step.allocate(f"dec-{r}", [(r * 31 + j) % 30000 + 1 for j in range(64)], 64, start=True)
+            length = 64 if lockstep else 64 + r % 16
+            prompt = [(r * 31 + j) % 30000 + 1 for j in range(length)]
+            step.allocate(f"{self.prefix}-{r}", prompt, length, start=True)
         assert all(res.ok for res in step.send())  # type: ignore[union-attr]
 
     def run(self, n: int) -> list[float]:
@@ -148,7 +160,7 @@ class DecodeStep:
             self.it += 1
             step = self.kv.step()
             for r in range(self.batch):
-                step.allocate(f"dec-{r}", [self.it % 30000 + 1], 1)
+                step.allocate(f"{self.prefix}-{r}", [self.it % 30000 + 1], 1)
             started = time.perf_counter()
             results = step.send()
             samples.append((time.perf_counter() - started) * 1e6)
@@ -156,7 +168,7 @@ class DecodeStep:
         return samples
 
     def close(self) -> None:
-        self.kv.free(*[f"dec-{r}" for r in range(self.batch)])
+        self.kv.free(*[f"{self.prefix}-{r}" for r in range(self.batch)])
 
 
 def interleaved(rounds: int, **benches: tuple[Any, int]) -> dict[str, list[float]]:
@@ -284,17 +296,21 @@ def main() -> int:
                 echo_bench = Echo(echo_port)
                 echo_bench.run(100)
                 decode = DecodeStep(kv)
+                lockstep = DecodeStep(kv, lockstep=True)
                 samples = interleaved(
                     rounds,
                     echo=(echo_bench, 50),
                     allocate_new=(AllocateNew(kv), 10),
                     step=(decode, 25),
+                    lockstep=(lockstep, 16),
                 )
                 decode.close()
-                echo, allocate_new, step = (
+                lockstep.close()
+                echo, allocate_new, step, lock = (
                     samples["echo"],
                     samples["allocate_new"],
                     samples["step"],
+                    samples["lockstep"],
                 )
             concurrent = bench_concurrent(address, "bench", 8, seconds)
         finally:
@@ -306,6 +322,7 @@ def main() -> int:
     alloc_p50, alloc_p99 = statistics.median(allocate_new), percentile(allocate_new, 0.99)
     step_p50, step_p99 = statistics.median(step), percentile(step, 0.99)
     marginal = (step_p50 - echo_p50) / 256
+    lock_p50, lock_max = statistics.median(lock), max(lock)
     figures = {
         "echo_p50_us": round(echo_p50, 1),
         "echo_p99_us": round(echo_p99, 1),
@@ -314,6 +331,8 @@ def main() -> int:
         "step256_p50_us": round(step_p50, 1),
         "step256_p99_us": round(step_p99, 1),
         "step256_marginal_us": round(marginal, 2),
+        "step256_lockstep_p50_us": round(lock_p50, 1),
+        "step256_lockstep_max_us": round(lock_max, 1),
         "concurrent_ops_per_s": round(concurrent),
         "pinned": bool(args.pin),
     }
@@ -344,6 +363,13 @@ def main() -> int:
             f"{marginal / GOAL_MARGINAL_US:.2f}x goal, "
             f"{marginal / ANCHOR_VLLM_DECODE_US:.2f}x vLLM",
             f"goal < {GOAL_MARGINAL_US} us; vLLM in-process decode {ANCHOR_VLLM_DECODE_US} us",
+        ),
+        (
+            "Step, 256 in lockstep",
+            f"{lock_p50:.0f}",
+            f"{lock_max:.0f} (max)",
+            "all fill a block in one step",
+            "worst case, 1 step in 16",
         ),
         ("8 concurrent clients", f"{concurrent:,.0f} ops/s", "", "", ""),
     ]

@@ -378,6 +378,24 @@ class BlockPool:
             return
         assert len(block_hashes) >= num_full_blocks
         hashes = self.block_hash
+        if num_full_blocks == num_cached_blocks + 1:
+            # A decode step filling one block: the loop below, unrolled for one block.
+            i = num_cached_blocks
+            block_id = blocks[i]
+            block_hash = block_hashes[i]
+            if block_id == NULL_BLOCK_ID or hashes[block_id] is not None:
+                assert block_id == NULL_BLOCK_ID or (
+                    hashes[block_id] == block_hash and self.block_group[block_id] == group_id
+                ), f"block {block_id} is cached under another hash: a wrong prefix hit"
+                return
+            hashes[block_id] = block_hash
+            self.block_group[block_id] = group_id
+            if self._index[group_id].setdefault(block_hash, block_id) != block_id:
+                self._dups[group_id].setdefault(block_hash, []).append(block_id)
+            self.num_cached_blocks += 1
+            if self.events is not None:
+                self._emit_stored([i], block_hashes, group_id, block_size, token_ids, lora_name)
+            return
         groups = self.block_group
         index = self._index[group_id]
         stored: list[int] | None = [] if self.events is not None else None
@@ -417,11 +435,12 @@ class BlockPool:
         if len(positions) == 1:
             # A decode step completing one block: the common case, without the run scan.
             i = positions[0]
-            self.events.append(
+            tokens = token_ids[i * block_size : (i + 1) * block_size]
+            self.events.pending.append(
                 BlockStored(
                     [block_hashes[i]],
                     block_hashes[i - 1] if i > 0 else None,
-                    list(token_ids[i * block_size : (i + 1) * block_size]),
+                    tokens.tolist() if isinstance(tokens, array) else list(tokens),
                     block_size,
                     lora_name,
                     self.medium,

@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import array
 import struct
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
+
+import xxhash
 
 from kvsvc.core.events import MEDIUM_GPU, KVEventBatch
 from kvsvc.core.hashing import (
@@ -466,6 +469,12 @@ class PoolKVCache:
         caching = manager.enable_caching
         hasher = manager.hasher
         hash_block_size = hasher.block_size if hasher is not None else 0
+        same_hash_size = hash_block_size == block_size
+        # xxh3 hashes the ids' little-endian int32 bytes: an array's own bytes here.
+        plain_xxh3 = hasher is not None and hasher.algo == "xxh3_128" and sys.byteorder == "little"
+        none_hash = hasher.none_hash if hasher is not None else b""
+        xxh3_digest = xxhash.xxh3_128_digest
+        group_id = plain.group_id
         pos = token_pos
         for i in range(begin, end):
             count = token_counts[i]
@@ -532,11 +541,26 @@ class PoolKVCache:
                 continue
             if count:
                 tokens_list.append(token)
-                if (
-                    hasher is not None
-                    and len(tokens_list) >= (len(request.block_hashes) + 1) * hash_block_size
-                ):
-                    request.update_block_hashes()
+                if hasher is not None:
+                    block_hashes = request.block_hashes
+                    num_tokens = len(tokens_list)
+                    if num_tokens >= (len(block_hashes) + 1) * hash_block_size:
+                        if (
+                            plain_xxh3
+                            and request.extra_keys is None
+                            and num_tokens == (len(block_hashes) + 1) * hash_block_size
+                            and type(tokens_list) is array.array
+                        ):
+                            # The token completed exactly one block: hash just it (the
+                            # hasher's xxh3 path, for one block without extra keys).
+                            block_hashes.append(
+                                xxh3_digest(
+                                    (block_hashes[-1] if block_hashes else none_hash)
+                                    + tokens_list[num_tokens - hash_block_size :].tobytes()
+                                )
+                            )
+                        else:
+                            request.update_block_hashes()
             if needed == 1:
                 block_id = pool.get_new_block()
                 table.append(block_id)
@@ -548,8 +572,25 @@ class PoolKVCache:
                 new_blocks = empty
             if caching:
                 num_to_cache = num_main if num_main < len(tokens_list) else len(tokens_list)
-                if num_to_cache // block_size > cached_counts[request_id]:
-                    plain.cache_blocks(request, num_to_cache)
+                num_full = num_to_cache // block_size
+                num_cached = cached_counts[request_id]
+                if num_full > num_cached:
+                    if same_hash_size:
+                        # The manager's cache_blocks, minus its layers (one group, hashes
+                        # already at the block size).
+                        pool.cache_full_blocks(
+                            table,
+                            request.block_hashes,
+                            num_cached,
+                            num_full,
+                            group_id,
+                            block_size,
+                            tokens_list,
+                            request.lora_name,
+                        )
+                        cached_counts[request_id] = num_full
+                    else:
+                        plain.cache_blocks(request, num_to_cache)
             request.num_computed_tokens = num_main
             ok_out.append(True)
             computed_out.append(num_main)

@@ -29,10 +29,10 @@ class RequestState:
     """
 
     __slots__ = (
-        "_extra_keys",
         "_hasher",
         "all_token_ids",
         "block_hashes",
+        "extra_keys",
         "hashing",
         "lora_name",
         "num_computed_tokens",
@@ -66,9 +66,9 @@ class RequestState:
         self.resumed = resumed
         self.num_encoder_tokens = num_encoder_tokens
         self._hasher = hasher
-        self._extra_keys: BlockExtraKeys | None = None
+        self.extra_keys: BlockExtraKeys | None = None
         if hasher is not None and hashing is not None and not hashing.is_empty:
-            self._extra_keys = BlockExtraKeys(hashing, hasher.block_size)
+            self.extra_keys = BlockExtraKeys(hashing, hasher.block_size)
         self.update_block_hashes(packed_token_ids)
 
     @property
@@ -99,7 +99,7 @@ class RequestState:
                     num_hashed,
                     num_full - num_hashed,
                     hashes[-1] if num_hashed else None,
-                    self._extra_keys,
+                    self.extra_keys,
                     packed_token_ids,
                 )
             )

@@ -7,6 +7,8 @@ response columns and the pools' block tables must agree after every batch.
 
 from __future__ import annotations
 
+import array
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -61,7 +63,7 @@ operation = st.one_of(
 )
 
 
-def build(ops: list[tuple]) -> StepColumns:  # type: ignore[type-arg]
+def build(ops: list[tuple], packed: bool = False) -> StepColumns:  # type: ignore[type-arg]
     request = pb.StepRequest(pool="p")
     for index, (kind, rid, tokens, new, lookahead, rejected, first) in enumerate(ops):
         request.types.append(kind)
@@ -73,22 +75,51 @@ def build(ops: list[tuple]) -> StepColumns:  # type: ignore[type-arg]
         request.num_rejected_tokens.append(rejected)
         if first:
             request.starts[index].CopyFrom(pb.RequestStart())
+    ids = list(request.token_ids)
+    if packed and ids and min(ids) >= 0:
+        # The compact wire form: the core then keeps prompts as arrays and hashes
+        # completed blocks on its one-block fast path.
+        del request.token_ids[:]
+        request.packed_token_ids = array.array("I", ids).tobytes()
     return StepColumns(request, 8192)
 
 
 @settings(deadline=None, max_examples=150)
-@given(st.lists(st.lists(operation, max_size=12), min_size=1, max_size=8))
-def test_plain_and_general_paths_agree(batches: list[list[tuple]]) -> None:  # type: ignore[type-arg]
+@given(st.lists(st.lists(operation, max_size=12), min_size=1, max_size=8), st.booleans())
+def test_plain_and_general_paths_agree(batches: list[list[tuple]], packed: bool) -> None:  # type: ignore[type-arg]
     plain_pool, general_pool = make_pool(), make_pool()
     assert plain_pool.has_plain_tables
     plain_counters, general_counters = EngineCounters(), EngineCounters()
     for ops in batches:
-        plain = _apply_plain(plain_pool, build(ops), plain_counters).to_pb()
-        general = _apply_general(general_pool, build(ops), general_counters).to_pb()
+        plain = _apply_plain(plain_pool, build(ops, packed), plain_counters).to_pb()
+        general = _apply_general(general_pool, build(ops, packed), general_counters).to_pb()
         assert plain == general, (ops, plain, general)
         for rid in REQUESTS:
             assert plain_pool.has_request(rid) == general_pool.has_request(rid)
             if plain_pool.has_request(rid):
                 assert plain_pool.block_table(rid) == general_pool.block_table(rid)
+                # Same hashes, whichever path hashed the blocks.
+                assert (
+                    plain_pool._requests[rid].block_hashes
+                    == general_pool._requests[rid].block_hashes
+                )
         assert plain_pool.usage() == general_pool.usage()
+        plain_events, general_events = plain_pool.take_events(), general_pool.take_events()
+        assert (plain_events and plain_events.events) == (general_events and general_events.events)
     assert plain_counters == general_counters
+
+
+def test_decode_steps_hash_completed_blocks_like_the_general_path() -> None:
+    """Packed prompts (kept as arrays) take the one-block hashing shortcut on decodes."""
+    plain_pool, general_pool = make_pool(), make_pool()
+    counters = EngineCounters()
+    admit = [(ALLOCATE, rid, list(range(3 + i)), 24, 0, 0, True) for i, rid in enumerate(REQUESTS)]
+    for pool, apply in ((plain_pool, _apply_plain), (general_pool, _apply_general)):
+        apply(pool, build(admit, packed=True), counters)
+        for token in range(10):  # every request completes two or three blocks
+            decode = [(ALLOCATE, rid, [token], 1, 0, 0, False) for rid in REQUESTS]
+            apply(pool, build(decode, packed=True), counters)
+    for rid in REQUESTS:
+        assert len(plain_pool._requests[rid].block_hashes) >= 3
+        assert plain_pool._requests[rid].block_hashes == general_pool._requests[rid].block_hashes
+    assert plain_pool.take_events().events == general_pool.take_events().events  # type: ignore[union-attr]
