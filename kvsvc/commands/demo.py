@@ -10,6 +10,7 @@ everything cleanly.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from typing import Any
@@ -46,6 +47,10 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", action="store_true", help="echo the children's logs")
     parser.set_defaults(func=run)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def _progress(engine: Any, kv: Any, peak: list[int]) -> None:
@@ -99,6 +104,10 @@ def run(args: argparse.Namespace) -> int:
     if args.requests < 1 or args.tp < 1:
         print("kvsvc demo: --requests and --tp must be >= 1", file=sys.stderr)
         return 2
+    # Ctrl-C and SIGTERM both stop the run cleanly, even when started from a script
+    # that left SIGINT ignored (background jobs of a non-interactive shell).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
     pool = "demo"
     children = []
     try:
