@@ -17,6 +17,7 @@ import os
 import sys
 from typing import Any
 
+from kvsvc.commands._args import add_model_flags, add_model_source, int_at_least
 from kvsvc.errors import PlanningError
 from kvsvc.units import parse_bytes
 
@@ -29,26 +30,6 @@ examples:
   kvsvc plan --spec-file specs.json --max-model-len 32768 --kv-cache-memory 20GiB
   kvsvc plan --list-models
 """
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
 
 
 def _max_model_len(text: str) -> int:
@@ -89,7 +70,6 @@ def _fraction(text: str) -> float:
 def add_parser(subparsers: Any) -> None:
     """Register ``kvsvc plan`` and its flags."""
     from kvsvc.planner import LAYOUTS
-    from kvsvc.specs import KV_CACHE_DTYPE_CHOICES, MAMBA_CACHE_MODES
 
     parser = subparsers.add_parser(
         "plan",
@@ -99,36 +79,15 @@ def add_parser(subparsers: Any) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument(
-        "--model-config",
-        metavar="PATH|NAME",
-        help="a Hugging Face config.json (or its directory), or the name of a bundled config",
-    )
-    source.add_argument(
-        "--spec-file",
-        metavar="PATH",
-        help="JSON of layer name -> spec (one TP rank, all layers) instead of a config",
+    source = add_model_source(
+        parser, "JSON of layer name -> spec (one TP rank, all layers) instead of a config"
     )
     source.add_argument(
         "--list-models", action="store_true", help="list the bundled model configs and exit"
     )
 
     model = parser.add_argument_group("model and parallelism")
-    model.add_argument(
-        "--tp", type=_positive_int, default=1, metavar="N", help="tensor-parallel size"
-    )
-    model.add_argument(
-        "--pp", type=_positive_int, default=1, metavar="N", help="pipeline-parallel size"
-    )
-    model.add_argument(
-        "--block-size", type=_positive_int, default=16, metavar="N", help="tokens per block"
-    )
-    model.add_argument(
-        "--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto"
-    )
-    model.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto")
-    model.add_argument("--mamba-cache-mode", choices=MAMBA_CACHE_MODES, default="none")
+    add_model_flags(model, tp_default=1, pp_default=1)
     model.add_argument(
         "--mamba-ssm-cache-dtype",
         choices=("auto", "float32", "bfloat16", "float16"),
@@ -176,20 +135,20 @@ def add_parser(subparsers: Any) -> None:
     )
     engine.add_argument(
         "--max-num-batched-tokens",
-        type=_positive_int,
+        type=int_at_least(1),
         default=8192,
         metavar="N",
         help="tokens one step may schedule (default 8192)",
     )
     engine.add_argument(
         "--max-num-encoder-input-tokens",
-        type=_non_negative_int,
+        type=int_at_least(0),
         metavar="N",
         help="longest encoder input (default: the model's, e.g. 1500 for Whisper)",
     )
     engine.add_argument(
         "--num-gpu-blocks-override",
-        type=_positive_int,
+        type=int_at_least(1),
         metavar="N",
         help="use exactly N blocks per GPU, whatever the memory",
     )
@@ -203,7 +162,7 @@ def add_parser(subparsers: Any) -> None:
     )
     engine.add_argument(
         "--prefix-match-unit",
-        type=_positive_int,
+        type=int_at_least(1),
         metavar="N",
         help="hash granularity of multi-group models (default: gcd of group block sizes)",
     )

@@ -20,6 +20,7 @@ import threading
 import warnings
 from typing import Any
 
+from kvsvc.commands._args import add_model_flags, add_model_source, int_at_least
 from kvsvc.errors import InvalidArgument
 from kvsvc.units import parse_bytes
 
@@ -36,19 +37,6 @@ examples:
 """
 
 logger = logging.getLogger("kvsvc.worker")
-
-
-def _int_at_least(minimum: int) -> Any:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
-        return value
-
-    return parse
 
 
 def _positive_float(text: str) -> float:
@@ -77,7 +65,6 @@ def _pair(text: str) -> tuple[str, str]:
 
 def add_parser(subparsers: Any) -> None:
     """Register ``kvsvc worker`` and its flags."""
-    from kvsvc.specs import KV_CACHE_DTYPE_CHOICES, MAMBA_CACHE_MODES
 
     parser = subparsers.add_parser(
         "worker",
@@ -91,9 +78,9 @@ def add_parser(subparsers: Any) -> None:
     where = parser.add_argument_group("server and rank")
     where.add_argument("--server", required=True, metavar="HOST:PORT", help="kvsvc server")
     where.add_argument("--pool", required=True, help="pool name (configured on the server)")
-    where.add_argument("--rank", required=True, type=_int_at_least(0), help="this rank")
+    where.add_argument("--rank", required=True, type=int_at_least(0), help="this rank")
     where.add_argument(
-        "--world-size", required=True, type=_int_at_least(1), help="ranks in the pool (TP x PP)"
+        "--world-size", required=True, type=int_at_least(1), help="ranks in the pool (TP x PP)"
     )
     where.add_argument("--device", required=True, help="cpu, cuda or cuda:N")
     where.add_argument(
@@ -102,28 +89,13 @@ def add_parser(subparsers: Any) -> None:
         help="bearer token the server requires (env KVSVC_AUTH_TOKEN)",
     )
 
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument(
-        "--model-config",
-        metavar="PATH|NAME",
-        help="a Hugging Face config.json (or its directory), or the name of a bundled config",
-    )
-    source.add_argument(
-        "--spec-file", metavar="PATH", help="JSON of layer name -> spec (one TP rank, all layers)"
-    )
+    add_model_source(parser, "JSON of layer name -> spec (one TP rank, all layers)")
 
     model = parser.add_argument_group("model and parallelism")
-    model.add_argument("--tp", type=_int_at_least(1), help="tensor-parallel size")
-    model.add_argument("--pp", type=_int_at_least(1), help="pipeline-parallel size (default 1)")
-    model.add_argument("--block-size", type=_int_at_least(1), default=16, help="tokens per block")
-    model.add_argument(
-        "--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto"
-    )
-    model.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto")
-    model.add_argument("--mamba-cache-mode", choices=MAMBA_CACHE_MODES, default="none")
+    add_model_flags(model, tp_default=None, pp_default=None)
     model.add_argument(
         "--max-model-len",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         help="context length reported to the server (default: the model config's; none "
         "with --spec-file, the pool then needs its own)",
     )
