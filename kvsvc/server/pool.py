@@ -423,6 +423,11 @@ class Pool:
         last: PlanSnapshot | None = None
         try:
             while True:
+                # Take the event before reading the state: a change made while this
+                # generator is suspended in ``yield`` then still wakes it (reading
+                # ``self._changed`` after the yield would pick up the fresh, unset event
+                # and miss that change for good).
+                changed = self._changed
                 if self.slots.get(rank) is not slot:
                     # Replaced, or dropped by a failed plan: say why once, then end.
                     yield PlanSnapshot(self.state, None, self.error, 0)
@@ -431,7 +436,7 @@ class Pool:
                 if snapshot != last:
                     yield snapshot
                     last = snapshot
-                await self._changed.wait()
+                await changed.wait()
         finally:
             slot.open_streams -= 1
             self._refresh_health()
