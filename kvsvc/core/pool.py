@@ -22,6 +22,7 @@ calls per pool.
 from __future__ import annotations
 
 import array
+import itertools
 import struct
 import sys
 from collections.abc import Iterable, Sequence
@@ -638,20 +639,35 @@ class PoolKVCache:
         Raises:
             InvalidArgument: token ids out of range, or a bad hashing context.
         """
+        return self.lookup_blocks(token_ids, hashing)[0]
+
+    def lookup_blocks(
+        self, token_ids: Sequence[int], hashing: HashingContext | None = None
+    ) -> tuple[int, tuple[list[int], ...]]:
+        """:meth:`lookup` with the hit blocks per group (the table an admission starts with).
+
+        An engine that mirrors reference counts needs the ids to know which hits would
+        leave the free queue when touched. Side-effect free, like :meth:`lookup`.
+
+        Raises:
+            InvalidArgument: token ids out of range, or a bad hashing context.
+        """
         packed = pack_token_ids(token_ids, "token_ids")
-        hasher = self.manager.hasher
+        manager = self.manager
+        hasher = manager.hasher
         extra = (
             BlockExtraKeys(hashing, hasher.block_size)
             if hasher is not None and hashing is not None and not hashing.is_empty
             else None
         )
-        if hasher is None or len(token_ids) < 2:
-            return 0
+        if hasher is None or len(token_ids) < 2 or not manager.enable_caching:
+            return 0, self._no_new_blocks()
         tokens = list(token_ids)
         hashes = hasher.hash_blocks(
             tokens, 0, len(tokens) // hasher.block_size, None, extra, packed
         )
-        return self.manager.find_cached_prefix(hashes, len(tokens) - 1)
+        hits, num_hit_tokens = manager.coordinator.find_longest_cache_hit(hashes, len(tokens) - 1)
+        return num_hit_tokens, tuple(list(group) for group in hits)
 
     def block_table(self, request_id: str) -> BlockTableView:
         """A copy of the request's tables.
@@ -708,6 +724,18 @@ class PoolKVCache:
             num_freed_blocks=pool.num_freed_blocks,
             num_preemptions=self._num_preemptions,
         )
+
+    def usage_free_blocks(self) -> int:
+        """Free blocks (cached ones included), without building a usage snapshot."""
+        return self.manager.block_pool.get_num_free_blocks()
+
+    def free_queue_head(self, limit: int) -> list[int]:
+        """The first ``limit`` free block ids in the order allocations take them.
+
+        With it (and the reference counts of its own tables) an engine can name the ids
+        its next allocations get before the reply that allocates them arrives.
+        """
+        return list(itertools.islice(self.manager.block_pool.free_queue, limit))
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix index (e.g. after a weight update).

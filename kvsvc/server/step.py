@@ -35,6 +35,7 @@ from kvsvc.v1 import kvcache_pb2
 _ALLOCATE = kvcache_pb2.STEP_OPERATION_TYPE_ALLOCATE
 _FREE = kvcache_pb2.STEP_OPERATION_TYPE_FREE
 _PREEMPT = kvcache_pb2.STEP_OPERATION_TYPE_PREEMPT
+_LOOKUP = kvcache_pb2.STEP_OPERATION_TYPE_LOOKUP
 
 
 def apply_step(cache: Any, columns: StepColumns, counters: Any) -> StepResults:
@@ -44,7 +45,32 @@ def apply_step(cache: Any, columns: StepColumns, counters: Any) -> StepResults:
     else:
         results = _apply_general(cache, columns, counters)
     counters.allocate_no_space += results.statuses.count(STATUS_NO_SPACE)
+    if columns.free_queue_head_limit:
+        results.free_queue_head = cache.free_queue_head(columns.free_queue_head_limit)
+    results.num_free_blocks = cache.usage_free_blocks()
     return results
+
+
+def _lookup_outcome(cache: Any, columns: StepColumns, i: int, pos: int) -> AllocateOutcome:
+    """A LOOKUP operation: the hit an admission would get now, as an outcome (no change)."""
+    count = columns.num_token_ids[i]
+    if (
+        columns.num_new_tokens[i]
+        or columns.num_lookahead_tokens[i]
+        or columns.num_rejected_tokens[i]
+    ):
+        raise InvalidArgument(f"types[{i}]", "a lookup carries tokens and a hashing context only")
+    start = columns.starts.get(i)
+    parsed = start_from_pb(start, f"starts[{i}]") if start is not None else None
+    hits: tuple[list[int], ...]
+    if parsed is not None and parsed.skip_prefix_cache_read:
+        num_cached, hits = 0, tuple([] for _ in range(cache.num_groups))
+    else:
+        num_cached, hits = cache.lookup_blocks(
+            columns.token_ids[pos : pos + count], parsed.hashing if parsed else None
+        )
+    zeros = (0,) * cache.num_groups
+    return AllocateOutcome(True, hits, zeros, num_cached, 0, 0)
 
 
 def _apply_one(
@@ -81,6 +107,8 @@ def _apply_one(
             else None,
         )
         return pos + count, outcome
+    if kind == _LOOKUP:
+        return pos + count, _lookup_outcome(cache, columns, i, pos)
     if kind in (_FREE, _PREEMPT):
         check_request_id(request_id, f"request_ids[{i}]")
         if (
@@ -127,7 +155,7 @@ def _apply_general(cache: Any, columns: StepColumns, counters: Any) -> StepResul
             results.new_block_ids.extend(ids)
         results.num_null_blocks.extend(outcome.num_null_blocks)
         results.freed.append(0)
-        if ok:
+        if ok and columns.types[i] != _LOOKUP:
             counters.allocate_ok += 1
     return results
 
@@ -216,5 +244,5 @@ def _apply_plain(cache: Any, columns: StepColumns, counters: Any) -> StepResults
         results.errors[index] = kvcache_pb2.StepError(
             code=status_for(error).value[0], message=str(error)
         )
-    counters.allocate_ok += statuses.count(STATUS_OK) - len(freed_of)
+    counters.allocate_ok += statuses.count(STATUS_OK) - len(freed_of) - types.count(_LOOKUP)
     return results

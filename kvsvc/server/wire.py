@@ -101,10 +101,15 @@ def allocate_response(outcome: AllocateOutcome) -> pb.AllocateResponse:
     )
 
 
+# The most free-queue ids one Step reply carries (StepRequest.free_queue_head_limit).
+MAX_FREE_QUEUE_HEAD = 65536
+
+
 class StepColumns:
     """A Step request decoded into plain lists, validated for shape."""
 
     __slots__ = (
+        "free_queue_head_limit",
         "num_lookahead_tokens",
         "num_new_tokens",
         "num_rejected_tokens",
@@ -151,6 +156,12 @@ class StepColumns:
         for index in self.starts:
             if not 0 <= index < n:
                 raise InvalidArgument("starts", f"key {index} is not an operation index")
+        self.free_queue_head_limit: int = request.free_queue_head_limit
+        if not 0 <= self.free_queue_head_limit <= MAX_FREE_QUEUE_HEAD:
+            raise InvalidArgument(
+                "free_queue_head_limit",
+                f"must be in [0, {MAX_FREE_QUEUE_HEAD}], got {self.free_queue_head_limit}",
+            )
 
 
 class StepResults:
@@ -161,8 +172,10 @@ class StepResults:
         "cached",
         "computed",
         "errors",
+        "free_queue_head",
         "freed",
         "new_block_ids",
+        "num_free_blocks",
         "num_groups",
         "num_new_blocks",
         "num_null_blocks",
@@ -182,6 +195,8 @@ class StepResults:
         self.num_null_blocks: list[int] = []
         self.freed: list[int] = []
         self.errors: dict[int, pb.StepError] = {}
+        self.free_queue_head: list[int] = []
+        self.num_free_blocks = 0
 
     def add_free(self, num_freed: int) -> None:
         self.statuses.append(STATUS_OK)
@@ -214,6 +229,8 @@ class StepResults:
             num_null_blocks=self.num_null_blocks,
             num_freed_blocks=self.freed,
             errors=self.errors,
+            free_queue_head=self.free_queue_head,
+            num_free_blocks=self.num_free_blocks,
         )
 
 

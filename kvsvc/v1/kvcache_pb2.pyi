@@ -25,6 +25,7 @@ class StepOperationType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STEP_OPERATION_TYPE_ALLOCATE: _ClassVar[StepOperationType]
     STEP_OPERATION_TYPE_FREE: _ClassVar[StepOperationType]
     STEP_OPERATION_TYPE_PREEMPT: _ClassVar[StepOperationType]
+    STEP_OPERATION_TYPE_LOOKUP: _ClassVar[StepOperationType]
 ALLOCATE_STATUS_UNSPECIFIED: AllocateStatus
 ALLOCATE_STATUS_OK: AllocateStatus
 ALLOCATE_STATUS_NO_SPACE: AllocateStatus
@@ -35,6 +36,7 @@ STEP_OPERATION_TYPE_UNSPECIFIED: StepOperationType
 STEP_OPERATION_TYPE_ALLOCATE: StepOperationType
 STEP_OPERATION_TYPE_FREE: StepOperationType
 STEP_OPERATION_TYPE_PREEMPT: StepOperationType
+STEP_OPERATION_TYPE_LOOKUP: StepOperationType
 
 class MultiModalItem(_message.Message):
     __slots__ = ("identifier", "offset", "length")
@@ -131,7 +133,7 @@ class FreeResponse(_message.Message):
     def __init__(self, num_freed_blocks: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("pool", "types", "request_ids", "num_token_ids", "token_ids", "num_new_tokens", "num_lookahead_tokens", "starts", "num_rejected_tokens", "packed_token_ids")
+    __slots__ = ("pool", "types", "request_ids", "num_token_ids", "token_ids", "num_new_tokens", "num_lookahead_tokens", "starts", "num_rejected_tokens", "packed_token_ids", "free_queue_head_limit")
     class StartsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +151,7 @@ class StepRequest(_message.Message):
     STARTS_FIELD_NUMBER: _ClassVar[int]
     NUM_REJECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PACKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FREE_QUEUE_HEAD_LIMIT_FIELD_NUMBER: _ClassVar[int]
     pool: str
     types: _containers.RepeatedScalarFieldContainer[StepOperationType]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -159,7 +162,8 @@ class StepRequest(_message.Message):
     starts: _containers.MessageMap[int, RequestStart]
     num_rejected_tokens: _containers.RepeatedScalarFieldContainer[int]
     packed_token_ids: bytes
-    def __init__(self, pool: _Optional[str] = ..., types: _Optional[_Iterable[_Union[StepOperationType, str]]] = ..., request_ids: _Optional[_Iterable[str]] = ..., num_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., num_lookahead_tokens: _Optional[_Iterable[int]] = ..., starts: _Optional[_Mapping[int, RequestStart]] = ..., num_rejected_tokens: _Optional[_Iterable[int]] = ..., packed_token_ids: _Optional[bytes] = ...) -> None: ...
+    free_queue_head_limit: int
+    def __init__(self, pool: _Optional[str] = ..., types: _Optional[_Iterable[_Union[StepOperationType, str]]] = ..., request_ids: _Optional[_Iterable[str]] = ..., num_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., num_lookahead_tokens: _Optional[_Iterable[int]] = ..., starts: _Optional[_Mapping[int, RequestStart]] = ..., num_rejected_tokens: _Optional[_Iterable[int]] = ..., packed_token_ids: _Optional[bytes] = ..., free_queue_head_limit: _Optional[int] = ...) -> None: ...
 
 class StepError(_message.Message):
     __slots__ = ("code", "message")
@@ -170,7 +174,7 @@ class StepError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("statuses", "num_scheduled_tokens", "num_computed_tokens", "num_cached_tokens", "num_groups", "num_new_blocks", "new_block_ids", "num_null_blocks", "num_freed_blocks", "errors")
+    __slots__ = ("statuses", "num_scheduled_tokens", "num_computed_tokens", "num_cached_tokens", "num_groups", "num_new_blocks", "new_block_ids", "num_null_blocks", "num_freed_blocks", "errors", "free_queue_head", "num_free_blocks")
     class ErrorsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +192,8 @@ class StepResponse(_message.Message):
     NUM_NULL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
+    FREE_QUEUE_HEAD_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     statuses: _containers.RepeatedScalarFieldContainer[AllocateStatus]
     num_scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -198,7 +204,9 @@ class StepResponse(_message.Message):
     num_null_blocks: _containers.RepeatedScalarFieldContainer[int]
     num_freed_blocks: _containers.RepeatedScalarFieldContainer[int]
     errors: _containers.MessageMap[int, StepError]
-    def __init__(self, statuses: _Optional[_Iterable[_Union[AllocateStatus, str]]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., num_groups: _Optional[int] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_null_blocks: _Optional[_Iterable[int]] = ..., num_freed_blocks: _Optional[_Iterable[int]] = ..., errors: _Optional[_Mapping[int, StepError]] = ...) -> None: ...
+    free_queue_head: _containers.RepeatedScalarFieldContainer[int]
+    num_free_blocks: int
+    def __init__(self, statuses: _Optional[_Iterable[_Union[AllocateStatus, str]]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., num_groups: _Optional[int] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_null_blocks: _Optional[_Iterable[int]] = ..., num_freed_blocks: _Optional[_Iterable[int]] = ..., errors: _Optional[_Mapping[int, StepError]] = ..., free_queue_head: _Optional[_Iterable[int]] = ..., num_free_blocks: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("pool", "token_ids", "hashing", "packed_token_ids")
