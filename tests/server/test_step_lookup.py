@@ -80,12 +80,12 @@ def test_lookup_in_a_batch_matches_the_admission_after_it(make) -> None:
     step(cache, [(ALLOCATE, "a", prompt, 13, True)])
     step(cache, [(FREE, "a", [], 0, False)])
     usage_before = cache.usage()
-    response = step(cache, [(LOOKUP, "", prompt + [99, 98], 0, False)])
+    response = step(cache, [(LOOKUP, "", [*prompt, 99, 98], 0, False)])
     assert cache.usage() == usage_before, "a lookup must change nothing (stats included)"
     assert response.num_cached_tokens[0] == 12
     hits = groups_of(response, 0)
     response = step(
-        cache, [(LOOKUP, "", prompt + [99], 0, False), (ALLOCATE, "b", prompt + [99], 14, True)]
+        cache, [(LOOKUP, "", [*prompt, 99], 0, False), (ALLOCATE, "b", [*prompt, 99], 14, True)]
     )
     assert response.num_cached_tokens[0] == response.num_cached_tokens[1] == 12
     admitted = groups_of(response, 1)
