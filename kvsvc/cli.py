@@ -1,4 +1,4 @@
-"""The ``kvsvc`` command line: plan, serve, worker, demo, ctl."""
+"""The ``kvsvc`` command line: plan, serve, worker, demo, ctl, vllm-args."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from kvsvc import __version__
 
 # Subcommand name -> module in kvsvc.commands (see that package's docstring).
-SUBCOMMANDS: tuple[str, ...] = ("plan", "serve", "worker", "demo", "ctl")
+SUBCOMMANDS: tuple[str, ...] = ("plan", "serve", "worker", "demo", "ctl", "vllm-args")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,9 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
         try:
-            module = importlib.import_module(f"kvsvc.commands.{name}")
+            module = importlib.import_module(f"kvsvc.commands.{name.replace('-', '_')}")
         except ModuleNotFoundError as exc:
-            if exc.name != f"kvsvc.commands.{name}":
+            if exc.name != f"kvsvc.commands.{name.replace('-', '_')}":
                 raise
             continue  # not built yet
         module.add_parser(subparsers)

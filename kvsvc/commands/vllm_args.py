@@ -1,0 +1,44 @@
+"""``kvsvc vllm-args``: the ``vllm serve`` flags that run vLLM on a kvsvc pool.
+
+The flags are the command-line form of :func:`kvsvc.integrations.vllm.vllm_kwargs`; this
+command needs neither vLLM nor a running server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from typing import Any
+
+from kvsvc.integrations.vllm.config import vllm_kwargs, vllm_serve_flags
+from kvsvc.server.config import DEFAULT_LISTEN
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "vllm-args",
+        help="print the vllm serve flags that run vLLM on a kvsvc pool",
+        description="Print the `vllm serve` flags that make vLLM's scheduler allocate through "
+        "a kvsvc pool and its workers allocate the pool's plan. The server's token, if any, "
+        "is read by vLLM from KVSVC_AUTH_TOKEN (never put on a command line).",
+        epilog="example: vllm serve MODEL --block-size 32 $(kvsvc vllm-args --server "
+        "127.0.0.1:50051 --pool vllm)",
+    )
+    parser.add_argument("--server", default=DEFAULT_LISTEN, help="kvsvc server HOST:PORT")
+    parser.add_argument("--pool", required=True, help="the pool vLLM owns")
+    parser.add_argument(
+        "--json", action="store_true", help="print vllm_kwargs(...) as JSON instead of flags"
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.json:
+            print(json.dumps(vllm_kwargs(args.server, args.pool), indent=2))
+        else:
+            print(shlex.join(vllm_serve_flags(args.server, args.pool)))
+    except ValueError as exc:
+        raise SystemExit(f"kvsvc vllm-args: {exc}") from None
+    return 0
