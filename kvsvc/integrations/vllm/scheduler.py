@@ -431,15 +431,16 @@ class KvsvcScheduler(Scheduler):
 
     def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
         outputs = super().update_from_output(*args, **kwargs)
-        if not self.has_requests():
-            # No further schedule() will carry the frees of the requests that just ended.
-            self.kv_cache_manager.mirror.end_step()
+        if not self.has_unfinished_requests():
+            # Idle now: no schedule() may come to carry the frees of the requests that
+            # just ended, so send them (and wait: nothing else is waiting meanwhile).
+            self.kv_cache_manager.mirror.flush()
         return outputs
 
     def finish_requests(self, *args: Any, **kwargs: Any) -> Any:
         result = super().finish_requests(*args, **kwargs)
-        if not self.has_requests():
-            self.kv_cache_manager.mirror.end_step()
+        if not self.has_unfinished_requests():
+            self.kv_cache_manager.mirror.flush()
         return result
 
     def shutdown(self) -> None:

@@ -1,0 +1,166 @@
+"""vLLM on kvsvc against stock vLLM: the same prompts through both, real processes.
+
+The workload makes every part of the manager work: prompts share prefixes and repeat (so
+the cache hits, within a batch and across batches), and the KV cache is small (24 blocks
+of 32 tokens for 24 requests of up to 250 tokens) so requests are preempted, resumed and
+their blocks evicted. vLLM on kvsvc must give the same tokens, the same per-request cached
+tokens, the same prefix-cache counters and preemptions as stock vLLM; kvsvc's own books
+must show the engine's work and every block back at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvsvc.integrations.vllm import vllm_kwargs
+from tests.vllm.helpers import (
+    KvsvcServer,
+    engine_core,
+    kvsvc_server,
+    make_llm,
+    release_llm,
+    write_tiny_model,
+)
+
+pytestmark = pytest.mark.e2e
+
+NUM_BLOCKS = 24  # null block included, as vLLM and kvsvc both count
+MAX_TOKENS = 40
+ROUNDS = 2
+
+
+def make_prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    shared = [rng.randrange(8192) for _ in range(320)]
+    distinct = [shared[: 40 + 17 * i] + [1000 + i] * (3 + i % 5) for i in range(12)]
+    # Every prompt twice: the second copy hits what the first one cached (or what is left
+    # of it after evictions).
+    return distinct + distinct
+
+
+@dataclass
+class Run:
+    tokens: list[list[list[int]]]
+    cached: list[list[int]]
+    metrics: dict[str, Any]
+    num_gpu_blocks: int
+
+
+def generate(llm: Any) -> Run:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, detokenize=False, ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in make_prompts()]
+    tokens, cached = [], []
+    for _ in range(ROUNDS):
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        tokens.append([list(o.outputs[0].token_ids) for o in outputs])
+        cached.append([o.num_cached_tokens for o in outputs])
+    metrics = {
+        m.name: m.value
+        for m in llm.get_metrics()
+        if m.name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions")
+    }
+    return Run(tokens, cached, metrics, llm.llm_engine.vllm_config.cache_config.num_gpu_blocks)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def stock(model_dir: Path) -> Run:
+    llm = make_llm(model_dir, num_gpu_blocks_override=NUM_BLOCKS, disable_log_stats=False)
+    try:
+        return generate(llm)
+    finally:
+        release_llm(llm)
+
+
+@dataclass
+class OnKvsvc:
+    server: KvsvcServer
+    llm: Any
+    run: Run
+
+
+@pytest.fixture(scope="module")
+def on_kvsvc(model_dir: Path) -> Iterator[OnKvsvc]:
+    with kvsvc_server(
+        "--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-model-len", "512"
+    ) as server:
+        llm = make_llm(model_dir, disable_log_stats=False, **vllm_kwargs(server.address, "vllm"))
+        try:
+            yield OnKvsvc(server, llm, generate(llm))
+        finally:
+            with contextlib.suppress(Exception):  # the last test kills the server under it
+                release_llm(llm)
+
+
+def test_the_workload_preempts_and_hits(stock: Run) -> None:
+    assert stock.metrics["vllm:num_preemptions"] > 0
+    assert 0 < stock.metrics["vllm:prefix_cache_hits"] < stock.metrics["vllm:prefix_cache_queries"]
+
+
+def test_same_tokens_hits_and_preemptions_as_stock_vllm(stock: Run, on_kvsvc: OnKvsvc) -> None:
+    run = on_kvsvc.run
+    assert run.tokens == stock.tokens
+    assert run.cached == stock.cached
+    assert run.metrics == stock.metrics
+
+
+def test_kvsvc_did_the_engines_work_and_has_every_block_back(stock: Run, on_kvsvc: OnKvsvc) -> None:
+    with on_kvsvc.server.client() as client:
+        usage = client.usage()
+    assert usage.num_requests == 0
+    assert usage.num_free_blocks == usage.num_blocks == NUM_BLOCKS - 1
+    # kvsvc counts every admission's lookup as vLLM does, resumptions apart (vLLM's
+    # counters leave those out).
+    assert usage.prefix_cache_queries == stock.metrics["vllm:prefix_cache_queries"]
+    assert usage.prefix_cache_hits == stock.metrics["vllm:prefix_cache_hits"]
+    assert usage.preempted_queries > 0
+    stats = engine_core(on_kvsvc.llm).scheduler.kvsvc.stats
+    assert stats.steps_sent > 0 and stats.operations_sent > stats.steps_sent
+
+
+def test_the_pools_plan_is_what_vllm_allocated(on_kvsvc: OnKvsvc) -> None:
+    plan, response = on_kvsvc.server.plan()
+    assert response.pool.block_size == plan["block_size"] == 32
+    # vLLM's count includes the null block, the pool's usable count does not.
+    assert response.pool.num_blocks == on_kvsvc.run.num_gpu_blocks - 1 == NUM_BLOCKS - 1
+    assert plan["num_blocks"] in (NUM_BLOCKS, NUM_BLOCKS - 1)
+
+
+def test_decode_only_steps_cost_one_rpc(on_kvsvc: OnKvsvc) -> None:
+    stats = engine_core(on_kvsvc.llm).scheduler.kvsvc.stats
+    counts = sorted(stats.rpcs_by_step)
+    assert counts[len(counts) // 2] == 1
+
+
+def test_a_dead_server_fails_requests_with_an_error_naming_kvsvc(on_kvsvc: OnKvsvc) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    on_kvsvc.server.child.process.kill()
+    on_kvsvc.server.child.process.wait(10)
+    params = SamplingParams(temperature=0, max_tokens=8, detokenize=False, ignore_eos=True)
+    started = time.monotonic()
+    with pytest.raises(Exception) as failure:
+        on_kvsvc.llm.generate([TokensPrompt(prompt_token_ids=[5] * 40)], params, use_tqdm=False)
+    assert time.monotonic() - started < 60
+    chain = []
+    error: BaseException | None = failure.value
+    while error is not None:
+        chain.append(str(error))
+        error = error.__cause__ or error.__context__
+    assert any("kvsvc server" in text and "UNAVAILABLE" in text for text in chain), chain
