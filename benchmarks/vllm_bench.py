@@ -26,8 +26,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvsvc.integrations.vllm import vllm_kwargs  # noqa: E402
-from tests.vllm.helpers import (  # noqa: E402
+from kvsvc.integrations.vllm import vllm_kwargs
+from tests.vllm.helpers import (
     VLLM_ENV,
     engine_args,
     engine_core,
