@@ -15,6 +15,7 @@ from kvsvc.server.config import (
     DEFAULT_METRICS_LISTEN,
     HASH_ALGOS,
     LAYOUTS,
+    POOL_PLACEHOLDER,
     ConfigError,
     PoolConfig,
     ServerConfig,
@@ -52,6 +53,45 @@ def add_parser(subparsers: Any) -> None:
     server.add_argument("--event-buffer", type=int, help="event batches kept per pool for replay")
     server.add_argument(
         "--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR")
+    )
+
+    events = parser.add_argument_group(
+        "vLLM-format KV events (ZMQ; needs the kvsvc[vllm] extra)",
+        "Each pool's KV events as vLLM's ZmqEventPublisher sends them (PUB frames: topic, "
+        "8-byte big-endian sequence, msgpack KVEventBatch; a ROUTER replay socket), so "
+        "consumers written for vLLM read kvsvc unchanged. Every pool is its own publisher, "
+        "like a vLLM data-parallel rank: its own sequence (from 0), replay buffer and sockets; "
+        "pool i in config order (the --pool flag's pool last) uses the TCP ports + i "
+        "(ipc/inproc endpoints get _POOL appended). Publishing runs in a background thread "
+        "behind a bounded queue: a slow publisher drops the oldest batches (logged, and a "
+        "sequence gap for consumers), it never slows the server.",
+    )
+    events.add_argument(
+        "--kv-events-zmq",
+        metavar="ENDPOINT",
+        help="PUB endpoint: tcp://*:5557 binds (port 0: any free port, printed at start), "
+        "tcp://HOST:PORT connects (vLLM's rule), ipc://PATH binds",
+    )
+    events.add_argument(
+        "--kv-events-replay",
+        metavar="ENDPOINT",
+        help="ROUTER endpoint (always bound) answering replay requests: send an 8-byte "
+        "big-endian start sequence, get every held batch from it, then an end marker",
+    )
+    events.add_argument(
+        "--kv-events-topic",
+        metavar="TOPIC",
+        help=f"topic frame of every message (default '', vLLM's); {POOL_PLACEHOLDER} is "
+        f"replaced by the pool name, e.g. 'kv@node1@{POOL_PLACEHOLDER}'",
+    )
+    events.add_argument(
+        "--kv-events-buffer", type=int, metavar="N", help="batches kept per pool for replay"
+    )
+    events.add_argument(
+        "--kv-events-int-hashes",
+        action="store_true",
+        help="block hashes as 64-bit ints (vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES) "
+        "instead of the hash bytes",
     )
 
     pool = parser.add_argument_group("pool (one, defined by flags)")
@@ -92,6 +132,16 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         overrides["heartbeat_timeout_s"] = args.heartbeat_timeout
     if args.event_buffer:
         overrides["event_buffer_batches"] = args.event_buffer
+    for flag, key in (
+        ("kv_events_zmq", "kv_events_zmq"),
+        ("kv_events_replay", "kv_events_replay"),
+        ("kv_events_topic", "kv_events_topic"),
+        ("kv_events_buffer", "kv_events_buffer_steps"),
+    ):
+        if getattr(args, flag) is not None:
+            overrides[key] = getattr(args, flag)
+    if args.kv_events_int_hashes:
+        overrides["kv_events_int_hashes"] = True
     if args.pool:
         overrides["extra_pools"] = (
             PoolConfig(
@@ -117,6 +167,10 @@ async def serve(config: ServerConfig, ready: Any | None = None) -> None:
     from kvsvc.server.app import create_server
 
     server, port = await create_server(config)
+    if server.kv_events is not None:
+        # Before the 'serving' line, which tools wait for: by then these are printed too.
+        for line in server.kv_events.describe():
+            print(line, flush=True)
     print(
         f"kvsvc serving on port {port}"
         + (f", metrics on port {server.metrics_port}" if server.metrics_port else ""),
@@ -142,6 +196,12 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvsvc serve: {exc}", file=sys.stderr)
         return 2
+    if config.kv_events_zmq is not None:
+        try:
+            import kvsvc.integrations.vllm.events  # noqa: F401  (pyzmq, msgspec)
+        except ImportError as exc:
+            print(f"kvsvc serve: {exc}", file=sys.stderr)
+            return 2
     try:
         asyncio.run(serve(config))
     except OSError as exc:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -29,6 +29,9 @@ from kvsvc.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
+
+if TYPE_CHECKING:
+    from kvsvc.integrations.vllm.events import ZmqKVEvents
 
 log = logging.getLogger("kvsvc.server")
 
@@ -63,6 +66,13 @@ class KvsvcServer:
                 for p in config.pools
             }
         )
+        # vLLM-format events: imported only when asked for (pyzmq and msgspec are optional;
+        # the ImportError says to install kvsvc[vllm]).
+        self.kv_events: ZmqKVEvents | None = None
+        if config.kv_events_zmq is not None:
+            from kvsvc.integrations.vllm.events import ZmqKVEvents
+
+            self.kv_events = ZmqKVEvents.attach(config, self.pools.by_name.values())
         self.metrics = ServerMetrics(self.pools, registry=metrics_registry)
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
@@ -92,6 +102,16 @@ class KvsvcServer:
                 await self.health.set(service, status)
 
     async def start(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.start()  # first: a port in use stops the start before serving
+        try:
+            await self._start_grpc()
+        except BaseException:
+            if self.kv_events is not None:
+                self.kv_events.close()
+            raise
+
+    async def _start_grpc(self) -> None:
         options = [
             ("grpc.max_send_message_length", self.config.max_message_bytes),
             ("grpc.max_receive_message_length", self.config.max_message_bytes),
@@ -156,6 +176,9 @@ class KvsvcServer:
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http = None
+        if self.kv_events is not None:
+            # After the gRPC stop: the last calls' events are still published.
+            await asyncio.get_running_loop().run_in_executor(None, self.kv_events.close)
 
     async def wait_for_termination(self) -> None:
         assert self._server is not None

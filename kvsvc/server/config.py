@@ -12,6 +12,9 @@ A config file looks like::
     hash_algo = "sha256_cbor"
 
 Unknown keys are errors (a typo must not silently fall back to a default).
+
+vLLM-format KV events (``kv_events_zmq`` and the other ``kv_events_*`` keys) give each pool
+its own ZMQ publisher; :func:`kv_events_targets` says where each pool's goes.
 """
 
 from __future__ import annotations
@@ -26,6 +29,11 @@ HASH_ALGOS = ("xxh3_128", "sha256_cbor")
 LAYOUTS = ("layer_outer", "block_outer")
 DEFAULT_LISTEN = "127.0.0.1:50051"
 DEFAULT_METRICS_LISTEN = "127.0.0.1:9400"
+# vLLM's own default topic (KVEventsConfig.topic): consumers written for vLLM subscribe to it.
+DEFAULT_KV_EVENTS_TOPIC = ""
+KV_EVENTS_SCHEMES = ("tcp://", "ipc://", "inproc://")
+# Replaced by the pool's name in kv_events_topic (and nowhere else).
+POOL_PLACEHOLDER = "{pool}"
 
 
 class ConfigError(ValueError):
@@ -122,6 +130,18 @@ class ServerConfig:
         event_buffer_batches: event batches kept for WatchEvents replay, per pool.
         event_buffer_events: events kept for replay, per pool (whichever bound is hit first).
         max_step_operations: operations one Step may carry.
+        kv_events_zmq: publish each pool's KV events in vLLM's wire format on a ZMQ PUB
+            socket at this endpoint (None: off). Bound when it has ``*`` or ``::`` or is
+            ``ipc://``/``inproc://``, connected otherwise (vLLM's rule). Pool ``i`` (config
+            order) uses port + ``i`` (see :func:`kv_events_targets`).
+        kv_events_replay: ROUTER endpoint answering replay requests (always bound).
+        kv_events_topic: topic frame of every message; ``{pool}`` becomes the pool name.
+        kv_events_buffer_steps: batches each pool keeps for replay (vLLM's buffer_steps).
+        kv_events_hwm: ZMQ high-water mark of the PUB socket (messages per subscriber).
+        kv_events_max_queue: batches waiting for the publisher thread; past it the oldest
+            is dropped (and counted), so a stalled publisher never holds up the server.
+        kv_events_int_hashes: publish hashes as 64-bit ints, like vLLM with
+            ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`` (default: the hash bytes).
     """
 
     pools: tuple[PoolConfig, ...]
@@ -133,6 +153,13 @@ class ServerConfig:
     event_buffer_batches: int = 10000
     event_buffer_events: int = 200_000
     max_step_operations: int = 8192
+    kv_events_zmq: str | None = None
+    kv_events_replay: str | None = None
+    kv_events_topic: str = DEFAULT_KV_EVENTS_TOPIC
+    kv_events_buffer_steps: int = 10_000
+    kv_events_hwm: int = 100_000
+    kv_events_max_queue: int = 100_000
+    kv_events_int_hashes: bool = False
 
     def __post_init__(self) -> None:
         if not self.pools:
@@ -156,6 +183,36 @@ class ServerConfig:
             raise ConfigError("event_buffer_events must be >= 1")
         if not 1 <= self.max_step_operations <= 1_000_000:
             raise ConfigError("max_step_operations must be in [1, 1000000]")
+        self._check_kv_events()
+
+    def _check_kv_events(self) -> None:
+        if self.kv_events_zmq is None:
+            # Settings of a feature that is off would be silently ignored: refuse them.
+            stray = [
+                f.name
+                for f in fields(self)
+                if f.name.startswith("kv_events_")
+                and f.name != "kv_events_zmq"
+                and getattr(self, f.name) != f.default
+            ]
+            if stray:
+                raise ConfigError(
+                    f"{', '.join(stray)} set without kv_events_zmq (--kv-events-zmq ENDPOINT)"
+                )
+            return
+        for name in ("kv_events_zmq", "kv_events_replay", "kv_events_topic"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ConfigError(f"{name} must be a string, got {value!r}")
+        for name in ("kv_events_buffer_steps", "kv_events_hwm", "kv_events_max_queue"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.kv_events_int_hashes, bool):
+            raise ConfigError(
+                f"kv_events_int_hashes must be true or false, got {self.kv_events_int_hashes!r}"
+            )
+        kv_events_targets(self)  # endpoint syntax, port range and collisions
 
 
 def split_host_port(address: str, what: str) -> tuple[str, int]:
@@ -164,6 +221,134 @@ def split_host_port(address: str, what: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ConfigError(f"{what}: expected HOST:PORT, got {address!r}")
     return host.strip("[]") or "0.0.0.0", int(port)
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventsTarget:
+    """Where one pool publishes its vLLM-format KV events.
+
+    Attributes:
+        pool: the pool's name.
+        endpoint: its PUB endpoint (bound or connected, see :func:`is_bind_endpoint`).
+        replay_endpoint: its ROUTER endpoint for replay requests, if any (bound).
+        topic: the topic frame of its messages.
+    """
+
+    pool: str
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str
+
+
+def is_bind_endpoint(endpoint: str) -> bool:
+    """vLLM's rule: bind a wildcard or ipc/inproc endpoint, connect to anything else."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def _tcp_port(endpoint: str, what: str) -> int:
+    _, sep, port = endpoint.rpartition(":")
+    if endpoint.startswith("tcp://") and sep and port.isdigit() and int(port) <= 65535:
+        return int(port)
+    raise ConfigError(f"{what}: expected tcp://HOST:PORT, got {endpoint!r}")
+
+
+def _check_endpoint(endpoint: str, what: str) -> None:
+    if not endpoint.startswith(KV_EVENTS_SCHEMES) or endpoint in KV_EVENTS_SCHEMES:
+        raise ConfigError(
+            f"{what}: expected a ZMQ endpoint ({', '.join(s + '...' for s in KV_EVENTS_SCHEMES)})"
+            f", got {endpoint!r}"
+        )
+    if endpoint.startswith("tcp://"):
+        _tcp_port(endpoint, what)
+
+
+def offset_endpoint(endpoint: str, index: int, pool: str) -> str:
+    """The endpoint of the ``index``-th pool: what vLLM does for data-parallel rank ``index``.
+
+    TCP ports go up by ``index`` (port 0 stays 0: the OS picks one per socket); other
+    transports get ``_<pool>`` appended. The first pool keeps the endpoint as given.
+    """
+    if index == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        port = _tcp_port(endpoint, "kv_events endpoint")
+        if port == 0:
+            return endpoint
+        if port + index > 65535:
+            raise ConfigError(
+                f"kv events endpoint {endpoint!r}: pool {pool!r} (number {index + 1}) would "
+                f"use port {port + index}, beyond 65535"
+            )
+        base = endpoint[: endpoint.rfind(":")]
+        return f"{base}:{port + index}"
+    return f"{endpoint}_{pool}"
+
+
+def kv_events_targets(config: ServerConfig) -> list[KVEventsTarget]:
+    """Each pool's vLLM-format event endpoints, in config order (empty when off).
+
+    Every pool gets its own PUB socket, replay socket, sequence numbers and replay buffer,
+    as each data-parallel rank of vLLM does: a consumer written for vLLM follows one
+    socket's sequence and replays from that socket, so pools sharing a socket would look
+    to it like one engine with gaps. Pool ``i`` uses the configured TCP ports + ``i``.
+
+    Raises:
+        ConfigError: a malformed endpoint, a port beyond 65535, a connected endpoint with
+            port 0, or two sockets that would bind the same port or path.
+    """
+    if config.kv_events_zmq is None:
+        return []
+    _check_endpoint(config.kv_events_zmq, "kv_events_zmq")
+    if config.kv_events_replay is not None:
+        _check_endpoint(config.kv_events_replay, "kv_events_replay")
+    connects = not is_bind_endpoint(config.kv_events_zmq)
+    if connects and _tcp_port(config.kv_events_zmq, "kv_events_zmq") == 0:
+        raise ConfigError(
+            f"kv_events_zmq {config.kv_events_zmq!r} is connected to (no '*' in it), so it "
+            "needs a real port; use tcp://*:PORT to bind"
+        )
+    targets = []
+    bound: dict[str, str] = {}
+    for index, pool in enumerate(config.pools):
+        endpoint = offset_endpoint(config.kv_events_zmq, index, pool.name)
+        replay = (
+            offset_endpoint(config.kv_events_replay, index, pool.name)
+            if config.kv_events_replay is not None
+            else None
+        )
+        for what, address, binds in (
+            ("kv_events_zmq", endpoint, is_bind_endpoint(endpoint)),
+            ("kv_events_replay", replay, True),
+        ):
+            if address is None or not binds:
+                continue
+            if address.startswith("tcp://"):
+                port = _tcp_port(address, what)
+                if port == 0:
+                    continue  # the OS picks a free port for each socket
+                key = f"tcp:{port}"
+            else:
+                key = address
+            if key in bound:
+                hint = (
+                    f"; pool i uses port + i, so leave {len(config.pools)} ports between "
+                    "kv_events_zmq and kv_events_replay"
+                    if key.startswith("tcp:")
+                    else ""
+                )
+                raise ConfigError(
+                    f"{what} of pool {pool.name!r} ({address}) collides with {bound[key]}{hint}"
+                )
+            bound[key] = f"{what} of pool {pool.name!r} ({address})"
+        targets.append(
+            KVEventsTarget(
+                pool=pool.name,
+                endpoint=endpoint,
+                replay_endpoint=replay,
+                topic=config.kv_events_topic.replace(POOL_PLACEHOLDER, pool.name),
+            )
+        )
+    return targets
 
 
 def _build(cls: type, data: dict[str, Any], where: str) -> Any:
