@@ -267,6 +267,23 @@ def test_block_size_mismatch_is_a_clear_error(model_dir: Path) -> None:
     assert "kvsvc serve --block-size 16" in message  # or the pool with
 
 
+def test_memory_too_small_for_one_request_is_the_planners_error(model_dir: Path) -> None:
+    # 1 MiB = 8 blocks = 256 tokens < max_model_len 512: the pool cannot be planned, and
+    # the worker says so (with the planner's estimate) instead of waiting for a plan.
+    with kvsvc_server() as server:
+        with pytest.raises(KvsvcWorkerError) as raised:
+            make_llm(
+                model_dir,
+                kv_cache_memory_bytes=8 * BYTES_PER_BLOCK,
+                **kvsvc_worker_args(server.address, plan_timeout=30),
+            )
+        cleanup_after_failed_start()
+    message = str(raised.value)
+    assert message.startswith(f"kvsvc: the kvsvc server at {server.address} could not plan")
+    assert "max seq len (512)" in message
+    assert "estimated maximum model length" in message
+
+
 def test_server_not_running_fails_within_the_plan_timeout(model_dir: Path) -> None:
     address = f"127.0.0.1:{free_port()}"
     started = time.monotonic()
