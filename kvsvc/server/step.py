@@ -90,9 +90,12 @@ def _apply_one(
     request_id = columns.request_ids[i]
     if kind == _ALLOCATE:
         tokens = columns.token_ids[pos : pos + count]
-        if not request_id:
-            raise InvalidArgument(f"request_ids[{i}]", "must not be empty")
         start = columns.starts.get(i)
+        if start is not None:
+            # An admission names a new id: bound it here, or a Free could never name it.
+            check_request_id(request_id, f"request_ids[{i}]")
+        elif not request_id:
+            raise InvalidArgument(f"request_ids[{i}]", "must not be empty")
         packed = columns.packed_token_ids
         outcome = cache.allocate(
             request_id,

@@ -31,10 +31,14 @@ STATUS_REJECTED: int = pb.ALLOCATE_STATUS_UNSPECIFIED
 
 
 def check_request_id(request_id: str, field: str = "request_id") -> None:
+    """The bound is on UTF-8 bytes: ids index the server's tables and logs by their bytes."""
     if not request_id:
         raise InvalidArgument(field, "must not be empty")
-    if len(request_id) > MAX_REQUEST_ID_BYTES and len(request_id.encode()) > MAX_REQUEST_ID_BYTES:
-        raise InvalidArgument(field, f"longer than {MAX_REQUEST_ID_BYTES} bytes")
+    # Every character is at most 4 bytes: short ids need no encoding to be known in bounds.
+    if len(request_id) > MAX_REQUEST_ID_BYTES // 4 and (
+        len(request_id.encode()) > MAX_REQUEST_ID_BYTES
+    ):
+        raise InvalidArgument(field, f"longer than {MAX_REQUEST_ID_BYTES} bytes (UTF-8)")
 
 
 def token_ids_of(repeated: Any, packed: bytes, field: str, packed_field: str) -> Sequence[int]:
