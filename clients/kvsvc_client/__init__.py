@@ -25,6 +25,7 @@ from kvsvc_client._types import (
     FreeResult,
     HashingContext,
     KVEvent,
+    LookupResult,
     MultiModalItem,
     OperationError,
     PoolInfo,
@@ -33,6 +34,7 @@ from kvsvc_client._types import (
     Usage,
     WorkerInfo,
 )
+from kvsvc_client._wire import StepResultList
 from kvsvc_client.aio import AsyncKVCacheClient, AsyncStep
 from kvsvc_client.errors import (
     AlreadyExistsError,
@@ -43,7 +45,7 @@ from kvsvc_client.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from kvsvc_client.sync import KVCacheClient, SyncStep
+from kvsvc_client.sync import KVCacheClient, StepFuture, SyncStep
 
 __all__ = [
     "AllBlocksCleared",
@@ -63,13 +65,16 @@ __all__ = [
     "KVCacheClient",
     "KVCacheError",
     "KVEvent",
+    "LookupResult",
     "MultiModalItem",
     "NotFoundError",
     "NotReadyError",
     "OperationError",
     "PoolInfo",
     "RequestStart",
+    "StepFuture",
     "StepOutcome",
+    "StepResultList",
     "SyncStep",
     "UnauthenticatedError",
     "UnavailableError",

@@ -83,7 +83,21 @@ class OperationError:
     message: str
 
 
-StepOutcome = AllocateResult | FreeResult | OperationError
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """A Step LOOKUP: the hit an admission of the prompt would get at that point of the batch.
+
+    Attributes:
+        num_cached_tokens: hit length in tokens (a multiple of the block size, at least
+            one token left to compute).
+        block_ids: per KV cache group, the hit blocks (the table an admission starts with).
+    """
+
+    num_cached_tokens: int
+    block_ids: tuple[tuple[int, ...], ...]
+
+
+StepOutcome = AllocateResult | FreeResult | LookupResult | OperationError
 
 
 @dataclass(frozen=True, slots=True)

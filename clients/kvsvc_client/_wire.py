@@ -22,6 +22,7 @@ from kvsvc_client._types import (
     FreeResult,
     HashingContext,
     KVEvent,
+    LookupResult,
     OperationError,
     PoolInfo,
     RequestStart,
@@ -147,6 +148,10 @@ class StepBuilder:
 
     Operations are encoded column-wise (see ``StepRequest`` in kvcache.proto); results come
     back in the same order, one per operation.
+
+    Attributes:
+        free_queue_head_limit: ask the reply for this many ids from the front of the
+            pool's free queue after the batch (``StepResultList.free_queue_head``).
     """
 
     def __init__(self, pool: str) -> None:
@@ -157,7 +162,9 @@ class StepBuilder:
         self._tokens: list[int] = []
         self._new: list[int] = []
         self._lookahead: list[int] = []
+        self._rejected: list[int] = []
         self._starts: dict[int, kvcache_pb2.RequestStart] = {}
+        self.free_queue_head_limit = 0
 
     def __len__(self) -> int:
         return len(self._types)
@@ -170,8 +177,10 @@ class StepBuilder:
         *,
         num_lookahead_tokens: int = 0,
         start: RequestStart | bool = False,
+        num_rejected_tokens: int = 0,
     ) -> StepBuilder:
-        """Add an allocation (``start`` on a request's first call, as for ``allocate``)."""
+        """Add an allocation (``start`` on a request's first call, as for ``allocate``;
+        ``num_rejected_tokens``: drafts of the last step that were rejected)."""
         start_pb = start_to_pb(start)
         if start_pb is not None:
             self._starts[len(self._types)] = start_pb
@@ -181,6 +190,24 @@ class StepBuilder:
         self._tokens.extend(new_token_ids)
         self._new.append(num_new_tokens)
         self._lookahead.append(num_lookahead_tokens)
+        self._rejected.append(num_rejected_tokens)
+        return self
+
+    def lookup(
+        self, token_ids: Sequence[int], hashing: HashingContext | None = None
+    ) -> StepBuilder:
+        """Add a lookup: the hit an admission of ``token_ids`` would get after the
+        operations before it (changes nothing; its result is a :class:`LookupResult`)."""
+        hashing_pb = hashing_to_pb(hashing)
+        if hashing_pb is not None:
+            self._starts[len(self._types)] = kvcache_pb2.RequestStart(hashing=hashing_pb)
+        self._types.append(kvcache_pb2.STEP_OPERATION_TYPE_LOOKUP)
+        self._ids.append("")
+        self._counts.append(len(token_ids))
+        self._tokens.extend(token_ids)
+        self._new.append(0)
+        self._lookahead.append(0)
+        self._rejected.append(0)
         return self
 
     def free(self, request_id: str) -> StepBuilder:
@@ -197,6 +224,7 @@ class StepBuilder:
         self._counts.append(0)
         self._new.append(0)
         self._lookahead.append(0)
+        self._rejected.append(0)
         return self
 
     def to_pb(self) -> kvcache_pb2.StepRequest:
@@ -210,7 +238,9 @@ class StepBuilder:
             packed_token_ids=packed or b"",
             num_new_tokens=self._new,
             num_lookahead_tokens=self._lookahead if any(self._lookahead) else (),
+            num_rejected_tokens=self._rejected if any(self._rejected) else (),
             starts=self._starts,
+            free_queue_head_limit=self.free_queue_head_limit,
         )
 
     def parse(self, response: kvcache_pb2.StepResponse) -> StepResultList:
@@ -248,6 +278,21 @@ class StepResultList(Sequence[StepOutcome]):
         return len(self._types)
 
     @property
+    def response(self) -> kvcache_pb2.StepResponse:
+        """The raw reply, for callers that read whole columns."""
+        return self._response
+
+    @property
+    def free_queue_head(self) -> list[int]:
+        """The front of the pool's free queue after the batch, if it was asked for."""
+        return list(self._response.free_queue_head)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free blocks of the pool after the batch (cached ones included)."""
+        return self._response.num_free_blocks
+
+    @property
     def statuses(self) -> list[int]:
         """Raw per-operation status codes (kvsvc.v1.AllocateStatus values)."""
         return self._column("statuses")
@@ -274,7 +319,8 @@ class StepResultList(Sequence[StepOutcome]):
                 _CODE_BY_VALUE.get(error.code, grpc.StatusCode.UNKNOWN), error.message
             )
         column = self._column
-        if self._types[index] != kvcache_pb2.STEP_OPERATION_TYPE_ALLOCATE:
+        kind = self._types[index]
+        if kind in (kvcache_pb2.STEP_OPERATION_TYPE_FREE, kvcache_pb2.STEP_OPERATION_TYPE_PREEMPT):
             return FreeResult(column("num_freed_blocks")[index])
         counts = column("num_new_blocks")
         if self._offsets is None:
@@ -287,6 +333,8 @@ class StepResultList(Sequence[StepOutcome]):
         for count in counts[base : base + groups]:
             per_group.append(tuple(block_ids[pos : pos + count]))
             pos += count
+        if kind == kvcache_pb2.STEP_OPERATION_TYPE_LOOKUP:
+            return LookupResult(column("num_cached_tokens")[index], tuple(per_group))
         return AllocateResult(
             status=AllocateStatus.OK
             if column("statuses")[index] == kvcache_pb2.ALLOCATE_STATUS_OK

@@ -37,6 +37,41 @@ class SyncStep(_wire.StepBuilder):
         response = self._client._call(self._client._stub.Step, self.to_pb(), timeout, retry=False)
         return self.parse(response)
 
+    def send_future(self, timeout: float | None = None) -> StepFuture:
+        """Start the Step RPC and return at once; ``result()`` waits for its results.
+
+        Lets an engine overlap the call with its own work. Send the next Step only after
+        this one's ``result()``: two Steps in flight may be applied in either order.
+        """
+        client = self._client
+        future = client._stub.Step.future(
+            self.to_pb(), timeout=timeout or client.options.timeout, metadata=client._metadata
+        )
+        return StepFuture(self, future)
+
+
+class StepFuture:
+    """A Step sent by :meth:`SyncStep.send_future`."""
+
+    def __init__(self, step: SyncStep, future: Any) -> None:
+        self._step = step
+        self._future = future
+
+    def done(self) -> bool:
+        return bool(self._future.done())
+
+    def result(self) -> _wire.StepResultList:
+        """The results, once the server applied the Step.
+
+        Raises:
+            KVCacheError: the call failed (UnavailableError when the server is gone).
+        """
+        try:
+            response = self._future.result()
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
+        return self._step.parse(response)
+
 
 class KVCacheClient:
     """Engine-facing client of one pool.

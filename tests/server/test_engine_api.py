@@ -308,3 +308,29 @@ def test_auth_token_is_required_when_configured() -> None:
             wrong.list_pools()
         with KVCacheClient(srv.address, pool="p", options=ClientOptions(token="s3cret")) as ok:
             assert [p.name for p in ok.list_pools()] == ["p"]
+
+
+def test_step_lookup_free_queue_head_and_send_future(kv: KVCacheClient) -> None:
+    """A Step's LOOKUP sees the operations before it; the free queue's head names the next
+    blocks; ``send_future`` returns before the reply and ``result()`` gives the results."""
+    from kvsvc_client import LookupResult
+
+    prompt = tokens(7000, 40)
+    step = kv.step()
+    step.allocate("la", prompt, 512, start=True)
+    step.lookup([*prompt[:32], 1, 2])
+    step.free_queue_head_limit = 4
+    results = step.send()
+    admitted, hit = results[0], results[1]
+    assert isinstance(hit, LookupResult)
+    assert hit.num_cached_tokens == 32
+    assert hit.block_ids[0] == admitted.new_block_ids[0][:2]
+    head = results.free_queue_head
+    assert len(head) == 4 and results.num_free_blocks == USABLE_BLOCKS - 3
+    later = kv.step()
+    later.allocate("lb", tokens(9000, 33), 512, start=True)
+    pending = later.send_future()
+    (outcome,) = pending.result()
+    assert outcome.new_block_ids[0] == tuple(head[:3])
+    assert pending.done()
+    kv.free("la", "lb")

@@ -35,22 +35,31 @@ connectors (P/D disaggregation, offloading), hash block sizes other than the blo
 
 from __future__ import annotations
 
-import array
 import hashlib
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-import grpc
+from kvsvc_client import (
+    ClientOptions,
+    HashingContext,
+    KVCacheClient,
+    KVCacheError,
+    LookupResult,
+    MultiModalItem,
+    RequestStart,
+    StepFuture,
+    StepResultList,
+)
 
 from kvsvc.integrations.vllm.config import KvsvcSettings
-from kvsvc.v1 import admin_pb2, admin_pb2_grpc, kvcache_pb2_grpc
 from kvsvc.v1 import kvcache_pb2 as pb
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 _ALLOCATE = pb.STEP_OPERATION_TYPE_ALLOCATE
 _FREE = pb.STEP_OPERATION_TYPE_FREE
@@ -90,78 +99,6 @@ class _Expected:
     request_id: str
     new_block_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
-
-
-class _Batch:
-    """The operations of one Step, column by column (the wire's layout)."""
-
-    __slots__ = (
-        "expected",
-        "lookahead",
-        "new_tokens",
-        "num_token_ids",
-        "rejected",
-        "request_ids",
-        "starts",
-        "token_ids",
-        "types",
-    )
-
-    def __init__(self) -> None:
-        self.types: list[int] = []
-        self.request_ids: list[str] = []
-        self.num_token_ids: list[int] = []
-        self.token_ids = array.array("I")
-        self.new_tokens: list[int] = []
-        self.lookahead: list[int] = []
-        self.rejected: list[int] = []
-        self.starts: dict[int, pb.RequestStart] = {}
-        self.expected: list[_Expected] = []
-
-    def __len__(self) -> int:
-        return len(self.types)
-
-    def add(
-        self,
-        kind: int,
-        request_id: str,
-        tokens: Sequence[int],
-        num_new_tokens: int,
-        lookahead: int,
-        rejected: int,
-        start: pb.RequestStart | None,
-        expected: _Expected,
-    ) -> None:
-        if start is not None:
-            self.starts[len(self.types)] = start
-        self.types.append(kind)
-        self.request_ids.append(request_id)
-        self.num_token_ids.append(len(tokens))
-        if tokens:
-            self.token_ids.extend(tokens)
-        self.new_tokens.append(num_new_tokens)
-        self.lookahead.append(lookahead)
-        self.rejected.append(rejected)
-        self.expected.append(expected)
-
-    def to_pb(self, pool: str, head_limit: int) -> pb.StepRequest:
-        token_ids = self.token_ids
-        if token_ids.itemsize == 4 and array.array("I", [1]).tobytes() == b"\x01\0\0\0":
-            packed = token_ids.tobytes()
-        else:  # pragma: no cover - big-endian or 8-byte unsigned int platforms
-            packed = b"".join(t.to_bytes(4, "little") for t in token_ids)
-        return pb.StepRequest(
-            pool=pool,
-            types=self.types,  # type: ignore[arg-type]
-            request_ids=self.request_ids,
-            num_token_ids=self.num_token_ids,
-            packed_token_ids=packed,
-            num_new_tokens=self.new_tokens,
-            num_lookahead_tokens=self.lookahead,
-            num_rejected_tokens=self.rejected,
-            starts=self.starts,
-            free_queue_head_limit=head_limit,
-        )
 
 
 @dataclass
@@ -211,26 +148,20 @@ class KvsvcBlockMirror:
         self.enable_caching = enable_caching
         self.num_blocks = num_blocks
         self._where = f"kvsvc server {settings.server} (pool {settings.pool!r})"
-        self._metadata = (
-            (("authorization", f"Bearer {settings.auth_token}"),) if settings.auth_token else None
-        )
-        self._channel = grpc.insecure_channel(
+        self._client = KVCacheClient(
             settings.server,
-            options=[
-                ("grpc.max_receive_message_length", 64 << 20),
-                ("grpc.max_send_message_length", 64 << 20),
-            ],
+            settings.pool,
+            options=ClientOptions(timeout=settings.rpc_timeout, token=settings.auth_token),
         )
-        self._stub = kvcache_pb2_grpc.KVCacheServiceStub(self._channel)
-        self._admin = admin_pb2_grpc.AdminServiceStub(self._channel)
         self.requests: dict[str, _Request] = {}
         self.ref_count = [0] * num_blocks
         self.head: deque[int] = deque()
         # Whether ``head`` is the whole free queue (then frees of cached blocks extend it).
         self.head_is_whole_queue = False
         self.num_free_blocks = 0
-        self.pending = _Batch()
-        self._in_flight: tuple[Any, _Batch, int] | None = None
+        self.pending = self._client.step()
+        self._expected: list[_Expected] = []
+        self._in_flight: tuple[StepFuture, list[_Expected], int] | None = None
         self.stats = ManagerStats()
         self._step_rpcs = 0
         self._closed = False
@@ -240,12 +171,10 @@ class KvsvcBlockMirror:
     # -- start ---------------------------------------------------------------------------
 
     def _connect(self) -> None:
-        listing = self._call(
-            self._admin.ListPools, admin_pb2.ListPoolsRequest(), "list the server's pools"
-        )
-        summary = next((p for p in listing.pools if p.name == self.pool), None)
+        pools = self._call(self._client.list_pools, "list the server's pools")
+        summary = next((p for p in pools if p.name == self.pool), None)
         if summary is None:
-            names = ", ".join(p.name for p in listing.pools) or "none"
+            names = ", ".join(p.name for p in pools) or "none"
             raise KvsvcError(f"{self._where}: no such pool (pools: {names})")
         if summary.block_size != self.block_size:
             raise KvsvcError(
@@ -266,9 +195,7 @@ class KvsvcBlockMirror:
                 f"vLLM's max_model_len is {self.max_model_len}: lower vLLM's or raise the "
                 "pool's --max-model-len"
             )
-        usage = self._call(
-            self._stub.GetUsage, pb.GetUsageRequest(pool=self.pool), "read the pool's usage"
-        )
+        usage = self._call(self._client.usage, "read the pool's usage")
         if usage.num_blocks != self.num_blocks - 1:
             raise KvsvcError(
                 f"{self._where} has {usage.num_blocks} usable blocks but vLLM allocated "
@@ -283,28 +210,17 @@ class KvsvcBlockMirror:
             )
         # A new engine's KV tensors hold nothing: whatever the pool has cached was computed
         # in another engine's memory and must not be served as a hit.
-        reset = self._call(
-            self._stub.ResetPrefixCache,
-            pb.ResetPrefixCacheRequest(pool=self.pool),
-            "reset the prefix cache",
-        )
-        if not reset.reset:
+        if not self._call(self._client.reset_prefix_cache, "reset the prefix cache"):
             raise KvsvcError(f"{self._where} refused to reset its prefix cache")
         self._refresh_head()
 
     # -- RPC plumbing --------------------------------------------------------------------
 
-    def _call(self, method: Any, request: Any, what: str) -> Any:
+    def _call(self, method: Callable[[], _T], what: str) -> _T:
         try:
-            return method(request, timeout=self.settings.rpc_timeout, metadata=self._metadata)
-        except grpc.RpcError as err:
-            raise self._rpc_error(err, what) from None
-
-    def _rpc_error(self, err: grpc.RpcError, what: str) -> KvsvcError:
-        code = err.code() if hasattr(err, "code") else None
-        details = err.details() if hasattr(err, "details") else str(err)
-        name = code.name if code is not None else "UNKNOWN"
-        return KvsvcError(f"{self._where} failed to {what}: {name}: {details}")
+            return method()
+        except KVCacheError as err:
+            raise KvsvcError(f"{self._where} failed to {what}: {err}") from None
 
     def _await_in_flight(self) -> None:
         """Wait for the Step sent last and check its reply against the prediction."""
@@ -312,75 +228,69 @@ class KvsvcBlockMirror:
         if in_flight is None:
             return
         self._in_flight = None
-        future, batch, expected_free = in_flight
+        future, expected, expected_free = in_flight
         started = time.perf_counter()
         try:
-            response = future.result()
-        except grpc.RpcError as err:
-            raise self._rpc_error(err, f"apply a Step of {len(batch)} operations") from None
+            results = self._call(future.result, f"apply a Step of {len(expected)} operations")
         finally:
             self.stats.seconds_waiting += time.perf_counter() - started
-        self._check(batch, response, expected_free)
+        self._check(expected, results, expected_free)
 
-    def _send(self, *, wait: bool, head_limit: int = 0) -> pb.StepResponse | None:
+    def _send(self, *, wait: bool, head_limit: int = 0) -> StepResultList | None:
         """Send the queued operations as one Step (after the previous one is answered)."""
         self._await_in_flight()
-        batch = self.pending
-        self.pending = _Batch()
-        request = batch.to_pb(self.pool, head_limit)
+        step, expected = self.pending, self._expected
+        self.pending, self._expected = self._client.step(), []
+        step.free_queue_head_limit = head_limit
         self.stats.steps_sent += 1
-        self.stats.operations_sent += len(batch)
+        self.stats.operations_sent += len(step)
         self._step_rpcs += 1
         expected_free = self.num_free_blocks if self._free_known else -1
         if not wait:
-            self._in_flight = (
-                self._stub.Step.future(
-                    request, timeout=self.settings.rpc_timeout, metadata=self._metadata
-                ),
-                batch,
-                expected_free,
-            )
+            self._in_flight = (step.send_future(), expected, expected_free)
             return None
         self.stats.sync_calls += 1
         started = time.perf_counter()
         try:
-            response = self._call(
-                self._stub.Step, request, f"apply a Step of {len(batch)} operations"
-            )
+            results = self._call(step.send, f"apply a Step of {len(step)} operations")
         finally:
             self.stats.seconds_waiting += time.perf_counter() - started
-        self._check(batch, response, expected_free)
-        return response
+        self._check(expected, results, expected_free)
+        return results
 
-    def _check(self, batch: _Batch, response: pb.StepResponse, expected_free: int) -> None:
+    def _check(
+        self, expected: list[_Expected], results: StepResultList, expected_free: int
+    ) -> None:
         """Fail loudly where the server's answer is not the one vLLM was given."""
+        response = results.response
         if response.errors:
             index, error = min(response.errors.items())
             raise KvsvcError(
-                f"{self._where} rejected operation {index} ({batch.request_ids[index]!r}) of a "
-                f"Step: {error.message}"
+                f"{self._where} rejected operation {index} ({expected[index].request_id!r}) of "
+                f"a Step: {error.message}"
             )
         if response.num_groups != 1:
             raise KvsvcError(f"{self._where} answered for {response.num_groups} KV cache groups")
         statuses = response.statuses
         new_ids = response.new_block_ids
         counts = response.num_new_blocks
+        cached = response.num_cached_tokens
         pos = 0
-        for i, expected in enumerate(batch.expected):
+        for i, op in enumerate(expected):
             n = counts[i]
-            if expected.kind == _ALLOCATE:
+            if op.kind == _ALLOCATE:
                 got = list(new_ids[pos : pos + n])
                 if (
                     statuses[i] != _OK
-                    or got != expected.new_block_ids
-                    or (response.num_cached_tokens[i] != expected.num_cached_tokens)
+                    or got != op.new_block_ids
+                    or cached[i] != op.num_cached_tokens
                 ):
                     raise KvsvcError(
                         f"{self._where} diverged from the engine's mirror on "
-                        f"{expected.request_id!r}: expected blocks {expected.new_block_ids} "
-                        f"and {expected.num_cached_tokens} cached tokens, got status "
+                        f"{op.request_id!r}: expected blocks {op.new_block_ids} and "
+                        f"{op.num_cached_tokens} cached tokens, got status "
                         f"{pb.AllocateStatus.Name(statuses[i])}, blocks {got} and "
-                        f"{response.num_cached_tokens[i]} cached tokens"
+                        f"{cached[i]} cached tokens"
                     )
             pos += n
         if expected_free >= 0 and response.num_free_blocks != expected_free:
@@ -392,10 +302,10 @@ class KvsvcBlockMirror:
     def _refresh_head(self, at_least: int = 0) -> None:
         """Make the mirror's free-queue front exact (one synchronous, possibly empty Step)."""
         limit = min(max(_HEAD_WINDOW, at_least), _MAX_HEAD)
-        response = self._send(wait=True, head_limit=limit)
-        assert response is not None
-        self.head = deque(response.free_queue_head)
-        self.num_free_blocks = response.num_free_blocks
+        results = self._send(wait=True, head_limit=limit)
+        assert results is not None
+        self.head = deque(results.free_queue_head)
+        self.num_free_blocks = results.num_free_blocks
         self.head_is_whole_queue = len(self.head) == self.num_free_blocks
         self._free_known = True
 
@@ -423,7 +333,7 @@ class KvsvcBlockMirror:
         try:
             self.flush()
         finally:
-            self._channel.close()
+            self._client.close()
 
     # -- the mirror ----------------------------------------------------------------------
 
@@ -484,22 +394,21 @@ class KvsvcBlockMirror:
     # -- what the scheduler asks ---------------------------------------------------------
 
     def lookup(
-        self, token_ids: Sequence[int], hashing: pb.HashingContext | None
+        self, token_ids: Sequence[int], hashing: HashingContext | None
     ) -> tuple[int, list[int]]:
         """The prefix hit an admission of ``token_ids`` gets now (one synchronous Step that
         also carries everything queued before it)."""
-        start = pb.RequestStart(hashing=hashing) if hashing is not None else None
-        self.pending.add(_LOOKUP, "", token_ids, 0, 0, 0, start, _Expected(_LOOKUP, ""))
-        index = len(self.pending) - 1
+        self.pending.lookup(token_ids, hashing)
+        self._expected.append(_Expected(_LOOKUP, ""))
         want_head = len(self.head) < _HEAD_WINDOW // 2 and not self.head_is_whole_queue
-        response = self._send(wait=True, head_limit=_HEAD_WINDOW if want_head else 0)
-        assert response is not None
-        before = sum(response.num_new_blocks[:index])
-        hits = list(response.new_block_ids[before : before + response.num_new_blocks[index]])
+        results = self._send(wait=True, head_limit=_HEAD_WINDOW if want_head else 0)
+        assert results is not None
         if want_head:
-            self.head = deque(response.free_queue_head)
+            self.head = deque(results.free_queue_head)
             self.head_is_whole_queue = len(self.head) == self.num_free_blocks
-        return response.num_cached_tokens[index], hits
+        hit = results[len(results) - 1]
+        assert isinstance(hit, LookupResult)
+        return hit.num_cached_tokens, list(hit.block_ids[0])
 
     def blocks_needed_to_admit(self, num_tokens: int, hits: Sequence[int]) -> int:
         """Blocks an admission with ``hits`` takes from the free queue for ``num_tokens``."""
@@ -515,7 +424,7 @@ class KvsvcBlockMirror:
         num_cached_tokens: int,
         num_new_tokens: int,
         num_lookahead_tokens: int,
-        start: pb.RequestStart,
+        start: RequestStart,
     ) -> list[int]:
         """Queue an admission the caller checked fits; returns the request's new blocks."""
         num_slots = min(
@@ -535,21 +444,21 @@ class KvsvcBlockMirror:
         )
         self._note_cached(state)
         self.requests[request_id] = state
-        expected = _Expected(
-            _ALLOCATE,
-            request_id,
-            state.table[:] if num_cached_tokens else new,
-            num_cached_tokens,
-        )
-        self.pending.add(
-            _ALLOCATE,
+        self.pending.allocate(
             request_id,
             token_ids,
             num_new_tokens,
-            num_lookahead_tokens,
-            0,
-            start,
-            expected,
+            num_lookahead_tokens=num_lookahead_tokens,
+            start=start,
+        )
+        # The reply to a first call with a hit is the whole table, else the new blocks.
+        self._expected.append(
+            _Expected(
+                _ALLOCATE,
+                request_id,
+                state.table[:] if num_cached_tokens else new,
+                num_cached_tokens,
+            )
         )
         return new
 
@@ -584,21 +493,17 @@ class KvsvcBlockMirror:
         state.num_sent_tokens = sent + len(tokens)
         state.num_computed_tokens = num_computed_tokens + num_new_tokens
         self._note_cached(state)
-        self.pending.add(
-            _ALLOCATE,
+        self.pending.allocate(
             request_id,
             tokens,
             num_new_tokens,
-            num_lookahead_tokens,
-            rejected,
-            None,
-            _Expected(_ALLOCATE, request_id, new),
+            num_lookahead_tokens=num_lookahead_tokens,
+            num_rejected_tokens=rejected,
         )
+        self._expected.append(_Expected(_ALLOCATE, request_id, new))
         return new
 
-    def append_tokens(
-        self, request_id: str, all_token_ids: Sequence[int], num_cacheable: int
-    ) -> None:
+    def append_tokens(self, request_id: str, all_token_ids: Sequence[int]) -> None:
         """Async scheduling: outputs arrived after their slots were allocated; send them so
         the server caches the blocks they complete (a zero-token allocation)."""
         state = self.requests.get(request_id)
@@ -609,9 +514,8 @@ class KvsvcBlockMirror:
             return
         state.num_sent_tokens += len(tokens)
         self._note_cached(state)
-        self.pending.add(
-            _ALLOCATE, request_id, tokens, 0, 0, 0, None, _Expected(_ALLOCATE, request_id)
-        )
+        self.pending.allocate(request_id, tokens, 0)
+        self._expected.append(_Expected(_ALLOCATE, request_id))
 
     def free(self, request_id: str, *, preempted: bool) -> None:
         """Queue the release of a request (finished or preempted)."""
@@ -619,8 +523,11 @@ class KvsvcBlockMirror:
         if state is None:
             return  # never admitted (vLLM frees requests that never got blocks)
         self._release(state)
-        kind = _PREEMPT if preempted else _FREE
-        self.pending.add(kind, request_id, (), 0, 0, 0, None, _Expected(kind, request_id))
+        if preempted:
+            self.pending.preempt(request_id)
+        else:
+            self.pending.free(request_id)
+        self._expected.append(_Expected(_PREEMPT if preempted else _FREE, request_id))
 
     def table(self, request_id: str) -> list[int]:
         state = self.requests.get(request_id)
@@ -636,38 +543,33 @@ class KvsvcBlockMirror:
 
     def reset_prefix_cache(self) -> bool:
         self.flush()
-        reply = self._call(
-            self._stub.ResetPrefixCache,
-            pb.ResetPrefixCacheRequest(pool=self.pool),
-            "reset the prefix cache",
-        )
-        if reply.reset:
+        reset = self._call(self._client.reset_prefix_cache, "reset the prefix cache")
+        if reset:
             # Every free block lost its hash; live requests hold none (else refused).
             self._refresh_head()
-        return bool(reply.reset)
+        return reset
 
 
-def hashing_context(request: Any, block_size: int) -> pb.HashingContext | None:
+def hashing_context(request: Any, block_size: int) -> HashingContext | None:
     """The hashing context of a vLLM request: what besides its tokens keys its blocks."""
-    context = pb.HashingContext()
-    salt = getattr(request, "cache_salt", None)
-    if salt:
-        context.cache_salt = salt
     lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        context.lora_name = lora.lora_name
-        if getattr(lora, "lora_path", None):
-            context.lora_path = lora.lora_path
-    for feature in getattr(request, "mm_features", None) or ():
-        position = feature.mm_position
-        context.mm_items.add(
-            identifier=str(feature.identifier), offset=position.offset, length=position.length
-        )
+    items = tuple(
+        MultiModalItem(str(f.identifier), f.mm_position.offset, f.mm_position.length)
+        for f in getattr(request, "mm_features", None) or ()
+    )
+    digests: list[bytes] = []
     embeds = getattr(request, "prompt_embeds", None)
     if embeds is not None:
         # One digest per full block of the embeddings, as vLLM keys such blocks.
         data = embeds.detach().cpu().contiguous()
         for start in range(0, (data.shape[0] // block_size) * block_size, block_size):
             chunk = data[start : start + block_size].numpy().tobytes()
-            context.prompt_embeds_digests.append(hashlib.sha256(chunk).digest())
-    return context if context.ByteSize() else None
+            digests.append(hashlib.sha256(chunk).digest())
+    context = HashingContext(
+        cache_salt=getattr(request, "cache_salt", None) or "",
+        lora_name=lora.lora_name if lora is not None else "",
+        lora_path=(getattr(lora, "lora_path", None) or "") if lora is not None else "",
+        mm_items=items,
+        prompt_embeds_digests=tuple(digests),
+    )
+    return None if context == HashingContext() else context

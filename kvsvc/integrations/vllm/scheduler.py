@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvsvc_client import RequestStart
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -33,7 +34,6 @@ from kvsvc.integrations.vllm.manager import (
     KvsvcError,
     hashing_context,
 )
-from kvsvc.v1 import kvcache_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
@@ -273,13 +273,11 @@ class KvsvcKVCacheManager:
         needed = mirror.blocks_needed_to_admit(num_slots, hits)
         if needed + watermark > mirror.num_free_blocks - reserved_blocks:
             return None
-        start = pb.RequestStart(
+        start = RequestStart(
+            hashing=hashing_context(request, self.block_size),
             skip_prefix_cache_read=bool(request.skip_reading_prefix_cache),
             resumed=request.num_preemptions > 0,
         )
-        context = hashing_context(request, self.block_size)
-        if context is not None:
-            start.hashing.CopyFrom(context)
         new = mirror.admit(
             request.request_id,
             request.all_token_ids,
@@ -299,9 +297,7 @@ class KvsvcKVCacheManager:
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Async scheduling delivers outputs after their slots: send them to be cached."""
         if self.enable_caching:
-            self.mirror.append_tokens(
-                request.request_id, request.all_token_ids, num_computed_tokens
-            )
+            self.mirror.append_tokens(request.request_id, request.all_token_ids)
 
     def remove_skipped_blocks(
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
