@@ -695,6 +695,16 @@ class WorkerAgent:
         self._apply_plan(config)
         self._report(session_id)
 
+    def _check_plan_layers(self, config: KVCacheConfig) -> None:
+        """A plan must cover exactly this rank's layers (else it is another rank's)."""
+        planned, mine = set(config.layer_names), set(self._layer_specs)
+        if planned != mine:
+            raise WorkerAgentError(
+                "INVALID_PLAN",
+                f"the plan's layers differ from this rank's: missing {sorted(mine - planned)}, "
+                f"unexpected {sorted(planned - mine)}",
+            )
+
     def _apply_plan(self, config: KVCacheConfig) -> None:
         with self._lock:
             held, current = self._views is not None, self._config
@@ -707,13 +717,7 @@ class WorkerAgent:
                 "the server sent a different plan after the tensors were handed out; the "
                 "engine must restart to bind new tensors",
             )
-        planned, mine = set(config.layer_names), set(self._layer_specs)
-        if planned != mine:
-            raise WorkerAgentError(
-                "INVALID_PLAN",
-                f"the plan's layers differ from this rank's: missing {sorted(mine - planned)}, "
-                f"unexpected {sorted(planned - mine)}",
-            )
+        self._check_plan_layers(config)
         # Every layer-outer tensor is its own allocation; all packed entries share one.
         needed = sum(t.size for t in config.kv_cache_tensors if not t.is_packed) + max(
             (t.size for t in config.kv_cache_tensors if t.is_packed), default=0

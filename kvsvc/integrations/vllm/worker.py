@@ -166,13 +166,7 @@ class EngineTensorsAgent(WorkerAgent):
                     "the server sent a different plan while vLLM was sizing its KV cache "
                     "from the first one; restart the engine",
                 )
-            planned, mine = set(config.layer_names), set(self._layer_specs)
-            if planned != mine:
-                raise WorkerAgentError(
-                    "INVALID_PLAN",
-                    f"the plan's layers differ from this rank's: missing "
-                    f"{sorted(mine - planned)}, unexpected {sorted(planned - mine)}",
-                )
+            self._check_plan_layers(config)
             self._plan = config
             self._changed.notify_all()
             self._changed.wait_for(lambda: self._binding is not None or self._stop.is_set())
