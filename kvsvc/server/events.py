@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from kvsvc.core import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvsvc.errors import InvalidArgument
@@ -44,6 +44,12 @@ class EventLog:
         self.num_dropped_batches = 0
         self.num_events_by_type: dict[str, int] = {"stored": 0, "removed": 0, "cleared": 0}
         self.num_subscribers = 0
+        self._listeners: list[Callable[[KVEventBatch], None]] = []
+
+    def add_listener(self, listener: Callable[[KVEventBatch], None]) -> None:
+        """Call ``listener`` with every batch appended from now on, in order, right after the
+        change that made it (it runs under the pool's writer lock: it must not block)."""
+        self._listeners.append(listener)
 
     @property
     def last_sequence(self) -> int:
@@ -76,6 +82,8 @@ class EventLog:
                 counts["removed"] += 1
             elif isinstance(event, AllBlocksCleared):
                 counts["cleared"] += 1
+        for listener in self._listeners:
+            listener(batch)
         wakeup, self._wakeup = self._wakeup, asyncio.Event()
         wakeup.set()
 

@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any
 
 from kvsvc.core import events as kv
 from kvsvc.server.config import KVEventsTarget, ServerConfig, is_bind_endpoint, kv_events_targets
-from kvsvc.server.events import EventLog
 from kvsvc.specs import sliding_window_of
 
 if TYPE_CHECKING:
@@ -409,24 +408,17 @@ class ZmqEventPublisher:
 # --------------------------------------------------------------------------- server glue
 
 
-class _PublishingEventLog(EventLog):
-    """A pool's WatchEvents log that also hands every batch to the pool's ZMQ publisher.
+class _PoolFeed:
+    """Hands every batch of a pool's event log to the pool's ZMQ publisher (an
+    :meth:`EventLog.add_listener` listener: each batch once, in order, as it is made)."""
 
-    Hooked at the log because every batch a pool makes goes through ``append`` once, in
-    order, right after the change that made it.
-    """
-
-    def __init__(
-        self, pool: Pool, publisher: ZmqEventPublisher, capacity: int, max_events: int
-    ) -> None:
-        super().__init__(capacity, max_events)
+    def __init__(self, pool: Pool, publisher: ZmqEventPublisher) -> None:
         self._pool = pool
         self._publisher = publisher
         self._windows_of: Any = None
         self._windows: tuple[int | None, ...] = ()
 
-    def append(self, batch: kv.KVEventBatch) -> None:
-        super().append(batch)
+    def __call__(self, batch: kv.KVEventBatch) -> None:
         cache = self._pool.cache
         if cache is not self._windows_of:  # once per plan, not per batch
             self._windows_of = cache
@@ -455,10 +447,7 @@ class ZmqKVEvents:
                 max_queue=config.kv_events_max_queue,
                 int_hashes=config.kv_events_int_hashes,
             )
-            assert pool.events.last_sequence == 0, "attach before the pool has events"
-            pool.events = _PublishingEventLog(
-                pool, publisher, config.event_buffer_batches, config.event_buffer_events
-            )
+            pool.events.add_listener(_PoolFeed(pool, publisher))
             publishers[target.pool] = publisher
         return cls(publishers)
 
