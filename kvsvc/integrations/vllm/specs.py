@@ -109,27 +109,23 @@ def _compress_ratio(layer: str, spec: vkv.AttentionSpec) -> int:
     return ratio
 
 
-def _full(layer: str, spec: vkv.FullAttentionSpec) -> FullAttentionSpec:
+def _full_kwargs(layer: str, spec: vkv.FullAttentionSpec) -> dict[str, Any]:
     _one_token_per_state(layer, spec)
-    return FullAttentionSpec(
+    return {
         **_attention_kwargs(layer, spec),
-        head_size_v=spec.head_size_v,
-        sliding_window=spec.sliding_window,
-        attention_chunk_size=spec.attention_chunk_size,
-        non_causal=spec.non_causal,
-    )
+        "head_size_v": spec.head_size_v,
+        "sliding_window": spec.sliding_window,
+        "attention_chunk_size": spec.attention_chunk_size,
+        "non_causal": spec.non_causal,
+    }
+
+
+def _full(layer: str, spec: vkv.FullAttentionSpec) -> FullAttentionSpec:
+    return FullAttentionSpec(**_full_kwargs(layer, spec))
 
 
 def _sink_full(layer: str, spec: vkv.SinkFullAttentionSpec) -> SinkFullAttentionSpec:
-    _one_token_per_state(layer, spec)
-    return SinkFullAttentionSpec(
-        **_attention_kwargs(layer, spec),
-        head_size_v=spec.head_size_v,
-        sliding_window=spec.sliding_window,
-        attention_chunk_size=spec.attention_chunk_size,
-        non_causal=spec.non_causal,
-        sink_len=spec.sink_len,
-    )
+    return SinkFullAttentionSpec(**_full_kwargs(layer, spec), sink_len=spec.sink_len)
 
 
 def _mla_kwargs(layer: str, spec: vkv.MLAAttentionSpec) -> dict[str, Any]:
