@@ -36,5 +36,15 @@ class Unauthenticated(KvsvcError):
     """Missing or wrong credentials."""
 
 
+class PermissionDenied(KvsvcError):
+    """Valid credentials of a role that may not make this call (an engine token on the
+    Worker API, a foreign engine's request, ...)."""
+
+
+class ResourceExhausted(KvsvcError):
+    """A bound was hit (live requests, subscribers, ...); nothing changed. The message names
+    the bound and the setting that raises it."""
+
+
 class PlanningError(KvsvcError, ValueError):
     """The memory plan cannot be made (specs disagree, memory too small, ...)."""

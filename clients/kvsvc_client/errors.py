@@ -34,6 +34,14 @@ class UnauthenticatedError(KVCacheError):
     """Missing or wrong token."""
 
 
+class PermissionDeniedError(KVCacheError):
+    """The credential is valid but its role (or engine) may not make this call."""
+
+
+class ResourceExhaustedError(KVCacheError):
+    """A server bound was hit (live requests, subscribers, ...); nothing changed."""
+
+
 class UnavailableError(KVCacheError):
     """The server could not be reached (or went away) within the deadline."""
 
@@ -44,6 +52,8 @@ _BY_CODE: dict[grpc.StatusCode, type[KVCacheError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: NotReadyError,
     grpc.StatusCode.ALREADY_EXISTS: AlreadyExistsError,
     grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: UnavailableError,
 }

@@ -24,7 +24,9 @@ from kvsvc.errors import (
     InvalidArgument,
     KvsvcError,
     NotFound,
+    PermissionDenied,
     PlanningError,
+    ResourceExhausted,
     Unauthenticated,
 )
 
@@ -37,6 +39,8 @@ STATUS_FOR: dict[type[KvsvcError], grpc.StatusCode] = {
     AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 
