@@ -13,7 +13,7 @@ Example::
         results = step.send()
 """
 
-from kvsvc_client._common import ClientOptions
+from kvsvc_client._common import ClientOptions, resolve_token
 from kvsvc_client._types import (
     AllBlocksCleared,
     AllocateResult,
@@ -84,4 +84,5 @@ __all__ = [
     "UnavailableError",
     "Usage",
     "WorkerInfo",
+    "resolve_token",
 ]

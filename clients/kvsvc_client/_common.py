@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import grpc
+
+from kvsvc.tls import ClientTls, client_tls, open_aio_channel, open_channel
 
 # Calls that change nothing may be retried after UNAVAILABLE; Allocate, Free and Step are
 # never retried by the client (a lost reply would make a retry apply twice).
@@ -24,7 +27,18 @@ class ClientOptions:
     timeout: deadline of each unary call, seconds.
     retries: extra attempts of a side-effect-free call after UNAVAILABLE.
     backoff: first retry delay, seconds (doubles, with jitter, up to ``max_backoff``).
-    token: bearer token sent as ``authorization`` metadata (default: $KVSVC_AUTH_TOKEN).
+    token: bearer token sent as ``authorization`` metadata ("" = send none).
+    token_file: a file holding the token (its first line that is not blank or a comment).
+    role: whose token to look for in the environment when neither is given: ``engine``
+        (``KVSVC_ENGINE_TOKEN``), ``admin`` or ``agent``; ``KVSVC_AUTH_TOKEN`` (one token
+        for every role) after it. See :func:`resolve_token`.
+    tls_ca: PEM CA bundle that verifies the server (default: $KVSVC_TLS_CA); setting it
+        (or a client certificate) makes the channel TLS. "" = plaintext whatever the
+        environment says.
+    tls_cert / tls_key: client certificate and key for a server that requires them (mTLS;
+        default: $KVSVC_TLS_CERT / $KVSVC_TLS_KEY).
+    tls_server_name: check the server's certificate for this name instead of the target's
+        host (default: $KVSVC_TLS_SERVER_NAME). See :mod:`kvsvc.tls`.
     """
 
     timeout: float = 10.0
@@ -32,11 +46,84 @@ class ClientOptions:
     backoff: float = 0.05
     max_backoff: float = 2.0
     token: str | None = None
+    token_file: str | None = None
+    role: str = "engine"
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_server_name: str | None = None
 
     def metadata(self) -> tuple[tuple[str, str], ...] | None:
-        token = self.token if self.token is not None else os.environ.get("KVSVC_AUTH_TOKEN")
+        token = resolve_token(self.role, self.token, self.token_file)
         return (("authorization", f"Bearer {token}"),) if token else None
+
+    def tls(self) -> ClientTls | None:
+        """The channel's TLS settings (None: plaintext), environment fallbacks applied.
+
+        Raises:
+            TlsError: a certificate without its key, or a server name without TLS.
+        """
+        return client_tls(self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)
+
+    def channel(self, target: str) -> grpc.Channel:
+        """A blocking channel to ``target`` with these options' TLS (plaintext without).
+
+        Raises:
+            TlsError: inconsistent TLS settings; TlsFileError: a TLS file cannot be read.
+        """
+        return open_channel(target, self.tls(), CHANNEL_OPTIONS)
+
+    def aio_channel(self, target: str) -> grpc.aio.Channel:
+        """The asyncio counterpart of :meth:`channel`."""
+        return open_aio_channel(target, self.tls(), CHANNEL_OPTIONS)
 
     def delay(self, attempt: int) -> float:
         base = min(self.max_backoff, self.backoff * (2**attempt))
         return base * (0.5 + random.random() / 2)
+
+
+ROLES = ("engine", "agent", "admin")
+
+
+def read_token_file(path: str) -> str:
+    """The token in ``path``: its first line that is neither blank nor a ``#`` comment."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            for line in handle:
+                token = line.strip()
+                if token and not token.startswith("#"):
+                    return token
+    except OSError as exc:
+        raise ValueError(f"token file {path}: {exc.strerror}") from None
+    raise ValueError(f"token file {path} holds no token")
+
+
+def resolve_token(
+    role: str,
+    token: str | None = None,
+    token_file: str | None = None,
+    environ: Mapping[str, str] = os.environ,
+) -> str | None:
+    """The bearer token a client of ``role`` sends, None for none.
+
+    In order: ``token`` (an empty string means "send none"), ``token_file``, then the
+    environment: ``KVSVC_<ROLE>_TOKEN``, ``KVSVC_<ROLE>_TOKEN_FILE``, ``KVSVC_AUTH_TOKEN``,
+    ``KVSVC_AUTH_TOKEN_FILE``. Secrets belong in files or the environment, not in argv.
+
+    Raises:
+        ValueError: an unknown role, or a token file that cannot be read or is empty.
+    """
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    if token is not None:
+        return token or None
+    if token_file:
+        return read_token_file(token_file)
+    for prefix in (f"KVSVC_{role.upper()}", "KVSVC_AUTH"):
+        value = environ.get(f"{prefix}_TOKEN")
+        if value:
+            return value
+        path = environ.get(f"{prefix}_TOKEN_FILE")
+        if path:
+            return read_token_file(path)
+    return None

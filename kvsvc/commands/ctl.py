@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
 
@@ -19,9 +18,13 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument("--server", default=DEFAULT_LISTEN, help="server address HOST:PORT")
     parser.add_argument(
-        "--auth-token",
-        default=os.environ.get("KVSVC_AUTH_TOKEN"),
-        help="bearer token (env KVSVC_AUTH_TOKEN)",
+        "--token-file",
+        metavar="FILE",
+        help="file with the operator's bearer token (default: env KVSVC_ADMIN_TOKEN, "
+        "KVSVC_ADMIN_TOKEN_FILE, then KVSVC_AUTH_TOKEN, KVSVC_AUTH_TOKEN_FILE)",
+    )
+    parser.add_argument(
+        "--auth-token", help="bearer token on the command line (compatibility: visible in ps)"
     )
     parser.add_argument("--timeout", type=float, default=10.0, help="deadline per call, seconds")
     commands = parser.add_subparsers(dest="ctl_command", metavar="COMMAND", required=True)
@@ -149,7 +152,9 @@ def run(args: argparse.Namespace) -> int:
     from kvsvc_client import ClientOptions, KVCacheClient, KVCacheError
 
     pool = getattr(args, "pool", "")
-    options = ClientOptions(timeout=args.timeout, token=args.auth_token)
+    options = ClientOptions(
+        timeout=args.timeout, token=args.auth_token, token_file=args.token_file, role="admin"
+    )
     try:
         with KVCacheClient(args.server, pool=pool, options=options) as client:
             if args.ctl_command == "pools":
@@ -167,6 +172,9 @@ def run(args: argparse.Namespace) -> int:
     except KVCacheError as exc:
         print(f"kvsvc ctl: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # an unreadable or empty token file
+        print(f"kvsvc ctl: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
     return 2

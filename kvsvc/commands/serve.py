@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
 from typing import Any
 
+from kvsvc.server.auth import env_tokens, load_credentials
 from kvsvc.server.config import (
     DEFAULT_LISTEN,
     DEFAULT_METRICS_LISTEN,
@@ -17,6 +17,7 @@ from kvsvc.server.config import (
     LAYOUTS,
     POOL_PLACEHOLDER,
     ConfigError,
+    ConfigFileError,
     PoolConfig,
     ServerConfig,
     load_config_file,
@@ -39,10 +40,22 @@ def add_parser(subparsers: Any) -> None:
         help=f"/metrics address HOST:PORT (default {DEFAULT_METRICS_LISTEN}); 'off' disables",
     )
     server.add_argument("--config", help="TOML or JSON file with server settings and [[pools]]")
-    server.add_argument(
+    auth = parser.add_argument_group(
+        "credentials (secrets come from files or the environment, never from argv)",
+        "Each role has its own tokens: engines (the KVCache API), agents (the Worker API), "
+        "operators (the Admin API). A token file holds one token per line; an engine line "
+        "may be 'ENGINE_NAME TOKEN', which gives that engine its own request-id namespace. "
+        "Environment: KVSVC_{AUTH,ENGINE,AGENT,ADMIN}_TOKEN (one token) and "
+        "KVSVC_{AUTH,ENGINE,AGENT,ADMIN}_TOKEN_FILE. No token at all: every call is open.",
+    )
+    auth.add_argument("--engine-token-file", metavar="FILE", help="engine tokens")
+    auth.add_argument("--agent-token-file", metavar="FILE", help="worker-agent tokens")
+    auth.add_argument("--admin-token-file", metavar="FILE", help="operator tokens")
+    auth.add_argument("--auth-token-file", metavar="FILE", help="one token valid for every role")
+    auth.add_argument(
         "--auth-token",
-        default=os.environ.get("KVSVC_AUTH_TOKEN"),
-        help="require 'authorization: Bearer TOKEN' on every call (env KVSVC_AUTH_TOKEN)",
+        help="one token for every role, on the command line (compatibility only: visible "
+        "in ps; prefer --auth-token-file or KVSVC_AUTH_TOKEN)",
     )
     server.add_argument(
         "--max-message-bytes", type=parse_bytes, help="largest message (e.g. 64MiB)"
@@ -53,6 +66,18 @@ def add_parser(subparsers: Any) -> None:
     server.add_argument("--event-buffer", type=int, help="event batches kept per pool for replay")
     server.add_argument(
         "--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR")
+    )
+
+    tls = parser.add_argument_group(
+        "TLS (config keys tls_cert, tls_key, tls_client_ca)",
+        "With a certificate and key the gRPC port and /metrics serve TLS (HTTPS); with a "
+        "client CA both require a client certificate it signed (mTLS). Files are checked at "
+        "start (a missing or mismatched one exits 1) and re-read when they change.",
+    )
+    tls.add_argument("--tls-cert", metavar="PEM", help="server certificate chain")
+    tls.add_argument("--tls-key", metavar="PEM", help="its private key (unencrypted)")
+    tls.add_argument(
+        "--tls-client-ca", metavar="PEM", help="require client certificates signed by this CA"
     )
 
     events = parser.add_argument_group(
@@ -124,8 +149,13 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         overrides["listen"] = args.listen
     if args.metrics_listen:
         overrides["metrics_listen"] = None if args.metrics_listen == "off" else args.metrics_listen
+    overrides.update(env_tokens())
     if args.auth_token:
         overrides["auth_token"] = args.auth_token
+    for role in ("auth", "engine", "agent", "admin"):
+        path = getattr(args, f"{role}_token_file")
+        if path:
+            overrides[f"{role}_token_file"] = path
     if args.max_message_bytes:
         overrides["max_message_bytes"] = args.max_message_bytes
     if args.heartbeat_timeout:
@@ -142,6 +172,9 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
             overrides[key] = getattr(args, flag)
     if args.kv_events_int_hashes:
         overrides["kv_events_int_hashes"] = True
+    for key in ("tls_cert", "tls_key", "tls_client_ca"):
+        if getattr(args, key) is not None:
+            overrides[key] = getattr(args, key)
     if args.pool:
         overrides["extra_pools"] = (
             PoolConfig(
@@ -193,6 +226,10 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         config = build_config(args)
+        load_credentials(config)  # an unreadable or empty token file stops the start
+    except ConfigFileError as exc:  # a TLS file that is missing or wrong: not a bad flag
+        print(f"kvsvc serve: {exc}", file=sys.stderr)
+        return 1
     except ConfigError as exc:
         print(f"kvsvc serve: {exc}", file=sys.stderr)
         return 2
@@ -204,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
     try:
         asyncio.run(serve(config))
-    except OSError as exc:
+    except (OSError, ConfigFileError) as exc:  # a port in use; TLS files gone since the check
         print(f"kvsvc serve: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -84,9 +84,13 @@ def add_parser(subparsers: Any) -> None:
     )
     where.add_argument("--device", required=True, help="cpu, cuda or cuda:N")
     where.add_argument(
-        "--auth-token",
-        default=os.environ.get("KVSVC_AUTH_TOKEN"),
-        help="bearer token the server requires (env KVSVC_AUTH_TOKEN)",
+        "--token-file",
+        metavar="FILE",
+        help="file with the agent's bearer token (default: env KVSVC_AGENT_TOKEN, "
+        "KVSVC_AGENT_TOKEN_FILE, then KVSVC_AUTH_TOKEN, KVSVC_AUTH_TOKEN_FILE)",
+    )
+    where.add_argument(
+        "--auth-token", help="bearer token on the command line (compatibility: visible in ps)"
     )
 
     add_model_source(parser, "JSON of layer name -> spec (one TP rank, all layers)")
@@ -181,9 +185,15 @@ def build_agent(args: argparse.Namespace) -> Any:
     Raises:
         InvalidArgument: naming the flag that is wrong.
     """
+    from kvsvc_client import resolve_token
+
     from kvsvc import models
     from kvsvc.worker import AgentMetrics, WorkerAgent, WorkerAgentConfig, parse_device
 
+    try:
+        token = resolve_token("agent", args.auth_token, args.token_file)
+    except ValueError as exc:
+        raise InvalidArgument("--token-file", str(exc)) from None
     tp, pp = _parallel_layout(args)
     if not args.rank < args.world_size:
         raise InvalidArgument(
@@ -226,7 +236,7 @@ def build_agent(args: argparse.Namespace) -> Any:
         model=model_name,
         heartbeat_interval=args.heartbeat_interval,
         rpc_timeout=args.rpc_timeout,
-        auth_token=args.auth_token or None,
+        auth_token=token,
         connect_timeout=args.connect_timeout,
         allow_replan=True,  # nothing outside this process bound the tensors
     )

@@ -18,9 +18,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvsvc.server.config import ServerConfig, split_host_port
+from kvsvc.server.auth import AuthInterceptor, load_credentials
+from kvsvc.server.config import ConfigFileError, ServerConfig, split_host_port
 from kvsvc.server.pool import Pool, PoolState
 from kvsvc.server.servicers import AdminServicer, KVCacheServicer, Pools, WorkerServicer
+from kvsvc.tls import ServerTlsSource, TlsFileError
 from kvsvc.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -54,6 +56,7 @@ class KvsvcServer:
         from kvsvc.server.metrics import ServerMetrics
 
         self.config = config
+        self.credentials = load_credentials(config)  # ConfigError before anything starts
         self.pools = Pools(
             {
                 p.name: Pool(
@@ -74,6 +77,14 @@ class KvsvcServer:
 
             self.kv_events = ZmqKVEvents.attach(config, self.pools.by_name.values())
         self.metrics = ServerMetrics(self.pools, registry=metrics_registry)
+        # One certificate source for both listeners (gRPC and /metrics), re-read on change.
+        self.tls: ServerTlsSource | None = None
+        server_tls = config.server_tls()
+        if server_tls is not None:
+            try:
+                self.tls = ServerTlsSource(server_tls)
+            except TlsFileError as exc:  # the files changed since the config was checked
+                raise ConfigFileError(str(exc)) from None
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task[Any]] = []
@@ -117,17 +128,20 @@ class KvsvcServer:
             ("grpc.max_receive_message_length", self.config.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        server = grpc.aio.server(options=options)
         observer = self.metrics.call_observer
-        token = self.config.auth_token
+        # Auth is one interceptor over every kvsvc method (none when no token is configured).
+        interceptors = (
+            [AuthInterceptor(self.credentials, observer)] if self.credentials.enabled else []
+        )
+        server = grpc.aio.server(options=options, interceptors=interceptors)
         kvcache_pb2_grpc.add_KVCacheServiceServicer_to_server(
-            KVCacheServicer(self.pools, observer, token, self.config.max_step_operations), server
+            KVCacheServicer(self.pools, observer, self.config.max_step_operations), server
         )
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(
-            WorkerServicer(self.pools, observer, token), server
+            WorkerServicer(self.pools, observer), server
         )
         admin_pb2_grpc.add_AdminServiceServicer_to_server(
-            AdminServicer(self.pools, observer, token, time.monotonic), server
+            AdminServicer(self.pools, observer, time.monotonic), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -141,7 +155,11 @@ class KvsvcServer:
             server,
         )
         host, port = split_host_port(self.config.listen, "listen")
-        self.port = server.add_insecure_port(f"{_bracket(host)}:{port}")
+        address = f"{_bracket(host)}:{port}"
+        if self.tls is not None:
+            self.port = server.add_secure_port(address, self.tls.grpc_credentials())
+        else:
+            self.port = server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot listen on {self.config.listen}")
         await self._update_health()
@@ -149,12 +167,15 @@ class KvsvcServer:
         self._server = server
         if self.config.metrics_listen:
             self._metrics_http, self.metrics_port = self.metrics.serve_http(
-                self.config.metrics_listen
+                self.config.metrics_listen, tls=self.tls
             )
         self._tasks.append(asyncio.get_running_loop().create_task(self._watch_heartbeats()))
         log.info(
-            "kvsvc serving on port %d (metrics %s); pools: %s",
+            "kvsvc serving on port %d (%s; metrics %s); pools: %s",
             self.port,
+            "plaintext"
+            if self.tls is None
+            else ("mTLS: client certificates required" if self.tls.tls.mutual else "TLS"),
             self.metrics_port or "off",
             ", ".join(self.pools.by_name),
         )
@@ -175,6 +196,7 @@ class KvsvcServer:
             await self._server.stop(grace)
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
+            self._metrics_http.server_close()  # release the port now, not at collection
             self._metrics_http = None
         if self.kv_events is not None:
             # After the gRPC stop: the last calls' events are still published.

@@ -25,6 +25,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from kvsvc.tls import ServerTls, TlsFileError
+
 HASH_ALGOS = ("xxh3_128", "sha256_cbor")
 LAYOUTS = ("layer_outer", "block_outer")
 DEFAULT_LISTEN = "127.0.0.1:50051"
@@ -38,6 +40,11 @@ POOL_PLACEHOLDER = "{pool}"
 
 class ConfigError(ValueError):
     """A server or pool setting is invalid; the message names it."""
+
+
+class ConfigFileError(ConfigError):
+    """A file a setting names cannot be used (missing, unreadable, wrong content): the
+    environment is wrong rather than the settings (``kvsvc serve`` exits 1, not 2)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,8 +130,15 @@ class ServerConfig:
         listen: gRPC address (``host:port``; port 0 picks a free one).
         metrics_listen: Prometheus ``/metrics`` address, or None for no endpoint.
         pools: the pools served (names unique).
-        auth_token: when set, every kvsvc call must carry ``authorization: Bearer <token>``
-            (health and reflection stay open for probes).
+        auth_token: one token for every role (compatibility; prefer the per-role token
+            files): every kvsvc call must carry ``authorization: Bearer <token>`` (health
+            and reflection stay open for probes). See :mod:`kvsvc.server.auth`.
+        auth_token_file: a file holding that all-roles token.
+        engine_token, agent_token, admin_token: one token of that role only (set from the
+            ``KVSVC_<ROLE>_TOKEN`` environment variables, not from argv).
+        engine_token_file, agent_token_file, admin_token_file: files of that role's tokens,
+            one per line; an engine line may be ``ENGINE_NAME TOKEN``, which gives that
+            engine its own request-id namespace.
         max_message_bytes: largest request or response message.
         heartbeat_timeout_s: a rank silent this long makes its pool DEGRADED.
         event_buffer_batches: event batches kept for WatchEvents replay, per pool.
@@ -142,12 +156,24 @@ class ServerConfig:
             is dropped (and counted), so a stalled publisher never holds up the server.
         kv_events_int_hashes: publish hashes as 64-bit ints, like vLLM with
             ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`` (default: the hash bytes).
+        tls_cert / tls_key: PEM certificate chain and unencrypted key: the gRPC listener
+            and ``/metrics`` serve TLS (HTTPS) with them; both or neither. Re-read when
+            the files change (see :mod:`kvsvc.tls`).
+        tls_client_ca: PEM CA bundle; when set, both listeners require a client
+            certificate signed by it (mTLS). Needs tls_cert.
     """
 
     pools: tuple[PoolConfig, ...]
     listen: str = DEFAULT_LISTEN
     metrics_listen: str | None = DEFAULT_METRICS_LISTEN
     auth_token: str | None = None
+    auth_token_file: str | None = None
+    engine_token: str | None = None
+    agent_token: str | None = None
+    admin_token: str | None = None
+    engine_token_file: str | None = None
+    agent_token_file: str | None = None
+    admin_token_file: str | None = None
     max_message_bytes: int = 64 * 1024 * 1024
     heartbeat_timeout_s: float = 10.0
     event_buffer_batches: int = 10000
@@ -160,6 +186,9 @@ class ServerConfig:
     kv_events_hwm: int = 100_000
     kv_events_max_queue: int = 100_000
     kv_events_int_hashes: bool = False
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
 
     def __post_init__(self) -> None:
         if not self.pools:
@@ -184,6 +213,36 @@ class ServerConfig:
         if not 1 <= self.max_step_operations <= 1_000_000:
             raise ConfigError("max_step_operations must be in [1, 1000000]")
         self._check_kv_events()
+        self._check_tls()
+
+    def _check_tls(self) -> None:
+        """Cert and key together, a client CA only with them, every file usable now."""
+        for name in ("tls_cert", "tls_key", "tls_client_ca"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(f"{name} must be a file path, got {value!r}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            given, missing = (
+                ("tls_cert", "tls_key") if self.tls_cert is not None else ("tls_key", "tls_cert")
+            )
+            raise ConfigError(f"{given} needs {missing} (--tls-cert and --tls-key go together)")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ConfigError(
+                "tls_client_ca needs tls_cert and tls_key: client certificates are checked "
+                "on a TLS listener"
+            )
+        tls = self.server_tls()
+        if tls is not None:
+            try:
+                tls.load()
+            except TlsFileError as exc:
+                raise ConfigFileError(str(exc)) from None
+
+    def server_tls(self) -> ServerTls | None:
+        """The listeners' TLS files, or None for plaintext listeners."""
+        if self.tls_cert is None or self.tls_key is None:
+            return None
+        return ServerTls(self.tls_cert, self.tls_key, self.tls_client_ca)
 
     def _check_kv_events(self) -> None:
         if self.kv_events_zmq is None:

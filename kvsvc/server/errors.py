@@ -29,6 +29,7 @@ from kvsvc.errors import (
     ResourceExhausted,
     Unauthenticated,
 )
+from kvsvc.server.namespace import unscope_message
 
 log = logging.getLogger("kvsvc.server")
 
@@ -72,9 +73,10 @@ async def _abort_internal(context: grpc.aio.ServicerContext, method: str) -> Non
 
 
 def rpc_handler(method: str) -> Callable[[_Handler], _Handler]:
-    """Wrap a unary servicer method: auth check, error mapping, call accounting.
+    """Wrap a unary servicer method: error mapping and call accounting.
 
-    The servicer must have ``_observer: CallObserver`` and ``_authorize(context)``.
+    The servicer must have ``_observer: CallObserver``. Authentication is not done here
+    but by :class:`kvsvc.server.auth.AuthInterceptor`, once for every method.
     """
 
     def decorate(fn: _Handler) -> _Handler:
@@ -83,11 +85,10 @@ def rpc_handler(method: str) -> Callable[[_Handler], _Handler]:
             started = time.perf_counter()
             code = grpc.StatusCode.OK
             try:
-                self._authorize(context)
                 return await fn(self, request, context)
             except KvsvcError as exc:
                 code = status_for(exc)
-                await context.abort(code, str(exc))
+                await context.abort(code, unscope_message(str(exc)))
             except grpc.aio.AbortError:
                 code = context.code() or grpc.StatusCode.UNKNOWN  # type: ignore[assignment]
                 raise
@@ -111,12 +112,11 @@ def rpc_stream_handler(method: str) -> Callable[[Callable[..., Any]], Callable[.
             started = time.perf_counter()
             code = grpc.StatusCode.OK
             try:
-                self._authorize(context)
                 async for message in fn(self, request, context):
                     yield message
             except KvsvcError as exc:
                 code = status_for(exc)
-                await context.abort(code, str(exc))
+                await context.abort(code, unscope_message(str(exc)))
             except grpc.aio.AbortError:
                 code = context.code() or grpc.StatusCode.UNKNOWN  # type: ignore[assignment]
                 raise

@@ -9,16 +9,14 @@ Each handler validates the shape of its message, converts it (``kvsvc.server.wir
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, cast
 
-import grpc
-
 from kvsvc.convert import config_to_pb, layer_specs_from_pb
-from kvsvc.errors import InvalidArgument, NotFound, Unauthenticated
+from kvsvc.errors import InvalidArgument, NotFound
 from kvsvc.server.errors import CallObserver, rpc_handler, rpc_stream_handler
+from kvsvc.server.namespace import current_engine, scoped_request_id, unscope_message
 from kvsvc.server.pool import MemoryReport, Pool, PoolState, Registration
 from kvsvc.server.step import apply_step
 from kvsvc.server.wire import (
@@ -72,21 +70,9 @@ class Pools:
 
 
 class _Base:
-    def __init__(self, pools: Pools, observer: CallObserver, auth_token: str | None) -> None:
+    def __init__(self, pools: Pools, observer: CallObserver) -> None:
         self._pools = pools
         self._observer = observer
-        self._expected_auth = f"Bearer {auth_token}".encode() if auth_token else None
-
-    def _authorize(self, context: grpc.aio.ServicerContext) -> None:
-        if self._expected_auth is None:
-            return
-        for key, value in context.invocation_metadata() or ():
-            if key == "authorization":
-                given = value.encode() if isinstance(value, str) else value
-                if hmac.compare_digest(given, self._expected_auth):
-                    return
-                raise Unauthenticated("wrong token in the authorization metadata")
-        raise Unauthenticated("missing authorization metadata (expected 'Bearer <token>')")
 
 
 def _check_token_ids(token_ids: Sequence[int], field: str) -> None:
@@ -107,10 +93,8 @@ async def _run(pool: Pool, work: int, fn: Any, *args: Any) -> Any:
 
 
 class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
-    def __init__(
-        self, pools: Pools, observer: CallObserver, auth_token: str | None, max_step_operations: int
-    ) -> None:
-        super().__init__(pools, observer, auth_token)
+    def __init__(self, pools: Pools, observer: CallObserver, max_step_operations: int) -> None:
+        super().__init__(pools, observer)
         self._max_step_operations = max_step_operations
 
     @rpc_handler("Allocate")
@@ -131,7 +115,7 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
             len(tokens),
             self._allocate_one,
             pool,
-            request.request_id,
+            scoped_request_id(request.request_id),
             tokens,
             request.num_new_tokens,
             request.num_lookahead_tokens,
@@ -173,6 +157,8 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
             check_request_id(request_id, f"request_ids[{i}]")
         if len(set(ids)) != len(ids):
             raise InvalidArgument("request_ids", "lists a request more than once")
+        if current_engine.get():
+            ids = [scoped_request_id(request_id) for request_id in ids]
         preempted = request.reason == kvcache_pb2.FREE_REASON_PREEMPTED
         freed = await _run(pool, len(ids), self._free, pool, ids, preempted)
         return kvcache_pb2.FreeResponse(num_freed_blocks=freed)
@@ -188,9 +174,15 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
         pool = self._pools.get(request.pool)
         pool.ensure_serving()
         columns = StepColumns(request, self._max_step_operations)
+        engine = current_engine.get()
+        if engine:
+            columns.request_ids = [scoped_request_id(r, engine) for r in columns.sent_request_ids]
         work = len(columns.token_ids) + 64 * len(columns.types)
         results: StepResults = await _run(pool, work, self._apply_step, pool, columns)
         pool.stats_step(len(columns.types))
+        if engine and results.errors:
+            for error in results.errors.values():
+                error.message = unscope_message(error.message, engine)
         return results.to_pb()
 
     @staticmethod
@@ -215,7 +207,7 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
         pool = self._pools.get(request.pool)
         cache = pool.ensure_serving()
         check_request_id(request.request_id)
-        view = cache.block_table(request.request_id)
+        view = cache.block_table(scoped_request_id(request.request_id))
         return kvcache_pb2.GetBlockTableResponse(
             groups=[kvcache_pb2.BlockTable(block_ids=ids) for ids in view.groups],
             num_computed_tokens=view.num_computed_tokens,
@@ -394,10 +386,8 @@ def plan_json(pool: Pool) -> str:
 
 
 class AdminServicer(_Base, admin_pb2_grpc.AdminServiceServicer):
-    def __init__(
-        self, pools: Pools, observer: CallObserver, auth_token: str | None, clock: Any
-    ) -> None:
-        super().__init__(pools, observer, auth_token)
+    def __init__(self, pools: Pools, observer: CallObserver, clock: Any) -> None:
+        super().__init__(pools, observer)
         self._clock = clock
 
     @rpc_handler("ListPools")

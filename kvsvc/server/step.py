@@ -88,12 +88,14 @@ def _apply_one(
     kind = columns.types[i]
     count = columns.num_token_ids[i]
     request_id = columns.request_ids[i]
+    # Bounds apply to the id as the engine sent it (request_ids may be namespaced).
+    sent_id = columns.sent_request_ids[i]
     if kind == _ALLOCATE:
         tokens = columns.token_ids[pos : pos + count]
         start = columns.starts.get(i)
         if start is not None:
             # An admission names a new id: bound it here, or a Free could never name it.
-            check_request_id(request_id, f"request_ids[{i}]")
+            check_request_id(sent_id, f"request_ids[{i}]")
         elif not request_id:
             raise InvalidArgument(f"request_ids[{i}]", "must not be empty")
         packed = columns.packed_token_ids
@@ -113,7 +115,7 @@ def _apply_one(
     if kind == _LOOKUP:
         return pos + count, _lookup_outcome(cache, columns, i, pos)
     if kind in (_FREE, _PREEMPT):
-        check_request_id(request_id, f"request_ids[{i}]")
+        check_request_id(sent_id, f"request_ids[{i}]")
         if (
             count
             or columns.num_new_tokens[i]

@@ -34,6 +34,8 @@ def check_request_id(request_id: str, field: str = "request_id") -> None:
     """The bound is on UTF-8 bytes: ids index the server's tables and logs by their bytes."""
     if not request_id:
         raise InvalidArgument(field, "must not be empty")
+    if "\x00" in request_id:  # the engine-namespace separator (kvsvc.server.namespace)
+        raise InvalidArgument(field, "must not contain a NUL character")
     # Every character is at most 4 bytes: short ids need no encoding to be known in bounds.
     if len(request_id) > MAX_REQUEST_ID_BYTES // 4 and (
         len(request_id.encode()) > MAX_REQUEST_ID_BYTES
@@ -120,6 +122,7 @@ class StepColumns:
         "num_token_ids",
         "packed_token_ids",
         "request_ids",
+        "sent_request_ids",
         "starts",
         "token_ids",
         "types",
@@ -131,6 +134,8 @@ class StepColumns:
         if n > max_operations:
             raise InvalidArgument("types", f"{n} operations exceed the limit of {max_operations}")
         self.request_ids: list[str] = list(request.request_ids)
+        # The ids as sent; request_ids becomes the engine-namespaced form when scoped.
+        self.sent_request_ids: list[str] = self.request_ids
         self.token_ids: Sequence[int] = token_ids_of(
             request.token_ids, request.packed_token_ids, "token_ids", "packed_token_ids"
         )

@@ -189,10 +189,19 @@ def bring_up(
     world_size: int = 1,
     specs: dict[str, KVCacheSpec] | None = None,
     kv_cache_bytes: int = 1 << 20,
+    token: str | None = None,
 ) -> list[FakeRank]:
     """Register every rank, wait for the plans, report allocations: the pool is READY."""
     ranks = [
-        FakeRank(server.address, pool, r, world_size, specs or llama_like_specs(), kv_cache_bytes)
+        FakeRank(
+            server.address,
+            pool,
+            r,
+            world_size,
+            specs or llama_like_specs(),
+            kv_cache_bytes,
+            token=token,
+        )
         for r in range(world_size)
     ]
     for rank in ranks:

@@ -10,7 +10,6 @@ import vLLM, so the CLI can print the flags on a machine without it.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +17,6 @@ SCHEDULER_CLS = "kvsvc.integrations.vllm.scheduler.KvsvcScheduler"
 WORKER_CLS = "kvsvc.integrations.vllm.worker.KvsvcWorker"
 # The key of vLLM's ``additional_config`` that holds kvsvc's settings.
 CONFIG_KEY = "kvsvc"
-# Read when the settings carry no token, so a token need not appear in vLLM's config.
-AUTH_TOKEN_ENV = "KVSVC_AUTH_TOKEN"
 
 
 @dataclass(frozen=True)
@@ -113,7 +110,10 @@ def settings_from_additional_config(additional_config: Any) -> KvsvcSettings:
             "build the engine arguments with kvsvc.integrations.vllm.vllm_kwargs(server, pool) "
             "or `kvsvc vllm-args`"
         )
-    token = raw.get("auth_token") or os.environ.get(AUTH_TOKEN_ENV) or None
+    # No token in the config: each side reads its role's from the environment at start
+    # (KVSVC_ENGINE_TOKEN for the scheduler, KVSVC_AGENT_TOKEN for the workers, either
+    # falling back to KVSVC_AUTH_TOKEN; see kvsvc_client.resolve_token).
+    token = raw.get("auth_token") or None
     settings = make_settings(str(raw.get("server", "")), str(raw.get("pool", "")), token)
     return KvsvcSettings(
         server=settings.server,

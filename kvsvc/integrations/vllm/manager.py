@@ -151,7 +151,9 @@ class KvsvcBlockMirror:
         self._client = KVCacheClient(
             settings.server,
             settings.pool,
-            options=ClientOptions(timeout=settings.rpc_timeout, token=settings.auth_token),
+            options=ClientOptions(
+                timeout=settings.rpc_timeout, token=settings.auth_token, role="engine"
+            ),
         )
         self.requests: dict[str, _Request] = {}
         self.ref_count = [0] * num_blocks

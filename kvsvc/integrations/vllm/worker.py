@@ -44,6 +44,7 @@ import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from kvsvc_client import resolve_token
 from vllm.platforms import current_platform
 
 from kvsvc.integrations.vllm.config import KvsvcSettings, settings_from_additional_config
@@ -412,7 +413,7 @@ class KvsvcWorker(_PlatformWorker):
             ),
             model=str(model.model),
             rpc_timeout=min(settings.rpc_timeout, 60.0),  # the Worker API's longest deadline
-            auth_token=settings.auth_token,
+            auth_token=resolve_token("agent", settings.auth_token),
             # No connect timeout: before the plan, plan_timeout bounds the wait; after it,
             # a server outage must not end the rank's session for good.
             connect_timeout=None,

@@ -1,0 +1,41 @@
+"""Engine namespaces of request ids.
+
+A named engine (``ENGINE_NAME TOKEN`` in the engine token file) keeps its request ids in
+its own namespace: the server stores ``ENGINE_NAME + NUL + request_id``, so two engines
+may use the same ids without seeing each other's requests, and no id an engine sends can
+reach another's (request ids may not contain NUL). Unnamed engine tokens and the all-roles
+token use the default namespace: the id as sent.
+
+The interceptor (:mod:`kvsvc.server.auth`) sets :data:`current_engine` for the call; the
+servicers scope ids with :func:`scoped_request_id` and strip the prefix again from every
+message that goes back (:func:`unscope_message`).
+"""
+
+from __future__ import annotations
+
+import contextvars
+
+NAMESPACE_SEPARATOR = "\x00"
+# How the separator looks inside a message that quotes an id with repr().
+_QUOTED_SEPARATOR = "\\x00"
+
+# The engine of the call being served ("" = the default namespace).
+current_engine: contextvars.ContextVar[str] = contextvars.ContextVar("kvsvc_engine", default="")
+
+
+def scoped_request_id(request_id: str, engine: str | None = None) -> str:
+    """The id under which the server keeps ``request_id`` of ``engine`` (default: the
+    calling engine)."""
+    if engine is None:
+        engine = current_engine.get()
+    # An empty id stays empty, so the "must not be empty" checks still see it.
+    return f"{engine}{NAMESPACE_SEPARATOR}{request_id}" if engine and request_id else request_id
+
+
+def unscope_message(message: str, engine: str | None = None) -> str:
+    """``message`` with the engine's namespace prefix removed from quoted request ids."""
+    if engine is None:
+        engine = current_engine.get()
+    if not engine:
+        return message
+    return message.replace(engine + _QUOTED_SEPARATOR, "").replace(engine + NAMESPACE_SEPARATOR, "")

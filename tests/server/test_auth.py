@@ -1,0 +1,288 @@
+"""Roles, credentials and engine namespaces against a real server.
+
+Every method of every kvsvc service is called without a credential, with an unknown one,
+with another role's and with its own role's (the parametrization is built from the service
+descriptors, so a method added later is covered without editing this file).
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kvsvc_client import (
+    ClientOptions,
+    KVCacheClient,
+    NotFoundError,
+    OperationError,
+    PermissionDeniedError,
+    RequestStart,
+    UnauthenticatedError,
+    resolve_token,
+)
+
+from kvsvc.server.auth import Credential, Role, load_credentials, read_token_file
+from kvsvc.server.config import ConfigError, PoolConfig, ServerConfig
+from kvsvc.v1 import admin_pb2, kvcache_pb2, worker_pb2
+from tests.server.harness import ServerThread, bring_up, running_server
+
+ENGINE_A = "engine-a-token-0123456789"
+ENGINE_B = "engine-b-token-0123456789"
+ENGINE_ANON = "engine-unnamed-0123456789"
+AGENT = "agent-token-0123456789abc"
+ADMIN = "admin-token-0123456789abc"
+ALL_ROLES = "all-roles-token-0123456789"
+
+# Which role each method belongs to; the other roles must be refused.
+SERVICES = {
+    kvcache_pb2.DESCRIPTOR.services_by_name["KVCacheService"]: Role.ENGINE,
+    worker_pb2.DESCRIPTOR.services_by_name["WorkerService"]: Role.AGENT,
+    admin_pb2.DESCRIPTOR.services_by_name["AdminService"]: Role.ADMIN,
+}
+# Methods a second role may also call (read-only views an engine or operator needs).
+SHARED = {
+    "ResetPrefixCache": {Role.ENGINE, Role.ADMIN},
+    "ListPools": {Role.ENGINE, Role.ADMIN},
+    "GetUsage": {Role.ENGINE, Role.ADMIN},
+    "WatchEvents": {Role.ENGINE, Role.ADMIN},
+}
+TOKEN_OF = {Role.ENGINE: ENGINE_A, Role.AGENT: AGENT, Role.ADMIN: ADMIN}
+METHODS = [
+    (service, method, role) for service, role in SERVICES.items() for method in service.methods
+]
+
+
+def _write(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+    tmp = tmp_path_factory.mktemp("tokens")
+    config = {
+        "engine_token_file": _write(
+            tmp / "engine", f"# engines\nengine-a {ENGINE_A}\nengine-b {ENGINE_B}\n{ENGINE_ANON}\n"
+        ),
+        "agent_token_file": _write(tmp / "agent", f"{AGENT}\n"),
+        "admin_token_file": _write(tmp / "admin", f"{ADMIN}\n"),
+        "auth_token": ALL_ROLES,
+    }
+    with running_server(PoolConfig(name="p", max_model_len=256), **config) as srv:
+        ranks = bring_up(srv, "p", kv_cache_bytes=64 * 32 * 1024, token=AGENT)
+        yield srv
+        for rank in ranks:
+            rank.close()
+
+
+def _call(address: str, service: object, method: object, token: str | None) -> grpc.StatusCode:
+    """Call ``method`` with an empty request; the status code (OK for a stream's first
+    message)."""
+    full = f"/{service.full_name}/{method.name}"  # type: ignore[attr-defined]
+    request_class = method.input_type._concrete_class  # type: ignore[attr-defined]
+    response_class = method.output_type._concrete_class  # type: ignore[attr-defined]
+    metadata = (("authorization", f"Bearer {token}"),) if token is not None else None
+    with grpc.insecure_channel(address) as channel:
+        if method.server_streaming:  # type: ignore[attr-defined]
+            call = channel.unary_stream(
+                full, request_class.SerializeToString, response_class.FromString
+            )
+            stream = call(request_class(), metadata=metadata, timeout=5)
+            try:
+                next(stream)
+            except grpc.RpcError as exc:
+                return exc.code()  # type: ignore[no-any-return]
+            except StopIteration:
+                return grpc.StatusCode.OK
+            finally:
+                stream.cancel()
+            return grpc.StatusCode.OK
+        unary = channel.unary_unary(
+            full, request_class.SerializeToString, response_class.FromString
+        )
+        try:
+            unary(request_class(), metadata=metadata, timeout=5)
+        except grpc.RpcError as exc:
+            return exc.code()  # type: ignore[no-any-return]
+        return grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize(
+    ("service", "method", "role"),
+    METHODS,
+    ids=[f"{s.name}.{m.name}" for s, m, _ in METHODS],
+)
+def test_every_method_checks_the_credential_and_its_role(
+    server: ServerThread, service: object, method: object, role: Role
+) -> None:
+    refused = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+    assert _call(server.address, service, method, None) == grpc.StatusCode.UNAUTHENTICATED
+    assert _call(server.address, service, method, "not-a-token-0123456789") == (
+        grpc.StatusCode.UNAUTHENTICATED
+    )
+    allowed = SHARED.get(method.name, {role})  # type: ignore[attr-defined]
+    for other in Role:
+        code = _call(server.address, service, method, TOKEN_OF[other])
+        if other in allowed:
+            assert code not in refused, (other, code)
+        else:
+            assert code == grpc.StatusCode.PERMISSION_DENIED, (other, code)
+    # The all-roles token (--auth-token, compatibility) passes everywhere.
+    assert _call(server.address, service, method, ALL_ROLES) not in refused
+
+
+def test_health_and_reflection_stay_open(server: ServerThread) -> None:
+    with grpc.insecure_channel(server.address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=5
+        )
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_refused_calls_are_logged_rate_limited_without_the_secret(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvsvc.security")
+    bad = "leaked-secret-0123456789"
+    service = SERVICES_BY_NAME["KVCacheService"]
+    # Its own server: the rate limit is per server and per peer.
+    with running_server(PoolConfig(name="p", max_model_len=64), auth_token=ALL_ROLES) as srv:
+        for _ in range(5):
+            _call(srv.address, service, service.methods_by_name["GetUsage"], bad)
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvsvc.security"]
+    assert lines, "an auth failure must be logged"
+    assert len(lines) < 5, "repeated failures from one peer are rate-limited"
+    assert "GetUsage" in lines[0] and "127.0.0.1" in lines[0]
+    assert all(bad not in line for line in lines)
+
+
+SERVICES_BY_NAME = {s.name: s for s in SERVICES}
+
+
+def _engine(server: ServerThread, token: str) -> KVCacheClient:
+    return KVCacheClient(server.address, pool="p", options=ClientOptions(token=token))
+
+
+def test_engines_have_their_own_request_namespaces(server: ServerThread) -> None:
+    prompt = list(range(1000, 1040))
+    with _engine(server, ENGINE_A) as a, _engine(server, ENGINE_B) as b:
+        first = a.allocate("r1", prompt, 40, start=RequestStart())
+        assert first.ok
+        # Engine B cannot see, extend or free engine A's r1 ...
+        with pytest.raises(NotFoundError, match="request 'r1' is not live") as info:
+            b.block_table("r1")
+        assert "\\x00" not in info.value.details and "engine-a" not in info.value.details
+        with pytest.raises(NotFoundError):
+            b.allocate("r1", [7], 1)
+        with pytest.raises(NotFoundError):
+            b.free("r1")
+        step = b.step()
+        step.free("r1")
+        (outcome,) = step.send()
+        assert isinstance(outcome, OperationError) and "'r1'" in outcome.message
+        assert outcome.code == grpc.StatusCode.NOT_FOUND and "\\x00" not in outcome.message
+        # ... and may use the same id for its own request: separate blocks.
+        second = b.allocate("r1", prompt, 40, start=RequestStart())
+        assert second.ok
+        assert a.block_table("r1").num_tokens == 40
+        assert b.block_table("r1").num_tokens == 40
+        # Same prompt, same pool, no salt: B's request reuses A's cached blocks (a pool is
+        # one cache); a cache salt is what keeps tenants apart.
+        assert second.num_cached_tokens == 32
+        assert a.free("r1") > 0
+        assert b.block_table("r1").num_tokens == 40
+        assert b.free("r1") > 0
+    with _engine(server, ENGINE_ANON) as anon, _engine(server, ALL_ROLES) as shared:
+        # Unnamed engine tokens and the all-roles token share the default namespace.
+        assert anon.allocate("d1", prompt, 40, start=RequestStart()).ok
+        assert shared.block_table("d1").num_tokens == 40
+        assert shared.free("d1") > 0
+
+
+def test_a_request_id_cannot_forge_a_namespace(server: ServerThread) -> None:
+    with _engine(server, ENGINE_ANON) as anon:
+        with pytest.raises(Exception, match="NUL"):
+            anon.allocate("engine-a\x00r1", [1, 2, 3], 3, start=RequestStart())
+
+
+def test_an_agent_token_cannot_drive_the_engine_api(server: ServerThread) -> None:
+    with (
+        KVCacheClient(server.address, pool="p", options=ClientOptions(token=AGENT)) as agent,
+        pytest.raises(PermissionDeniedError, match="engine"),
+    ):
+        agent.allocate("x", [1, 2], 2, start=RequestStart())
+    with (
+        KVCacheClient(server.address, pool="p", options=ClientOptions(token="")) as anon,
+        pytest.raises(UnauthenticatedError, match="missing"),
+    ):
+        anon.usage()
+
+
+def test_token_files_are_parsed_strictly(tmp_path: Path) -> None:
+    assert read_token_file(_write(tmp_path / "a", f"# c\n\n e1 {ENGINE_A} \n"), "engine") == [
+        ("e1", ENGINE_A)
+    ]
+    with pytest.raises(ConfigError, match="holds no token"):
+        read_token_file(_write(tmp_path / "b", "# nothing\n\n"), "agent")
+    with pytest.raises(ConfigError, match="line 1: expected 'TOKEN'"):
+        read_token_file(_write(tmp_path / "c", f"name {AGENT}\n"), "agent")
+    with pytest.raises(ConfigError, match="engine name"):
+        read_token_file(_write(tmp_path / "d", f"bad/name {ENGINE_A}\n"), "engine")
+    with pytest.raises(ConfigError, match="No such file"):
+        read_token_file(str(tmp_path / "missing"), "admin")
+    pools = (PoolConfig(name="p"),)
+    with pytest.raises(ConfigError, match="at least 16 characters"):
+        load_credentials(ServerConfig(pools=pools, auth_token="short"))
+    with pytest.raises(ConfigError, match="also configured as"):
+        load_credentials(ServerConfig(pools=pools, engine_token=ENGINE_A, agent_token=ENGINE_A))
+    credentials = load_credentials(
+        ServerConfig(pools=pools, engine_token_file=_write(tmp_path / "e", f"e1 {ENGINE_A}\n"))
+    )
+    assert credentials.lookup(f"Bearer {ENGINE_A}") == Credential(
+        frozenset({Role.ENGINE}), "e1", "engine_token_file (engine e1)"
+    )
+    assert credentials.lookup(f"Bearer {ENGINE_A}x") is None
+
+
+def test_serve_refuses_an_unreadable_token_file(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvsvc",
+            "serve",
+            "--pool",
+            "p",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "off",
+            "--agent-token-file",
+            str(tmp_path / "missing"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "agent token file" in result.stderr and "missing" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_clients_resolve_their_role_token_in_order(tmp_path: Path) -> None:
+    path = _write(tmp_path / "t", f"# mine\n{AGENT}\n")
+    env = {"KVSVC_AUTH_TOKEN": ALL_ROLES, "KVSVC_ADMIN_TOKEN_FILE": path}
+    assert resolve_token("engine", environ=env) == ALL_ROLES
+    assert resolve_token("admin", environ=env) == AGENT
+    assert resolve_token("engine", environ={**env, "KVSVC_ENGINE_TOKEN": ENGINE_B}) == ENGINE_B
+    assert resolve_token("agent", token_file=path, environ=env) == AGENT
+    assert resolve_token("agent", token="", environ=env) is None
+    assert resolve_token("agent", environ={}) is None
+    with pytest.raises(ValueError, match="role"):
+        resolve_token("router")
