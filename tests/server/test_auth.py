@@ -18,6 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvsvc_client import (
     ClientOptions,
+    InvalidArgumentError,
     KVCacheClient,
     NotFoundError,
     OperationError,
@@ -206,9 +207,11 @@ def test_engines_have_their_own_request_namespaces(server: ServerThread) -> None
 
 
 def test_a_request_id_cannot_forge_a_namespace(server: ServerThread) -> None:
-    with _engine(server, ENGINE_ANON) as anon:
-        with pytest.raises(Exception, match="NUL"):
-            anon.allocate("engine-a\x00r1", [1, 2, 3], 3, start=RequestStart())
+    with (
+        _engine(server, ENGINE_ANON) as anon,
+        pytest.raises(InvalidArgumentError, match="must not contain a NUL"),
+    ):
+        anon.allocate("engine-a\x00r1", [1, 2, 3], 3, start=RequestStart())
 
 
 def test_an_agent_token_cannot_drive_the_engine_api(server: ServerThread) -> None:
