@@ -12,7 +12,7 @@ import grpc
 
 from kvsvc.v1 import admin_pb2, admin_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc
 from kvsvc_client import _wire
-from kvsvc_client._common import CHANNEL_OPTIONS, RETRYABLE, ClientOptions
+from kvsvc_client._common import RETRYABLE, ClientOptions
 from kvsvc_client._types import (
     AllocateResult,
     BlockTable,
@@ -94,7 +94,7 @@ class KVCacheClient:
         self.pool = pool
         self.options = options or ClientOptions()
         self._own_channel = channel is None
-        self._channel = channel or grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._channel = channel or self.options.channel(target)
         self._stub = kvcache_pb2_grpc.KVCacheServiceStub(self._channel)
         self._admin = admin_pb2_grpc.AdminServiceStub(self._channel)
         self._metadata = self.options.metadata()

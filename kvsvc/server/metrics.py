@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -27,9 +27,11 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from kvsvc import __version__
+from kvsvc.metrics_http import serve_metrics_http
 from kvsvc.server.config import split_host_port
 from kvsvc.server.errors import CallObserver
 from kvsvc.server.pool import PoolState
+from kvsvc.tls import ServerTlsSource
 
 # Method -> (service, type) for the gRPC series.
 _METHODS: dict[str, tuple[str, str]] = {
@@ -346,8 +348,13 @@ class ServerMetrics:
             pool.step_size_observer = self.step_operations.labels(pool.name).observe
         self.registry.register(_PoolCollector(pools))
 
-    def serve_http(self, listen: str) -> tuple[Any, int]:
-        """Serve ``/metrics`` on ``listen`` in a daemon thread; returns (server, port)."""
+    def serve_http(self, listen: str, tls: ServerTlsSource | None = None) -> tuple[Any, int]:
+        """Serve ``/metrics`` on ``listen`` in a daemon thread; returns (server, port).
+
+        With ``tls`` it is HTTPS with the gRPC listener's certificate, and a client CA
+        there makes it require client certificates too: the metrics show pool names,
+        sizes and traffic, which the gRPC listener's clients alone may see.
+        """
         host, port = split_host_port(listen, "metrics_listen")
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        server, _thread = serve_metrics_http(host, port, self.registry, tls)
         return server, server.server_port
