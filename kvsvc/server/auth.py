@@ -25,10 +25,7 @@ from __future__ import annotations
 
 import enum
 import hmac
-import logging
 import os
-import threading
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +36,7 @@ import grpc
 from kvsvc.server.config import ConfigError, ServerConfig
 from kvsvc.server.errors import CallObserver
 from kvsvc.server.namespace import current_engine
-
-security_log = logging.getLogger("kvsvc.security")
+from kvsvc.server.seclog import RateLimitedLog
 
 # Engine names: what may precede a request id in the server's tables.
 MAX_ENGINE_NAME = 64
@@ -214,30 +210,6 @@ def env_tokens(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     return overrides
 
 
-class _RateLimitedLog:
-    """At most one line per ``interval`` seconds per key; the lines suppressed are counted
-    in the next one (a flood of bad calls must not flood the log)."""
-
-    def __init__(self, interval: float = 10.0, clock: Callable[[], float] = time.monotonic):
-        self._interval = interval
-        self._clock = clock
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def warning(self, key: str, message: str, *args: Any) -> None:
-        now = self._clock()
-        with self._lock:
-            if now - self._last.get(key, -self._interval) < self._interval:
-                self._suppressed[key] = self._suppressed.get(key, 0) + 1
-                return
-            self._last[key] = now
-            suppressed = self._suppressed.pop(key, 0)
-        if suppressed:
-            message += f" ({suppressed} more like it in the last {self._interval:g} s)"
-        security_log.warning(message, *args)
-
-
 def _peer_host(peer: str) -> str:
     """``ipv4:10.0.0.1:1234`` -> ``10.0.0.1`` (the port changes with every connection)."""
     kind, _, rest = peer.partition(":")
@@ -252,7 +224,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, credentials: Credentials, observer: CallObserver) -> None:
         self._credentials = credentials
         self._observer = observer
-        self._log = _RateLimitedLog()
+        self._log = RateLimitedLog()
 
     async def intercept_service(
         self,

@@ -30,8 +30,11 @@ from kvsvc.errors import (
     Unauthenticated,
 )
 from kvsvc.server.namespace import unscope_message
+from kvsvc.server.seclog import RateLimitedLog
 
 log = logging.getLogger("kvsvc.server")
+# Bounds hit (RESOURCE_EXHAUSTED), one line per method per 10 s at most.
+_limits_log = RateLimitedLog()
 
 STATUS_FOR: dict[type[KvsvcError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -88,7 +91,10 @@ def rpc_handler(method: str) -> Callable[[_Handler], _Handler]:
                 return await fn(self, request, context)
             except KvsvcError as exc:
                 code = status_for(exc)
-                await context.abort(code, unscope_message(str(exc)))
+                message = unscope_message(str(exc))
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    _limits_log.warning(method, "bound hit: %s: %s", method, message)
+                await context.abort(code, message)
             except grpc.aio.AbortError:
                 code = context.code() or grpc.StatusCode.UNKNOWN  # type: ignore[assignment]
                 raise

@@ -23,8 +23,9 @@ so a pool always has one writer at a time.
 from __future__ import annotations
 
 import asyncio
+import hmac
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -39,7 +40,13 @@ from kvsvc.errors import (
 )
 from kvsvc.server.config import PoolConfig
 from kvsvc.server.events import EventLog
+from kvsvc.server.seclog import security_log
 from kvsvc.specs import AttentionSpec, KVCacheSpec, iter_layer_specs
+
+
+def _same_secret(expected: str, given: str) -> bool:
+    """Constant-time comparison (bytes: a non-ASCII string from a client is just wrong)."""
+    return hmac.compare_digest(expected.encode(), given.encode())
 
 
 class PoolState(IntEnum):
@@ -173,8 +180,28 @@ class Pool:
 
     def _set_state(self, state: PoolState) -> None:
         if state != self.state:
-            self.state = state
+            previous, self.state = self.state, state
+            if state in (PoolState.READY, PoolState.DEGRADED) or previous in (
+                PoolState.READY,
+                PoolState.DEGRADED,
+            ):
+                log = security_log.warning if state != PoolState.READY else security_log.info
+                log("pool %s: %s -> %s%s", self.name, previous.name, state.name, self._why())
             self._notify()
+
+    def _why(self) -> str:
+        """Which ranks keep the pool from READY (for the transition's log line)."""
+        now = self._clock()
+        missing = [r for r in range(self.config.world_size) if r not in self.slots]
+        unhealthy = [
+            r for r, slot in sorted(self.slots.items()) if not self._rank_healthy(slot, now)
+        ]
+        parts = []
+        if missing:
+            parts.append(f"ranks not registered: {missing}")
+        if unhealthy:
+            parts.append(f"ranks without a plan stream or heartbeat: {unhealthy}")
+        return f" ({'; '.join(parts)})" if parts else ""
 
     def is_live(self, slot: RankSlot, now: float) -> bool:
         if slot.open_streams > 0:
@@ -261,6 +288,15 @@ class Pool:
             available = self._available_bytes(reg)
             existing = self.slots.get(reg.rank)
             if existing is not None and self.is_live(existing, now):
+                security_log.warning(
+                    "pool %s: refused a registration of rank %d from %s (%s): the rank is "
+                    "held by a live agent on %s",
+                    self.name,
+                    reg.rank,
+                    reg.hostname or "?",
+                    reg.device,
+                    existing.registration.hostname or "?",
+                )
                 raise AlreadyExists(
                     f"rank {reg.rank} of pool {self.name!r} is held by a live agent on "
                     f"{existing.registration.hostname or '?'} ({existing.registration.device}); "
@@ -270,7 +306,8 @@ class Pool:
                 self._check_replacement(existing, reg, available)
             slot = RankSlot(
                 registration=reg,
-                session_id=uuid.uuid4().hex,
+                # A secret: the rank's later calls must carry it (compared in constant time).
+                session_id=secrets.token_hex(16),
                 registered_at=now,
                 last_seen=now,
                 available_bytes=available,
@@ -280,6 +317,15 @@ class Pool:
             if self.plan is not None:
                 # A replaced rank comes back with fresh memory: cached blocks would be read
                 # from bytes it no longer has, so no future request may hit them.
+                if existing is not None:
+                    security_log.warning(
+                        "pool %s: rank %d is back (%s on %s), replacing its lost agent%s",
+                        self.name,
+                        reg.rank,
+                        reg.device,
+                        reg.hostname or "?",
+                        "; its cached blocks are forgotten" if existing.allocated else "",
+                    )
                 if existing is not None and existing.allocated:
                     self._forget_cached_blocks()
                 if self.state == PoolState.READY:
@@ -388,7 +434,7 @@ class Pool:
             NotFound: the rank is not registered under that session (register again).
         """
         slot = self.slots.get(rank)
-        if slot is None or slot.session_id != session_id:
+        if slot is None or not _same_secret(slot.session_id, session_id):
             raise NotFound(
                 f"rank {rank} of pool {self.name!r} has no registration with session "
                 f"{session_id!r}; register again"
@@ -439,6 +485,14 @@ class Pool:
                 await changed.wait()
         finally:
             slot.open_streams -= 1
+            if slot.open_streams == 0 and self.slots.get(rank) is slot and self.plan is not None:
+                security_log.warning(
+                    "pool %s: rank %d (%s on %s) lost its plan stream",
+                    self.name,
+                    rank,
+                    slot.registration.device,
+                    slot.registration.hostname or "?",
+                )
             self._refresh_health()
 
     def report_allocation(
@@ -472,7 +526,7 @@ class Pool:
     def heartbeat(self, rank: int, session_id: str, memory_free_bytes: int) -> PoolState | None:
         """Record a heartbeat; None when the session is unknown (the agent must re-register)."""
         slot = self.slots.get(rank)
-        if slot is None or slot.session_id != session_id:
+        if slot is None or not _same_secret(slot.session_id, session_id):
             return None
         slot.last_seen = self._clock()
         if memory_free_bytes:

@@ -1,0 +1,66 @@
+"""The security log (``kvsvc.security``): transitions, lost and returning ranks, takeovers."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+import pytest
+
+from kvsvc.server.config import PoolConfig
+from tests.server.harness import FakeRank, bring_up, llama_like_specs, running_server
+
+
+def _lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "kvsvc.security"]
+
+
+def _wait_for(caplog: pytest.LogCaptureFixture, text: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(text in line for line in _lines(caplog)):
+        assert time.monotonic() < deadline, f"no log line with {text!r}: {_lines(caplog)}"
+        time.sleep(0.02)
+
+
+def test_ready_degraded_lost_back_and_refused_takeovers_are_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="kvsvc.security")
+    with running_server(PoolConfig(name="p", world_size=2, max_model_len=256)) as srv:
+        ranks = bring_up(srv, "p", world_size=2, kv_cache_bytes=64 * 32 * 1024)
+        _wait_for(caplog, "pool p: PLANNED -> READY")
+        # A second agent for a live rank is refused, and the refusal is logged.
+        intruder = FakeRank(srv.address, "p", 1, 2, llama_like_specs(), 64 * 32 * 1024)
+        with pytest.raises(grpc.RpcError) as info:
+            intruder.register()
+        assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        _wait_for(caplog, "refused a registration of rank 1")
+        # Rank 1's agent dies: its stream closes, the pool degrades.
+        ranks[1].close()
+        _wait_for(caplog, "rank 1 (cpu on test) lost its plan stream")
+        _wait_for(
+            caplog, "pool p: READY -> DEGRADED (ranks without a plan stream or heartbeat: [1])"
+        )
+        # Its replacement registers: logged as back, its cached blocks forgotten.
+        intruder.register()
+        _wait_for(caplog, "rank 1 is back")
+        intruder.open_stream()
+        intruder.wait_for_config()
+        intruder.report()
+        _wait_for(caplog, "pool p: DEGRADED -> READY")
+        intruder.close()
+        ranks[0].close()
+    assert all("session" not in line for line in _lines(caplog))
+
+
+def test_a_session_id_must_match_exactly(caplog: pytest.LogCaptureFixture) -> None:
+    with running_server(PoolConfig(name="p", max_model_len=256)) as srv:
+        (rank,) = bring_up(srv, "p", kv_cache_bytes=64 * 32 * 1024)
+        real = rank.session_id
+        for forged in ("", real[:-1], real + "0", "é" * len(real)):
+            rank.session_id = forged
+            assert rank.heartbeat().reregister, forged
+        rank.session_id = real
+        assert not rank.heartbeat().reregister
+        rank.close()
