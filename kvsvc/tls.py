@@ -45,7 +45,15 @@ _PRIVATE_KEY = b"PRIVATE KEY-----"
 
 
 class TlsError(ValueError):
-    """TLS settings that do not go together (a certificate without its key, ...)."""
+    """TLS settings that do not go together (a certificate without its key, ...).
+
+    ``setting`` names the flag or field to change; the message starts with it.
+    """
+
+    def __init__(self, setting: str, message: str) -> None:
+        super().__init__(f"{setting}: {message}")
+        self.setting = setting
+        self.message = message
 
 
 class TlsFileError(TlsError):
@@ -68,23 +76,24 @@ def read_pem(path: str, setting: str, *, key: bool = False) -> bytes:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as exc:
-        raise TlsFileError(f"{setting}: cannot read {path}: {exc.strerror or exc}") from None
+        raise TlsFileError(setting, f"cannot read {path}: {exc.strerror or exc}") from None
     if key:
         if b"ENCRYPTED" in data:
             # gRPC core cannot decrypt a key, and nothing here may prompt for a passphrase.
             raise TlsFileError(
-                f"{setting}: {path} is an encrypted private key; give an unencrypted one "
-                "(openssl pkey -in KEY -out KEY.plain) and protect the file instead"
+                setting,
+                f"{path} is an encrypted private key; give an unencrypted one "
+                "(openssl pkey -in KEY -out KEY.plain) and protect the file instead",
             )
         if _PRIVATE_KEY not in data:
-            raise TlsFileError(f"{setting}: {path} holds no PEM private key")
+            raise TlsFileError(setting, f"{path} holds no PEM private key")
     elif _CERTIFICATE not in data:
-        raise TlsFileError(f"{setting}: {path} holds no PEM certificate")
+        raise TlsFileError(setting, f"{path} holds no PEM certificate")
     return data
 
 
 def _no_passphrase() -> str:
-    raise TlsFileError("the private key needs a passphrase")
+    raise TlsFileError("tls_key", "the private key needs a passphrase")
 
 
 def _load_pair(context: ssl.SSLContext, cert: str, key: str, cert_setting: str) -> None:
@@ -94,14 +103,14 @@ def _load_pair(context: ssl.SSLContext, cert: str, key: str, cert_setting: str) 
     except ssl.SSLError as exc:
         if exc.reason == "KEY_VALUES_MISMATCH":
             raise TlsFileError(
-                f"{cert_setting}: the private key {key} does not belong to the certificate {cert}"
+                cert_setting, f"the private key {key} does not belong to the certificate {cert}"
             ) from None
         raise TlsFileError(
-            f"{cert_setting}: cannot load the certificate {cert} with the key {key}: "
-            f"{exc.reason or exc}"
+            cert_setting,
+            f"cannot load the certificate {cert} with the key {key}: {exc.reason or exc}",
         ) from None
     except OSError as exc:
-        raise TlsFileError(f"{cert_setting}: cannot read {cert} or {key}: {exc}") from None
+        raise TlsFileError(cert_setting, f"cannot read {cert} or {key}: {exc}") from None
 
 
 def _load_ca(context: ssl.SSLContext, ca: str, setting: str) -> None:
@@ -109,7 +118,7 @@ def _load_ca(context: ssl.SSLContext, ca: str, setting: str) -> None:
         context.load_verify_locations(cafile=ca)
     except (ssl.SSLError, OSError) as exc:
         reason = getattr(exc, "reason", None) or exc
-        raise TlsFileError(f"{setting}: cannot load CA certificates from {ca}: {reason}") from None
+        raise TlsFileError(setting, f"cannot load CA certificates from {ca}: {reason}") from None
 
 
 # ---------------------------------------------------------------- listeners
@@ -289,7 +298,8 @@ class ClientTls:
     def __post_init__(self) -> None:
         if (self.cert is None) != (self.key is None):
             raise TlsError(
-                "tls_cert and tls_key go together: give the client certificate and its key"
+                "tls_key" if self.key is None else "tls_cert",
+                "tls_cert and tls_key go together: give the client certificate and its key",
             )
 
     def check(self) -> None:
@@ -369,7 +379,7 @@ def client_tls(
     resolved_name = pick(server_name, TLS_SERVER_NAME_ENV)
     if resolved_ca is None and resolved_cert is None and resolved_key is None:
         if server_name:
-            raise TlsError("tls_server_name needs TLS: give tls_ca (or a client certificate)")
+            raise TlsError("tls_server_name", "needs TLS: give tls_ca (or a client certificate)")
         return None
     return ClientTls(resolved_ca, resolved_cert, resolved_key, resolved_name)
 

@@ -7,7 +7,9 @@ import json
 import sys
 from typing import Any
 
+from kvsvc.commands._tls import add_client_tls_flags, client_tls_from_args, tls_exit_status
 from kvsvc.server.config import DEFAULT_LISTEN
+from kvsvc.tls import TlsError
 
 
 def add_parser(subparsers: Any) -> None:
@@ -27,6 +29,7 @@ def add_parser(subparsers: Any) -> None:
         "--auth-token", help="bearer token on the command line (compatibility: visible in ps)"
     )
     parser.add_argument("--timeout", type=float, default=10.0, help="deadline per call, seconds")
+    add_client_tls_flags(parser)
     commands = parser.add_subparsers(dest="ctl_command", metavar="COMMAND", required=True)
     pools = commands.add_parser("pools", help="list pools with their state and ranks")
     pools.add_argument("--json", action="store_true")
@@ -149,11 +152,26 @@ def _event_json(event: Any) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvsvc_client import ClientOptions, KVCacheClient, KVCacheError
+    from kvsvc_client import ClientOptions, KVCacheClient, KVCacheError, UnavailableError
 
     pool = getattr(args, "pool", "")
+    try:
+        tls = client_tls_from_args(args)
+        if tls is not None:
+            tls.check()
+    except TlsError as exc:
+        print(f"kvsvc ctl: {exc}", file=sys.stderr)
+        return tls_exit_status(exc)
     options = ClientOptions(
-        timeout=args.timeout, token=args.auth_token, token_file=args.token_file, role="admin"
+        timeout=args.timeout,
+        token=args.auth_token,
+        token_file=args.token_file,
+        role="admin",
+        # Resolved above (flags, then KVSVC_TLS_*): "" keeps the client from looking again.
+        tls_ca=(tls.ca or "") if tls else "",
+        tls_cert=(tls.cert or "") if tls else "",
+        tls_key=(tls.key or "") if tls else "",
+        tls_server_name=(tls.server_name or "") if tls else "",
     )
     try:
         with KVCacheClient(args.server, pool=pool, options=options) as client:
@@ -170,7 +188,13 @@ def run(args: argparse.Namespace) -> int:
                 print("reset" if reset else "refused: blocks are still held by requests")
                 return 0 if reset else 1
     except KVCacheError as exc:
-        print(f"kvsvc ctl: {exc}", file=sys.stderr)
+        # A TLS server drops a plaintext client's connection without a word: say so.
+        hint = (
+            "; if the server uses TLS, give --tls-ca (or KVSVC_TLS_CA)"
+            if isinstance(exc, UnavailableError) and tls is None
+            else ""
+        )
+        print(f"kvsvc ctl: {exc}{hint}", file=sys.stderr)
         return 1
     except ValueError as exc:  # an unreadable or empty token file
         print(f"kvsvc ctl: {exc}", file=sys.stderr)

@@ -21,7 +21,15 @@ import warnings
 from typing import Any
 
 from kvsvc.commands._args import add_model_flags, add_model_source, int_at_least
+from kvsvc.commands._tls import (
+    add_client_tls_flags,
+    add_metrics_tls_flags,
+    client_tls_from_args,
+    metrics_tls_from_args,
+    tls_exit_status,
+)
 from kvsvc.errors import InvalidArgument
+from kvsvc.tls import TlsError
 from kvsvc.units import parse_bytes
 
 EXAMPLES = """\
@@ -151,6 +159,14 @@ def add_parser(subparsers: Any) -> None:
         "--metrics-listen", metavar="HOST:PORT", help="serve Prometheus /metrics here"
     )
     agent.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+    add_client_tls_flags(parser)
+    metrics_tls = parser.add_argument_group(
+        "agent /metrics over HTTPS",
+        "The agent's own listener takes a server certificate of its own (for the name "
+        "scrapers connect to): the client certificate above is for the kvsvc server.",
+    )
+    add_metrics_tls_flags(metrics_tls)
     parser.set_defaults(func=run)
 
 
@@ -184,6 +200,7 @@ def build_agent(args: argparse.Namespace) -> Any:
 
     Raises:
         InvalidArgument: naming the flag that is wrong.
+        TlsError: TLS flags that do not go together, or a TLS file that cannot be used.
     """
     from kvsvc_client import resolve_token
 
@@ -221,6 +238,9 @@ def build_agent(args: argparse.Namespace) -> Any:
         specs = models.split_specs_over_ranks(all_specs, tp=tp, pp=pp)[args.rank]
         model_name = os.path.basename(args.spec_file)
     default_layout, layouts = _layouts(args.attn_layout)
+    tls = client_tls_from_args(args)
+    if tls is not None:
+        tls.check()  # a TLS file error exits 1 (the environment), before the agent exists
     agent_config = WorkerAgentConfig(
         server=args.server,
         pool=args.pool,
@@ -239,6 +259,11 @@ def build_agent(args: argparse.Namespace) -> Any:
         auth_token=token,
         connect_timeout=args.connect_timeout,
         allow_replan=True,  # nothing outside this process bound the tensors
+        # Resolved above (flags, then KVSVC_TLS_*); "" keeps the agent from looking again.
+        tls_ca=(tls.ca or "") if tls else "",
+        tls_cert=(tls.cert or "") if tls else "",
+        tls_key=(tls.key or "") if tls else "",
+        tls_server_name=(tls.server_name or "") if tls else "",
     )
     return WorkerAgent(
         agent_config,
@@ -266,9 +291,18 @@ def run(args: argparse.Namespace) -> int:
         if args.metrics_listen:
             from kvsvc.worker import serve_metrics
 
-            metrics_server = serve_metrics(args.metrics_listen, agent.metrics.registry)
+            metrics_tls = metrics_tls_from_args(args)
+            metrics_server = serve_metrics(
+                args.metrics_listen, agent.metrics.registry, tls=metrics_tls
+            )
             host = args.metrics_listen.rpartition(":")[0] or "0.0.0.0"
-            logger.info("metrics on http://%s:%d/metrics", host, metrics_server.port)
+            scheme = "https" if metrics_tls is not None else "http"
+            logger.info("metrics on %s://%s:%d/metrics", scheme, host, metrics_server.port)
+        elif metrics_tls_from_args(args) is not None:
+            raise InvalidArgument("--metrics-tls-cert", "needs --metrics-listen")
+    except TlsError as exc:  # before InvalidArgument: both are ValueErrors
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return tls_exit_status(exc)
     except InvalidArgument as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2

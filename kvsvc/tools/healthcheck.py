@@ -8,12 +8,21 @@ healthy; no ``grpc_health_probe`` binary ships with kvsvc, so this is that comma
     python -m kvsvc.tools.healthcheck --server 127.0.0.1:50051 \
         --service kvsvc.v1.KVCacheService/demo
     python -m kvsvc.tools.healthcheck --agent-metrics 127.0.0.1:9401
+    KVSVC_TLS_CA=/etc/kvsvc/tls/ca.crt python -m kvsvc.tools.healthcheck --server 127.0.0.1:50051
+    python -m kvsvc.tools.healthcheck --agent-metrics https://127.0.0.1:9401 --tls-ca ca.crt
 
 The server's health names (see :mod:`kvsvc.server.app`): ``""`` is SERVING while the server
 runs, ``kvsvc.v1.KVCacheService`` when every pool serves engine calls, and
 ``kvsvc.v1.KVCacheService/<pool>`` when that pool does. A worker agent has no gRPC server;
 it is healthy when its ``/metrics`` says ``kvsvc_agent_ready 1`` (the server accepted its
 allocation).
+
+TLS: ``--tls-ca``, ``--tls-cert``, ``--tls-key`` and ``--tls-server-name`` (or ``KVSVC_TLS_CA``,
+``KVSVC_TLS_CERT``, ``KVSVC_TLS_KEY``, ``KVSVC_TLS_SERVER_NAME``, which a container sets once
+for its kvsvc process and its health check alike) make the ``--server`` check speak TLS.
+``--agent-metrics https://HOST:PORT`` reads an agent's ``/metrics`` over HTTPS with the same
+settings (the scheme decides, as the agent's container may hold a CA for its server while
+its own ``/metrics`` is plain HTTP).
 
 Exit status: 0 healthy, 1 unhealthy or unreachable (one line on stderr says why), 2 bad
 arguments.
@@ -22,11 +31,14 @@ arguments.
 from __future__ import annotations
 
 import argparse
+import http.client
+import socket
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from typing import NamedTuple
+
+from kvsvc.commands._tls import add_client_tls_flags, client_tls_from_args, tls_exit_status
+from kvsvc.tls import ClientTls, TlsError, open_channel
 
 HEALTHY, UNHEALTHY, USAGE = 0, 1, 2
 DEFAULT_TIMEOUT_S = 3.0
@@ -54,13 +66,19 @@ def _validate_address(address: str, flag: str) -> str:
     return address
 
 
-def check_grpc(address: str, service: str = "", timeout: float = DEFAULT_TIMEOUT_S) -> HealthResult:
+def check_grpc(
+    address: str,
+    service: str = "",
+    timeout: float = DEFAULT_TIMEOUT_S,
+    tls: ClientTls | None = None,
+) -> HealthResult:
     """Ask ``address``'s ``grpc.health.v1.Health/Check`` about ``service``.
 
     Args:
         address: the server's ``HOST:PORT``.
         service: the health service name (``""``: the server as a whole).
         timeout: deadline of the call, seconds (connecting included).
+        tls: connect with TLS (None: plaintext).
 
     Returns:
         healthy only for SERVING; NOT_SERVING, an unknown service name and an unreachable
@@ -70,7 +88,7 @@ def check_grpc(address: str, service: str = "", timeout: float = DEFAULT_TIMEOUT
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     shown = repr(service) if service else "the server"
-    with grpc.insecure_channel(_bracket(address)) as channel:
+    with open_channel(_bracket(address), tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
@@ -86,20 +104,28 @@ def check_grpc(address: str, service: str = "", timeout: float = DEFAULT_TIMEOUT
     )
 
 
-def check_agent(address: str, timeout: float = DEFAULT_TIMEOUT_S) -> HealthResult:
+def check_agent(
+    address: str,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    tls: ClientTls | None = None,
+    *,
+    https: bool = False,
+) -> HealthResult:
     """Read a worker agent's ``/metrics``; healthy when every ``kvsvc_agent_ready`` is 1.
 
     Args:
         address: the agent's metrics ``HOST:PORT``.
         timeout: HTTP timeout, seconds.
+        tls: with ``https``, the CA that verifies the agent (None: the system roots) and
+            the client certificate it may require.
+        https: read ``https://`` instead of ``http://``.
     """
     from prometheus_client.parser import text_string_to_metric_families
 
-    url = f"http://{_bracket(address)}/metrics"
+    url = f"{'https' if https else 'http'}://{_bracket(address)}/metrics"
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            text = response.read().decode("utf-8")
-    except (OSError, urllib.error.URLError) as exc:
+        text = _get_metrics(address, timeout, (tls or ClientTls()) if https else None)
+    except (OSError, http.client.HTTPException) as exc:
         return HealthResult(False, f"{url}: {exc}")
     try:
         ready = [
@@ -118,6 +144,47 @@ def check_agent(address: str, timeout: float = DEFAULT_TIMEOUT_S) -> HealthResul
     return HealthResult(True, f"{url}: ready")
 
 
+def _get_metrics(address: str, timeout: float, tls: ClientTls | None) -> str:
+    """The body of ``GET /metrics`` at ``address`` (HTTPS verified by ``tls`` when set).
+
+    http.client rather than urllib: the certificate is checked against ``tls.server_name``
+    when given, while the connection goes to ``address`` (urllib checks the URL's host).
+
+    Raises:
+        OSError: unreachable, a refused handshake, or an answer other than 200.
+    """
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    connection: http.client.HTTPConnection
+    if tls is None:
+        connection = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    else:
+        connection = _VerifiedHTTPS(host, int(port), tls, timeout)
+    try:
+        connection.request("GET", "/metrics")
+        response = connection.getresponse()
+        body = response.read()
+        if response.status != 200:
+            raise OSError(f"HTTP {response.status} {response.reason}")
+        return body.decode("utf-8")
+    finally:
+        connection.close()
+
+
+class _VerifiedHTTPS(http.client.HTTPSConnection):
+    """HTTPS whose certificate must carry ``tls.server_name`` (or the host) and chain to
+    ``tls.ca``; presents ``tls``' client certificate when it has one."""
+
+    def __init__(self, host: str, port: int, tls: ClientTls, timeout: float) -> None:
+        self._tls_context = tls.ssl_context()
+        self._server_name = tls.server_name or host
+        super().__init__(host, port, timeout=timeout, context=self._tls_context)
+
+    def connect(self) -> None:
+        sock = socket.create_connection((self.host, self.port), self.timeout)
+        self.sock = self._tls_context.wrap_socket(sock, server_hostname=self._server_name)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m kvsvc.tools.healthcheck",
@@ -127,7 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--server", metavar="HOST:PORT", help="kvsvc server gRPC address")
     target.add_argument(
-        "--agent-metrics", metavar="HOST:PORT", help="worker agent /metrics address"
+        "--agent-metrics",
+        metavar="[https://]HOST:PORT",
+        help="worker agent /metrics address (https:// for an agent with --metrics-tls-cert)",
     )
     parser.add_argument(
         "--service",
@@ -141,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_TIMEOUT_S,
         help=f"seconds to wait for an answer (default {DEFAULT_TIMEOUT_S:g})",
     )
+    add_client_tls_flags(parser)
     return parser
 
 
@@ -152,14 +222,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.agent_metrics and args.service:
         parser.error("--service applies to --server only")
     try:
+        tls = client_tls_from_args(args)
         if args.server:
             result = check_grpc(
-                _validate_address(args.server, "--server"), args.service, args.timeout
+                _validate_address(args.server, "--server"), args.service, args.timeout, tls
             )
         else:
+            address = args.agent_metrics
+            https = address.startswith("https://")
+            address = address.removeprefix("https://").removeprefix("http://")
             result = check_agent(
-                _validate_address(args.agent_metrics, "--agent-metrics"), args.timeout
+                _validate_address(address, "--agent-metrics"), args.timeout, tls, https=https
             )
+    except TlsError as exc:  # a TLS file that cannot be used is unhealthy (1); clashing flags 2
+        print(f"{exc}", file=sys.stderr)
+        return tls_exit_status(exc)
     except ValueError as exc:
         parser.error(str(exc))
     print(result.message, file=sys.stdout if result.healthy else sys.stderr)

@@ -49,6 +49,7 @@ import grpc
 from kvsvc.convert import config_from_pb, layer_specs_to_pb
 from kvsvc.errors import InvalidArgument
 from kvsvc.specs import KVCacheConfig, KVCacheSpec
+from kvsvc.tls import ClientTls, TlsError, client_tls, open_channel
 from kvsvc.units import format_gib
 from kvsvc.v1 import pools_pb2, worker_pb2, worker_pb2_grpc
 from kvsvc.worker.allocation import (
@@ -110,6 +111,9 @@ class WorkerAgentConfig:
         allow_replan: a different plan after tensors exist reallocates them (a standalone
             process) instead of stopping with ``REPLANNED`` (an engine that bound them).
         hostname: reported at registration.
+        tls_ca / tls_cert / tls_key / tls_server_name: TLS of the channel to the server,
+            as :class:`kvsvc_client.ClientOptions` takes them (None: the ``KVSVC_TLS_*``
+            variable; ""; off); a CA or a client certificate makes the channel TLS.
     """
 
     server: str
@@ -133,6 +137,18 @@ class WorkerAgentConfig:
     heartbeat_failures_before_reconnect: int = 3
     allow_replan: bool = False
     hostname: str = field(default_factory=socket.gethostname)
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_server_name: str | None = None
+
+    def client_tls(self) -> ClientTls | None:
+        """The channel's TLS settings, environment fallbacks applied (None: plaintext).
+
+        Raises:
+            TlsError: a certificate without its key, or a server name without TLS.
+        """
+        return client_tls(self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)
 
     def validate(self) -> None:
         """Raises InvalidArgument naming the first bad field."""
@@ -158,6 +174,12 @@ class WorkerAgentConfig:
                 raise InvalidArgument(name, f"must be positive, got {getattr(self, name)}")
         if self.connect_timeout is not None and self.connect_timeout <= 0:
             raise InvalidArgument("connect_timeout", "must be positive")
+        try:
+            tls = self.client_tls()
+            if tls is not None:
+                tls.check()  # a wrong path fails here, not in the reconnect loop
+        except TlsError as exc:
+            raise InvalidArgument(exc.setting, exc.message) from None
         if self.heartbeat_failures_before_reconnect < 1:
             raise InvalidArgument("heartbeat_failures_before_reconnect", "must be >= 1")
 
@@ -346,9 +368,10 @@ class WorkerAgent:
             format_gib(profile.free_bytes),
             format_gib(profile.non_kv_bytes),
         )
-        self._channel = grpc.insecure_channel(
+        self._channel = open_channel(
             self._cfg.server,
-            options=[
+            self._cfg.client_tls(),
+            [
                 ("grpc.initial_reconnect_backoff_ms", int(self._cfg.backoff_initial * 1000)),
                 ("grpc.min_reconnect_backoff_ms", int(self._cfg.backoff_initial * 1000)),
                 ("grpc.max_reconnect_backoff_ms", int(self._cfg.backoff_max * 1000)),

@@ -21,9 +21,11 @@ from dataclasses import dataclass
 from threading import Thread
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvsvc.errors import InvalidArgument
+from kvsvc.metrics_http import serve_metrics_http
+from kvsvc.tls import ServerTls, ServerTlsSource
 
 
 class AgentMetrics:
@@ -101,8 +103,23 @@ class MetricsServer:
         self.thread.join(timeout=5)
 
 
-def serve_metrics(listen: str, registry: CollectorRegistry) -> MetricsServer:
-    """Serve ``registry`` as Prometheus text on ``http://HOST:PORT/metrics`` (port 0: any)."""
+def serve_metrics(
+    listen: str, registry: CollectorRegistry, tls: ServerTls | None = None
+) -> MetricsServer:
+    """Serve ``registry`` as Prometheus text on ``http(s)://HOST:PORT/metrics`` (port 0: any).
+
+    Args:
+        listen: ``HOST:PORT``.
+        registry: the agent's series.
+        tls: serve HTTPS with this certificate (re-read when it changes), requiring client
+            certificates when it has a client CA; None for plain HTTP.
+
+    Raises:
+        InvalidArgument: a malformed ``listen``.
+        TlsFileError: a TLS file cannot be used.
+        OSError: the port cannot be bound.
+    """
     host, port = parse_listen(listen)
-    server, thread = start_http_server(port, addr=host, registry=registry)
+    source = ServerTlsSource(tls) if tls is not None else None
+    server, thread = serve_metrics_http(host, port, registry, source)
     return MetricsServer(server, thread)
