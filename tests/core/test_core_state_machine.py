@@ -125,6 +125,24 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool.cache_full_blocks([block_id], [block_hash], 0, 1, group_id, 4)
         self.model.cache(block_id, group_id, block_hash)
 
+    @precondition(lambda self: self.holders)
+    @rule(data=st.data())
+    def cache_duplicates(self, data: st.DataObject) -> None:
+        """Several requests compute the same block: one hash on 2+ blocks of one group.
+
+        Random ``cache`` draws rarely make three copies of one hash before an eviction,
+        which is what checks that the oldest remaining copy is promoted.
+        """
+        uncached = sorted({b for holder in self.holders for b in holder} - set(self.model.hash))
+        if not uncached:
+            return
+        ids = data.draw(st.lists(st.sampled_from(uncached), min_size=1, max_size=4, unique=True))
+        group_id = data.draw(st.integers(0, NUM_GROUPS - 1))
+        block_hash = data.draw(st.sampled_from(HASHES[:2]))
+        for block_id in ids:
+            self.pool.cache_full_blocks([block_id], [block_hash], 0, 1, group_id, 4)
+            self.model.cache(block_id, group_id, block_hash)
+
     @rule(block_hash=st.sampled_from(HASHES), group_id=st.integers(0, NUM_GROUPS - 1))
     def hit(self, block_hash: bytes, group_id: int) -> None:
         found = self.pool.get_cached_block(block_hash, [group_id])
@@ -336,3 +354,38 @@ def test_the_facade_machine_runs_out_of_blocks() -> None:
         machine.admit(STEMS[2], [i] * 10, 18, None, 0)
     assert machine.no_space > 0
     machine.pool_invariants()
+
+
+def test_duplicate_hashes_promote_the_oldest_remaining_copy() -> None:
+    """Three requests compute the same blocks; evicting the first copy promotes the second.
+
+    vLLM's BlockPool keeps a hash's blocks in insertion order and a lookup returns the first
+    remaining one (``BlockHashToBlockMap.get_one_block``), so after the oldest copy is
+    evicted the next admission must hit the second-oldest, not the newest.
+    """
+    pool = PoolKVCache(make_config(16, full_spec(4)), max_model_len=64, hash_seed="s")
+    prompt = list(range(1, 10))  # two full blocks and one token
+    for rid in ("a", "b", "c"):
+        # Budgets below one block: nobody's block is cached before all three allocated.
+        assert pool.allocate(rid, prompt, 3, 0, RequestStart()).num_cached_tokens == 0
+    for rid in ("a", "b", "c"):
+        assert pool.allocate(rid, [], 6).ok
+    tables = {rid: pool.block_table(rid).groups[0] for rid in ("a", "b", "c")}
+    blocks = pool.manager.block_pool
+    first_hash = blocks.block_hash[tables["a"][0]]
+    assert first_hash is not None
+    assert blocks.cached_blocks_of(first_hash, 0) == [tables[r][0] for r in ("a", "b", "c")]
+    pool.free(["a", "b", "c"])
+    # Take every uncached free block and two more: a's two cached blocks, freed first (tail
+    # first), are the least recently used.
+    num_filler = blocks.get_num_free_blocks() - 6 + 2
+    filler = list(range(100, 100 + 4 * num_filler))
+    assert pool.allocate("filler", filler, len(filler), 0, RequestStart()).ok
+    # (The filler's own blocks are cached now, a's among them, under the filler's hashes.)
+    assert blocks.cached_blocks_of(first_hash, 0) == [tables["b"][0], tables["c"][0]]
+    hit = pool.allocate("d", prompt, 9, 0, RequestStart())
+    assert hit.num_cached_tokens == 8
+    assert pool.block_table("d").groups[0][:2] == tables["b"][:2]
+    check_pool_invariants(
+        blocks, [t for r in pool.request_ids() for t in pool.block_table(r).groups]
+    )
