@@ -46,6 +46,13 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--metrics-listen", default="127.0.0.1:0", help="server /metrics address")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", action="store_true", help="echo the children's logs")
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="run everything over mTLS with a throwaway CA made by openssl in a temporary "
+        "directory (server: --tls-cert/--tls-key/--tls-client-ca; agents and engine: "
+        "--tls-ca/--tls-cert/--tls-key; /metrics over HTTPS)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -93,10 +100,33 @@ def _final_table(stats: Any, usage: Any, peak_blocks: int, elapsed: float) -> st
     return "\n".join([line, *(f"{k:<{width}}  {v}" for k, v in rows), line])
 
 
+def _tls_flags(directory: str) -> tuple[list[str], list[str], Any]:
+    """Throwaway certificates in ``directory``: the server's flags, the agents' flags and
+    the engine's client options (mTLS: everyone shows a certificate of the same CA).
+
+    Raises:
+        RuntimeError: openssl is missing or failed (DevCertsError).
+    """
+    from kvsvc_client import ClientOptions
+
+    from kvsvc.tools.devcerts import make_dev_certs
+
+    certs = make_dev_certs(directory, ("localhost", "127.0.0.1"), days=1)
+    server = ["--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key)]
+    server += ["--tls-client-ca", str(certs.ca)]
+    client = ["--tls-ca", str(certs.ca), "--tls-cert", str(certs.client_cert)]
+    client += ["--tls-key", str(certs.client_key)]
+    options = ClientOptions(
+        tls_ca=str(certs.ca), tls_cert=str(certs.client_cert), tls_key=str(certs.client_key)
+    )
+    return server, client, options
+
+
 def run(args: argparse.Namespace) -> int:
     import json
+    import tempfile
 
-    from kvsvc_client import KVCacheClient
+    from kvsvc_client import ClientOptions, KVCacheClient
 
     from kvsvc.demo.engine import SimulatedEngine, WorkloadConfig
     from kvsvc.demo.processes import spawn, stop_all, wait_for_ports
@@ -110,7 +140,15 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     pool = "demo"
     children = []
+    certs_dir = tempfile.TemporaryDirectory(prefix="kvsvc-demo-tls-") if args.tls else None
+    server_tls: list[str] = []
+    client_tls: list[str] = []
+    # Explicit "": the engine's client must not pick up a KVSVC_TLS_* of the caller's shell.
+    options = ClientOptions(tls_ca="", tls_cert="", tls_key="")
     try:
+        if certs_dir is not None:
+            server_tls, client_tls, options = _tls_flags(certs_dir.name)
+            print(f"mTLS with a throwaway CA in {certs_dir.name}")
         print(f"starting the server and {args.tp} CPU worker agents ({args.model_config}) ...")
         server = spawn(
             "server",
@@ -130,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
                 args.hash_algo,
                 "--log-level",
                 "WARNING",
+                *server_tls,
             ],
             echo=args.verbose,
         )
@@ -158,11 +197,12 @@ def run(args: argparse.Namespace) -> int:
                         str(args.tp),
                         "--kv-cache-memory",
                         args.kv_cache_memory,
+                        *client_tls,
                     ],
                     echo=args.verbose,
                 )
             )
-        with KVCacheClient(address, pool=pool) as kv:
+        with KVCacheClient(address, pool=pool, options=options) as kv:
             try:
                 kv.wait_until_ready(timeout=120)
             except TimeoutError as exc:
@@ -173,7 +213,12 @@ def run(args: argparse.Namespace) -> int:
                 return 1
             print(
                 f"pool {pool!r} is READY on {address}"
-                + (f"; metrics at http://127.0.0.1:{metrics_port}/metrics" if metrics_port else "")
+                + (
+                    f"; metrics at {'https' if args.tls else 'http'}://127.0.0.1:"
+                    f"{metrics_port}/metrics"
+                    if metrics_port
+                    else ""
+                )
             )
             plan = json.loads(kv.get_plan().plan_json)
             from kvsvc.commands.plan import render_plan_dict
@@ -208,3 +253,5 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         stop_all(children)
+        if certs_dir is not None:
+            certs_dir.cleanup()

@@ -484,3 +484,26 @@ def test_client_settings_resolve_flags_then_environment() -> None:
         client_tls(server_name="x", environ={})
     with pytest.raises(TlsFileError, match="tls_ca: cannot read /nonexistent"):
         KVCacheClient("127.0.0.1:1", POOL, options=ClientOptions(tls_ca="/nonexistent"))
+
+
+@pytest.mark.e2e
+@pytest.mark.torch
+def test_demo_runs_over_mtls_and_removes_its_certificates() -> None:
+    pytest.importorskip("torch", reason="the demo's agents allocate torch tensors")
+    if find_openssl() is None:
+        pytest.skip("the openssl command line is not installed (apt-get install openssl)")
+    env = {k: v for k, v in os.environ.items() if k not in TLS_ENV}
+    done = subprocess.run(
+        [sys.executable, "-m", "kvsvc", "demo", "--tls", "--requests", "20", "--tp", "1"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    first = done.stdout.splitlines()[0]
+    assert first.startswith("mTLS with a throwaway CA in "), first
+    assert "metrics at https://" in done.stdout
+    assert "requests finished           20" in done.stdout
+    assert not Path(first.rsplit(" ", 1)[1]).exists()
