@@ -20,6 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -507,3 +508,33 @@ def test_demo_runs_over_mtls_and_removes_its_certificates() -> None:
     assert "metrics at https://" in done.stdout
     assert "requests finished           20" in done.stdout
     assert not Path(first.rsplit(" ", 1)[1]).exists()
+
+
+def test_vllm_settings_carry_tls_to_the_engine_side_client(
+    tls_server: ServerThread, certs: dict[str, DevCerts]
+) -> None:
+    """additional_config -> KvsvcSettings -> the mirror's client (vLLM itself not needed)."""
+    from kvsvc.integrations.vllm.config import settings_from_additional_config, vllm_kwargs
+    from kvsvc.integrations.vllm.manager import KvsvcBlockMirror, KvsvcError
+
+    kwargs = vllm_kwargs(tls_server.address, POOL, tls_ca=str(certs["good"].ca))
+    settings = settings_from_additional_config(kwargs["additional_config"])
+    assert settings.tls_ca == str(certs["good"].ca) and settings.tls_cert is None
+    with KVCacheClient(tls_server.address, POOL, options=trusting(certs["good"])) as kv:
+        (info,) = [p for p in kv.list_pools() if p.name == POOL]
+    shape = {
+        "num_blocks": info.num_blocks + 1,  # vLLM counts the null block
+        "block_size": info.block_size,
+        "max_model_len": info.max_model_len,
+        "enable_caching": True,
+    }
+    KvsvcBlockMirror(settings, **shape).close()
+    plain = settings_from_additional_config(
+        vllm_kwargs(tls_server.address, POOL)["additional_config"]
+    )
+    with pytest.raises(KvsvcError, match="UNAVAILABLE"):
+        KvsvcBlockMirror(replace(plain, rpc_timeout=3.0), **shape)
+    with pytest.raises(ValueError, match="tls_cert and tls_key go together"):
+        vllm_kwargs(tls_server.address, POOL, tls_cert="/c.crt")
+    with pytest.raises(ValueError, match="unknown TLS setting"):
+        vllm_kwargs(tls_server.address, POOL, tls_certificate="/c.crt")

@@ -9,6 +9,7 @@ import vLLM, so the CLI can print the flags on a machine without it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,8 @@ SCHEDULER_CLS = "kvsvc.integrations.vllm.scheduler.KvsvcScheduler"
 WORKER_CLS = "kvsvc.integrations.vllm.worker.KvsvcWorker"
 # The key of vLLM's ``additional_config`` that holds kvsvc's settings.
 CONFIG_KEY = "kvsvc"
+# additional_config keys of the channel's TLS (KvsvcSettings' fields of the same names).
+TLS_KEYS = ("tls_ca", "tls_cert", "tls_key", "tls_server_name")
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,10 @@ class KvsvcSettings:
         auth_token: bearer token of the server, if it requires one.
         rpc_timeout: deadline of each call, in seconds.
         plan_timeout: how long a worker waits for the pool's plan, in seconds.
+        tls_ca / tls_cert / tls_key / tls_server_name: TLS to the server (paths on the
+            machine vLLM runs on), as :class:`kvsvc_client.ClientOptions` takes them; None
+            reads ``KVSVC_TLS_CA`` / ``KVSVC_TLS_CERT`` / ``KVSVC_TLS_KEY`` /
+            ``KVSVC_TLS_SERVER_NAME`` in the scheduler's and each worker's process.
     """
 
     server: str
@@ -37,6 +44,10 @@ class KvsvcSettings:
     auth_token: str | None = None
     rpc_timeout: float = 30.0
     plan_timeout: float = 300.0
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_server_name: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"server": self.server, "pool": self.pool}
@@ -46,10 +57,15 @@ class KvsvcSettings:
             out["rpc_timeout"] = self.rpc_timeout
         if self.plan_timeout != KvsvcSettings.plan_timeout:
             out["plan_timeout"] = self.plan_timeout
+        for key in TLS_KEYS:
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
         return out
 
 
-def vllm_kwargs(server: str, pool: str, auth_token: str | None = None) -> dict[str, Any]:
+def vllm_kwargs(
+    server: str, pool: str, auth_token: str | None = None, **tls: str | None
+) -> dict[str, Any]:
     """Keyword arguments that make ``vllm.LLM(model=..., **vllm_kwargs(...))`` run on kvsvc.
 
     The scheduler's KV cache manager becomes a client of the pool (blocks, prefix index,
@@ -61,13 +77,17 @@ def vllm_kwargs(server: str, pool: str, auth_token: str | None = None) -> dict[s
         pool: pool name (``kvsvc serve --pool NAME``).
         auth_token: the server's bearer token; None reads ``KVSVC_AUTH_TOKEN`` at start.
 
+        tls: ``tls_ca``, ``tls_cert``, ``tls_key``, ``tls_server_name`` for a server with
+            TLS (see :class:`KvsvcSettings`); unset ones come from ``KVSVC_TLS_*``.
+
     Returns:
         ``scheduler_cls``, ``worker_cls`` and ``additional_config``.
 
     Raises:
-        ValueError: an empty server address or pool name.
+        ValueError: an empty server address or pool name, an unknown TLS key, or a
+            client certificate without its key.
     """
-    settings = make_settings(server, pool, auth_token)
+    settings = make_settings(server, pool, auth_token, **tls)
     return {
         "scheduler_cls": SCHEDULER_CLS,
         "worker_cls": WORKER_CLS,
@@ -75,18 +95,39 @@ def vllm_kwargs(server: str, pool: str, auth_token: str | None = None) -> dict[s
     }
 
 
-def make_settings(server: str, pool: str, auth_token: str | None = None) -> KvsvcSettings:
+def make_settings(
+    server: str, pool: str, auth_token: str | None = None, **tls: str | None
+) -> KvsvcSettings:
     """Checked settings (the one constructor every entry point goes through)."""
     if not server or ":" not in server:
         raise ValueError(f"server must be HOST:PORT, got {server!r}")
     if not pool:
         raise ValueError("pool must not be empty")
-    return KvsvcSettings(server=server, pool=pool, auth_token=auth_token or None)
+    unknown = sorted(set(tls) - set(TLS_KEYS))
+    if unknown:
+        raise ValueError(
+            f"unknown TLS setting(s) {', '.join(unknown)}; valid: {', '.join(TLS_KEYS)}"
+        )
+    for key, value in tls.items():
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"{key} must be a file path (or a name), got {value!r}")
+    if (tls.get("tls_cert") is None) != (tls.get("tls_key") is None):
+        raise ValueError("tls_cert and tls_key go together: the client certificate and its key")
+    return KvsvcSettings(
+        server=server,
+        pool=pool,
+        auth_token=auth_token or None,
+        tls_ca=tls.get("tls_ca"),
+        tls_cert=tls.get("tls_cert"),
+        tls_key=tls.get("tls_key"),
+        tls_server_name=tls.get("tls_server_name"),
+    )
 
 
-def vllm_serve_flags(server: str, pool: str) -> list[str]:
-    """``vllm serve`` flags equivalent to :func:`vllm_kwargs` (the token stays in the env)."""
-    settings = make_settings(server, pool)
+def vllm_serve_flags(server: str, pool: str, **tls: str | None) -> list[str]:
+    """``vllm serve`` flags equivalent to :func:`vllm_kwargs` (the token stays in the env;
+    TLS paths are no secret and may go in, or come from ``KVSVC_TLS_*``)."""
+    settings = make_settings(server, pool, **tls)
     return [
         "--scheduler-cls",
         SCHEDULER_CLS,
@@ -114,11 +155,10 @@ def settings_from_additional_config(additional_config: Any) -> KvsvcSettings:
     # (KVSVC_ENGINE_TOKEN for the scheduler, KVSVC_AGENT_TOKEN for the workers, either
     # falling back to KVSVC_AUTH_TOKEN; see kvsvc_client.resolve_token).
     token = raw.get("auth_token") or None
-    settings = make_settings(str(raw.get("server", "")), str(raw.get("pool", "")), token)
-    return KvsvcSettings(
-        server=settings.server,
-        pool=settings.pool,
-        auth_token=settings.auth_token,
+    tls = {key: raw[key] for key in TLS_KEYS if raw.get(key) is not None}
+    settings = make_settings(str(raw.get("server", "")), str(raw.get("pool", "")), token, **tls)
+    return dataclasses.replace(
+        settings,
         rpc_timeout=float(raw.get("rpc_timeout", KvsvcSettings.rpc_timeout)),
         plan_timeout=float(raw.get("plan_timeout", KvsvcSettings.plan_timeout)),
     )

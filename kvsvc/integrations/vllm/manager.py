@@ -152,7 +152,13 @@ class KvsvcBlockMirror:
             settings.server,
             settings.pool,
             options=ClientOptions(
-                timeout=settings.rpc_timeout, token=settings.auth_token, role="engine"
+                timeout=settings.rpc_timeout,
+                token=settings.auth_token,
+                role="engine",
+                tls_ca=settings.tls_ca,
+                tls_cert=settings.tls_cert,
+                tls_key=settings.tls_key,
+                tls_server_name=settings.tls_server_name,
             ),
         )
         self.requests: dict[str, _Request] = {}

@@ -418,6 +418,10 @@ class KvsvcWorker(_PlatformWorker):
             # a server outage must not end the rank's session for good.
             connect_timeout=None,
             hostname=socket.gethostname(),
+            tls_ca=settings.tls_ca,
+            tls_cert=settings.tls_cert,
+            tls_key=settings.tls_key,
+            tls_server_name=settings.tls_server_name,
         )
 
     def _memory_profile(self, kv_cache_bytes: int) -> MemoryProfile:
