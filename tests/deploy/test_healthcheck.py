@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -130,3 +131,104 @@ def test_runs_as_a_module(server: ServerThread) -> None:
         timeout=60,
     )
     assert bad.returncode == 1 and bad.stderr.strip()
+
+
+# ---------------------------------------------------------------- TLS
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from kvsvc.tools.devcerts import find_openssl, make_dev_certs
+
+    if find_openssl() is None:
+        pytest.skip("the openssl command line is not installed (apt-get install openssl)")
+    root = tmp_path_factory.mktemp("certs")
+    return make_dev_certs(root / "good"), make_dev_certs(root / "other")
+
+
+@pytest.fixture(scope="module")
+def mtls_server(certs: Any) -> Iterator[ServerThread]:
+    good, _ = certs
+    with running_server(
+        PoolConfig(name="p", world_size=1, max_model_len=256),
+        tls_cert=str(good.server_cert),
+        tls_key=str(good.server_key),
+        tls_client_ca=str(good.ca),
+    ) as srv:
+        yield srv
+
+
+@pytest.fixture
+def no_tls_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in ("KVSVC_TLS_CA", "KVSVC_TLS_CERT", "KVSVC_TLS_KEY", "KVSVC_TLS_SERVER_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_tls_flags_and_environment_reach_an_mtls_server(
+    mtls_server: ServerThread, certs: Any, no_tls_env: pytest.MonkeyPatch
+) -> None:
+    good, other = certs
+    flags = ["--tls-ca", str(good.ca), "--tls-cert", str(good.client_cert)]
+    flags += ["--tls-key", str(good.client_key)]
+    assert main(["--server", mtls_server.address, "--timeout", "2", *flags]) == 0
+    # The container way: the variables its kvsvc process already has.
+    no_tls_env.setenv("KVSVC_TLS_CA", str(good.ca))
+    no_tls_env.setenv("KVSVC_TLS_CERT", str(good.client_cert))
+    no_tls_env.setenv("KVSVC_TLS_KEY", str(good.client_key))
+    assert main(["--server", mtls_server.address, "--timeout", "2"]) == 0
+    # Without a client certificate, or with one of another CA: unhealthy.
+    assert main(["--server", mtls_server.address, "--timeout", "2", "--tls-cert", ""]) == 2
+    no_tls_env.delenv("KVSVC_TLS_CERT")
+    no_tls_env.delenv("KVSVC_TLS_KEY")
+    assert main(["--server", mtls_server.address, "--timeout", "2"]) == 1
+    foreign = ["--tls-cert", str(other.client_cert), "--tls-key", str(other.client_key)]
+    assert main(["--server", mtls_server.address, "--timeout", "2", *foreign]) == 1
+
+
+def test_a_plaintext_check_of_a_tls_server_is_unhealthy(
+    mtls_server: ServerThread, no_tls_env: pytest.MonkeyPatch
+) -> None:
+    result = check_grpc(mtls_server.address, timeout=1.0)
+    assert not result.healthy and "UNAVAILABLE" in result.message
+
+
+def test_a_missing_tls_file_is_one_line_and_unhealthy(
+    server: ServerThread, no_tls_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--server", server.address, "--tls-ca", "/nonexistent/ca.crt"]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "tls_ca: cannot read /nonexistent/ca.crt: No such file or directory"
+    ]
+
+
+def test_agent_metrics_over_https(certs: Any, no_tls_env: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("torch", reason="kvsvc.worker imports torch (the worker extra)")
+    from kvsvc.tls import ClientTls, ServerTls
+    from kvsvc.worker.metrics import AgentMetrics, serve_metrics
+
+    good, other = certs
+    metrics = AgentMetrics("p", 0, "cpu")
+    metrics.ready.set(1)
+    endpoint = serve_metrics(
+        "127.0.0.1:0",
+        metrics.registry,
+        tls=ServerTls(str(good.server_cert), str(good.server_key), str(good.ca)),
+    )
+    try:
+        address = f"127.0.0.1:{endpoint.port}"
+        client = ClientTls(str(good.ca), str(good.client_cert), str(good.client_key))
+        assert check_agent(address, tls=client, https=True).healthy
+        # Connected by IP, checked against a name on the certificate.
+        named = ClientTls(client.ca, client.cert, client.key, server_name="localhost")
+        assert check_agent(address, tls=named, https=True).healthy
+        wrong = ClientTls(client.ca, client.cert, client.key, server_name="wrong.test")
+        assert not check_agent(address, tls=wrong, https=True).healthy
+        assert not check_agent(address, tls=ClientTls(str(good.ca)), https=True).healthy
+        assert not check_agent(address, tls=ClientTls(str(other.ca)), https=True).healthy
+        assert not check_agent(address, timeout=1.0).healthy  # plain HTTP
+        flags = ["--tls-ca", str(good.ca), "--tls-cert", str(good.client_cert)]
+        flags += ["--tls-key", str(good.client_key)]
+        assert main(["--agent-metrics", f"https://{address}", *flags]) == 0
+    finally:
+        endpoint.close()

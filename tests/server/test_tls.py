@@ -538,3 +538,29 @@ def test_vllm_settings_carry_tls_to_the_engine_side_client(
         vllm_kwargs(tls_server.address, POOL, tls_cert="/c.crt")
     with pytest.raises(ValueError, match="unknown TLS setting"):
         vllm_kwargs(tls_server.address, POOL, tls_certificate="/c.crt")
+
+
+def test_kvsvc_worker_tls_flag_errors(
+    certs: dict[str, DevCerts], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A TLS file that cannot be used exits 1 (the environment), clashing flags 2 (usage)."""
+    pytest.importorskip("torch", reason="kvsvc worker imports the agent (torch)")
+    from kvsvc.cli import main
+
+    base = ["worker", "--server", "127.0.0.1:1", "--pool", POOL, "--rank", "0"]
+    base += ["--world-size", "1", "--device", "cpu", "--model-config", "llama-3.2-1b"]
+    base += ["--kv-cache-memory", "64MiB", "--connect-timeout", "1"]
+    assert main([*base, "--tls-ca", "/nonexistent/ca.crt"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "kvsvc worker: error: tls_ca: cannot read /nonexistent/ca.crt: No such file or directory"
+    )
+    assert main([*base, "--tls-cert", str(certs["good"].client_cert)]) == 2
+    assert "tls_cert and tls_key go together" in capsys.readouterr().err
+    metrics = [
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--metrics-tls-cert",
+        str(certs["good"].server_cert),
+    ]
+    assert main([*base, *metrics]) == 2
+    assert "--metrics-tls-cert and --metrics-tls-key go together" in capsys.readouterr().err
