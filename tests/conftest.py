@@ -1,0 +1,55 @@
+"""Suite-wide settings: Hypothesis profiles, and what CI must have installed.
+
+Hypothesis: locally the default profile runs (random examples, the example database
+replays past failures). In CI (``CI=true``) the ``ci`` profile runs: derandomized, so a CI
+failure is the same failure on every rerun and on a developer's machine with
+``HYPOTHESIS_PROFILE=ci``; the failing example is printed with its ``@reproduce_failure``
+blob; no database (a fresh clone has none, and a derandomized run needs none).
+``HYPOTHESIS_PROFILE`` picks a profile by name either way.
+
+CI also fails at once when a Python module that the suite imports with
+``pytest.importorskip`` is missing: there the skip would hide a broken install.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+from tests.tooling import hypothesis_profile, in_ci
+
+# Modules of the ``worker`` and ``dev`` extras that tests import with importorskip (the
+# vLLM venv installs them too).
+CI_REQUIRED_MODULES = ("torch", "yaml", "grpc_tools", "hypothesis")
+
+
+try:
+    from hypothesis import HealthCheck, settings
+except ImportError:  # the tests that use it import it and fail (or CI says so below)
+    pass
+else:
+    # Recent Hypothesis has a built-in "ci" profile like this one; registering it keeps the
+    # behaviour on the older versions pyproject.toml allows. No deadline and no too_slow
+    # health check: a loaded 2-core CI box must not fail a test for being slow.
+    settings.register_profile(
+        "ci",
+        derandomize=True,
+        database=None,
+        print_blob=True,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    settings.load_profile(hypothesis_profile(dict(os.environ)))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not in_ci():
+        return
+    absent = [name for name in CI_REQUIRED_MODULES if importlib.util.find_spec(name) is None]
+    if absent:
+        raise pytest.UsageError(
+            f"CI=true but {', '.join(absent)} cannot be imported: the tests that need them "
+            "would skip; install the worker and dev extras (make test does)"
+        )
