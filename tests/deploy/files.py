@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -17,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests import tooling
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -55,14 +56,13 @@ def free_port() -> int:
 
 
 def require_tool(name: str) -> str:
-    """The path of executable ``name``, or skip saying how to get it."""
-    path = shutil.which(name)
-    if path is None:
-        pytest.skip(
-            f"{name} is not installed (Debian package 'prometheus': "
-            "apt-get install prometheus; .ci/run installs it)"
-        )
-    return path
+    """The path of Prometheus executable ``name`` (promtool, prometheus).
+
+    Missing, it skips saying how to get it, or fails in CI (:mod:`tests.tooling`).
+    """
+    return tooling.require_tool(
+        name, "Debian package 'prometheus': apt-get install prometheus (.ci/run installs it)"
+    )
 
 
 # ---------------------------------------------------------------- Dockerfile

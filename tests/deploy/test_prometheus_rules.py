@@ -3,7 +3,7 @@ behave as their unit tests say, the compose scrape config is valid, and every ru
 only metrics kvsvc exports.
 
 promtool comes with the Debian package ``prometheus`` (.ci/run installs it); without it
-these tests skip, saying so.
+these tests skip, saying so, and fail in CI (:mod:`tests.tooling`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ server's series, runs every query of the Grafana dashboard, and checks every ale
 evaluates without error.
 
 Prometheus comes with the Debian package ``prometheus`` (.ci/run installs it); without it
-the test skips, saying so.
+the test skips, saying so, and fails in CI (:mod:`tests.tooling`).
 """
 
 from __future__ import annotations
