@@ -30,12 +30,15 @@ from kvsvc.core.events import (
 from kvsvc.core.hashing import (
     DEFAULT_SHA256_CBOR_SEED,
     HASH_ALGOS,
+    MAX_MM_IDENTIFIER_BYTES,
+    MAX_MM_ITEMS,
     BlockExtraKeys,
     BlockHash,
     BlockHasher,
     BlockHashListWithBlockSize,
     HashingContext,
     MultiModalItem,
+    check_mm_items,
     hashes_at_block_size,
     validate_token_ids,
 )
@@ -52,9 +55,11 @@ from kvsvc.core.managers import (
     manager_class_for,
 )
 from kvsvc.core.pool import (
+    DEFAULT_RECENTLY_FREED,
     AllocateOutcome,
     BlockTableView,
     PoolKVCache,
+    PreparedLookup,
     RequestStart,
     RunningColumns,
 )
@@ -62,8 +67,11 @@ from kvsvc.core.request import RequestState
 from kvsvc.core.stats import PrefixCacheStats, UsageSnapshot
 
 __all__ = [
+    "DEFAULT_RECENTLY_FREED",
     "DEFAULT_SHA256_CBOR_SEED",
     "HASH_ALGOS",
+    "MAX_MM_IDENTIFIER_BYTES",
+    "MAX_MM_ITEMS",
     "MEDIUM_GPU",
     "NULL_BLOCK_ID",
     "AllBlocksCleared",
@@ -93,6 +101,7 @@ __all__ = [
     "NoPrefixCacheCoordinator",
     "PoolKVCache",
     "PrefixCacheStats",
+    "PreparedLookup",
     "RequestStart",
     "RequestState",
     "RunningColumns",
@@ -101,6 +110,7 @@ __all__ = [
     "SlidingWindowManager",
     "UnitaryCoordinator",
     "UsageSnapshot",
+    "check_mm_items",
     "hashes_at_block_size",
     "make_coordinator",
     "make_manager",

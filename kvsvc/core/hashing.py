@@ -57,6 +57,11 @@ MAX_TOKEN_ID_EXCLUSIVE = 2**31
 
 BlockHash = bytes
 ExtraKeys = tuple[tuple[Any, ...], ...]
+# Bounds on a prompt's multimodal items (see check_mm_items): far above what a model
+# takes (vLLM caps items per prompt in the tens), low enough that a hostile context
+# cannot make every block's extra-key walk or the request's memory large.
+MAX_MM_ITEMS = 4096
+MAX_MM_IDENTIFIER_BYTES = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +104,55 @@ class HashingContext:
         return not (
             self.cache_salt or self.lora_name or self.mm_items or self.prompt_embeds_digests
         )
+
+
+def check_mm_items(context: HashingContext | None, num_tokens: int, field: str = "hashing") -> None:
+    """Check a prompt's multimodal items before anything is admitted or looked up.
+
+    An item stands for placeholder tokens of the prompt, so it must lie inside it
+    (``offset + length <= num_tokens``): one that does not would key blocks the prompt
+    does not have (and a length of 10^9 is nothing a model produces). The count and the
+    identifier bytes are bounded (:data:`MAX_MM_ITEMS`, :data:`MAX_MM_IDENTIFIER_BYTES`)
+    because every block's extra keys are drawn from them.
+
+    Args:
+        context: the request's hashing context (None: nothing to check).
+        num_tokens: the prompt's length (with the outputs so far on resumption).
+        field: the context's name in error messages.
+
+    Raises:
+        InvalidArgument: naming the item (``<field>.mm_items[i]``) and the bound.
+    """
+    if context is None or not context.mm_items:
+        return
+    items = context.mm_items
+    if len(items) > MAX_MM_ITEMS:
+        raise InvalidArgument(
+            f"{field}.mm_items", f"{len(items)} items exceed the limit of {MAX_MM_ITEMS}"
+        )
+    for i, item in enumerate(items):
+        where = f"{field}.mm_items[{i}]"
+        identifier = item.identifier
+        if not isinstance(identifier, str) or not identifier:
+            raise InvalidArgument(f"{where}.identifier", "must be a non-empty string")
+        # At most 4 bytes a character: short identifiers need no encoding.
+        if len(identifier) > MAX_MM_IDENTIFIER_BYTES // 4 and (
+            len(identifier.encode()) > MAX_MM_IDENTIFIER_BYTES
+        ):
+            raise InvalidArgument(
+                f"{where}.identifier", f"longer than {MAX_MM_IDENTIFIER_BYTES} bytes (UTF-8)"
+            )
+        offset, length = item.offset, item.length
+        if type(offset) is not int or type(length) is not int or offset < 0 or length <= 0:
+            raise InvalidArgument(
+                where, f"needs offset >= 0 and length > 0, got offset={offset!r} length={length!r}"
+            )
+        if offset + length > num_tokens:
+            raise InvalidArgument(
+                where,
+                f"offset {offset} + length {length} runs past the prompt's {num_tokens} "
+                "tokens; an item must lie inside the prompt",
+            )
 
 
 class BlockExtraKeys:

@@ -16,7 +16,11 @@ finish / preempt       ``free([rid])``: blocks back tail first; cached ones stay
 
 Every call validates its input before changing anything, and a ``NO_SPACE`` outcome
 (``ok=False``) leaves the pool exactly as it was. Single-threaded: the server serialises
-calls per pool.
+calls per pool (only :meth:`PoolKVCache.prepare_lookup` may run beside them).
+
+Retries are safe where a lost reply would otherwise make them fail: an admission repeated
+exactly (same id, prompt, start and counts) before the request's next call answers the
+request's current state, and a ``free`` of a recently freed id succeeds with nothing freed.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import array
 import itertools
 import struct
 import sys
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -35,14 +40,16 @@ from kvsvc.core.events import MEDIUM_GPU, KVEventBatch
 from kvsvc.core.hashing import (
     MAX_TOKEN_ID_EXCLUSIVE,
     BlockExtraKeys,
+    BlockHash,
     HashingContext,
+    check_mm_items,
     pack_token_ids,
     validate_token_ids,
 )
 from kvsvc.core.manager import KVCacheManager
 from kvsvc.core.request import RequestState
 from kvsvc.core.stats import UsageSnapshot
-from kvsvc.errors import InvalidArgument, KvsvcError, NotFound
+from kvsvc.errors import AlreadyExists, InvalidArgument, KvsvcError, NotFound, ResourceExhausted
 from kvsvc.specs import KVCacheConfig
 
 
@@ -62,6 +69,37 @@ class RequestStart:
     skip_prefix_cache_read: bool = False
     resumed: bool = False
     num_encoder_tokens: int = 0
+
+
+# Freed request ids remembered per pool, so a retried Free succeeds (see PoolKVCache.free).
+DEFAULT_RECENTLY_FREED = 65536
+
+
+@dataclass(frozen=True, slots=True)
+class _Admission:
+    """What a live request's admission was called with and answered, kept until its next
+    successful call so an identical retry (its reply was lost) can be answered again."""
+
+    start: RequestStart
+    num_new_tokens: int
+    num_lookahead_tokens: int
+    num_cached_tokens: int
+    num_scheduled_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedLookup:
+    """A prompt's block hashes and hit cap (:meth:`PoolKVCache.prepare_lookup`).
+
+    Attributes:
+        block_hashes: the prompt's full-block hashes at the pool's hash block size.
+        max_hit_tokens: the admission cap (one token is always computed).
+        enabled: False when nothing can hit (caching off, or a prompt under 2 tokens).
+    """
+
+    block_hashes: list[BlockHash]
+    max_hit_tokens: int
+    enabled: bool
 
 
 @dataclass(slots=True)
@@ -145,11 +183,15 @@ class PoolKVCache:
             reporting; not enforced).
         enable_events: record KV events for :meth:`take_events`.
         event_medium: medium named in events.
+        max_requests: live requests at most; an admission past it raises
+            ResourceExhausted (None: no bound).
+        recently_freed: how many freed request ids are remembered, oldest forgotten
+            first, so that a retried ``free`` of one succeeds (see :meth:`free`).
 
     Raises:
         ValueError: an unknown ``hash_algo`` (listing the valid names), a
-            ``hash_block_size`` that does not fit the groups, a bad ``max_model_len``, or a
-            group kind without a manager.
+            ``hash_block_size`` that does not fit the groups, a bad ``max_model_len``,
+            ``max_requests`` or ``recently_freed``, or a group kind without a manager.
     """
 
     def __init__(
@@ -164,11 +206,17 @@ class PoolKVCache:
         max_num_batched_tokens: int = 8192,
         enable_events: bool = True,
         event_medium: str = MEDIUM_GPU,
+        max_requests: int | None = None,
+        recently_freed: int = DEFAULT_RECENTLY_FREED,
     ) -> None:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        if max_requests is not None and max_requests < 1:
+            raise ValueError(f"max_requests must be >= 1, got {max_requests}")
+        if recently_freed < 0:
+            raise ValueError(f"recently_freed must be >= 0, got {recently_freed}")
         self.manager = KVCacheManager(
             config,
             max_model_len,
@@ -181,7 +229,13 @@ class PoolKVCache:
         )
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_requests = max_requests
+        self.recently_freed = recently_freed
         self._requests: dict[str, RequestState] = {}
+        # Live requests whose admission may still be retried (no successful call since).
+        self._admissions: dict[str, _Admission] = {}
+        # Freed ids, oldest first (values unused): a retried free of one is not an error.
+        self._freed: OrderedDict[str, None] = OrderedDict()
         self._num_preemptions = 0
         coordinator = self.manager.coordinator
         # Groups that never drop blocks always report 0 leading nulls: skip asking.
@@ -265,10 +319,17 @@ class PoolKVCache:
         Returns:
             The outcome; ``ok=False`` (NO_SPACE) changed nothing. A refused first call does
             not make the request live; a refused later call does not keep the new tokens.
+            A first call for a live request that repeats its admission exactly (same
+            prompt, ``start``, counts), with no successful call in between, is a retry
+            whose reply was lost: it changes nothing and answers the request's state as
+            the admission did (its whole table, cached and scheduled counts).
 
         Raises:
-            InvalidArgument: bad counts or token ids, an empty prompt, a length beyond
-                max_model_len, or a first call for a live request; nothing changed.
+            InvalidArgument: bad counts, token ids or multimodal items, an empty prompt,
+                or a length beyond max_model_len (on every call, however the tokens
+                came); nothing changed.
+            AlreadyExists: a first call for a live request that is not such a retry.
+            ResourceExhausted: an admission while ``max_requests`` requests are live.
             NotFound: a later call for a request that is not live.
         """
         if num_new_tokens < 0:
@@ -290,8 +351,11 @@ class PoolKVCache:
         if request is None:
             raise NotFound(f"request {request_id!r} is not live in this pool")
         num_tokens_before = len(request.all_token_ids)
-        if new_token_ids and packed_token_ids is None:
-            validate_token_ids(new_token_ids, "new_token_ids")
+        if new_token_ids:
+            if packed_token_ids is None:
+                validate_token_ids(new_token_ids, "new_token_ids")
+            # Packed tokens were validated when unpacked, but their count is bounded here
+            # like any other: max_model_len holds on every path.
             if num_tokens_before + len(new_token_ids) > self.max_model_len:
                 raise InvalidArgument(
                     "new_token_ids",
@@ -337,6 +401,9 @@ class PoolKVCache:
                 computed_before,
             )
         request.num_computed_tokens = computed + num_new_tokens
+        if self._admissions:
+            # The engine had the admission's reply: a repeat of it is no retry any more.
+            self._admissions.pop(request_id, None)
         return AllocateOutcome(
             True,
             block_ids,
@@ -355,26 +422,31 @@ class PoolKVCache:
         start: RequestStart,
         packed: bytes | None = None,
     ) -> AllocateOutcome:
-        if request_id in self._requests:
-            raise InvalidArgument(
-                "request_id",
-                f"request {request_id!r} is already live; only its first call carries start",
-            )
+        live = self._requests.get(request_id)
+        if live is not None:
+            return self._repeat_admission(live, prompt, budget, num_lookahead_tokens, start, packed)
         if not prompt:
             raise InvalidArgument("new_token_ids", "the first call must carry the prompt")
-        # Token lists that come with their packed form were decoded for this call (the
-        # wire path): take them over instead of copying.
-        owned = packed is not None and isinstance(prompt, (list, array.array))
-        if packed is None:
-            packed = pack_token_ids(prompt, "new_token_ids")
         if len(prompt) > self.max_model_len:
             raise InvalidArgument(
                 "new_token_ids",
                 f"{len(prompt)} tokens exceed max_model_len={self.max_model_len}",
             )
+        # Token lists that come with their packed form were decoded for this call (the
+        # wire path): take them over instead of copying.
+        owned = packed is not None and isinstance(prompt, (list, array.array))
+        if packed is None:
+            packed = pack_token_ids(prompt, "new_token_ids")
         if start.num_encoder_tokens < 0:
             raise InvalidArgument(
                 "start.num_encoder_tokens", f"must be >= 0, got {start.num_encoder_tokens}"
+            )
+        check_mm_items(start.hashing, len(prompt), "start.hashing")
+        if self.max_requests is not None and len(self._requests) >= self.max_requests:
+            raise ResourceExhausted(
+                f"request {request_id!r} not admitted: the pool holds {len(self._requests)} "
+                f"live requests, its limit (max_requests={self.max_requests}); free finished "
+                "requests or raise the pool's max_requests"
             )
         manager = self.manager
         try:
@@ -407,6 +479,11 @@ class PoolKVCache:
             manager.record_prefix_lookup(request, num_cached)
         request.num_computed_tokens = num_cached + num_scheduled
         self._requests[request_id] = request
+        self._admissions[request_id] = _Admission(
+            start, budget, num_lookahead_tokens, num_cached, num_scheduled
+        )
+        if self._freed:
+            self._freed.pop(request_id, None)
         null_counts = self._null_counts
         if num_cached or manager.coordinator.may_drop_blocks:
             # The table started empty: all of it (hits, null padding, new blocks) was
@@ -420,6 +497,67 @@ class PoolKVCache:
             num_scheduled,
             request.num_computed_tokens,
         )
+
+    def _repeat_admission(
+        self,
+        request: RequestState,
+        prompt: Sequence[int],
+        budget: int,
+        num_lookahead_tokens: int,
+        start: RequestStart,
+        packed: bytes | None,
+    ) -> AllocateOutcome:
+        """Answer a first call for a live request: a retried admission, or AlreadyExists.
+
+        An engine whose admission reply was lost (deadline, broken connection) cannot
+        know whether it was applied; it sends it again. When the request is exactly as
+        that admission left it (no successful call since) and the call is the same, the
+        reply the engine missed is rebuilt from the state: nothing changes, nothing is
+        counted twice. Anything else is a genuine duplicate id.
+        """
+        request_id = request.request_id
+        record = self._admissions.get(request_id)
+        if (
+            record is None
+            or record.start != start
+            or record.num_new_tokens != budget
+            or record.num_lookahead_tokens != num_lookahead_tokens
+            or not self._same_tokens(request, prompt, packed)
+        ):
+            reason = (
+                "it has been called since its admission"
+                if record is None
+                else "this call differs from its admission (prompt, start or counts)"
+            )
+            raise AlreadyExists(
+                f"request {request_id!r} is already live and {reason}; only a request's "
+                "first call carries start (free it first to admit it anew)"
+            )
+        null_counts = self._null_counts
+        return AllocateOutcome(
+            True,
+            tuple(list(t) for t in self.manager.coordinator.get_blocks(request_id)),
+            self._zeros if null_counts is None else null_counts(request_id),
+            record.num_cached_tokens,
+            record.num_scheduled_tokens,
+            request.num_computed_tokens,
+        )
+
+    @staticmethod
+    def _same_tokens(request: RequestState, prompt: Sequence[int], packed: bytes | None) -> bool:
+        """Whether ``prompt`` is the request's token sequence (compared as packed bytes, as
+        a list and an ``array('I')`` of the same ids do not compare equal)."""
+        tokens = request.all_token_ids
+        if len(prompt) != len(tokens):
+            return False
+        if packed is None:
+            try:
+                packed = pack_token_ids(prompt, "new_token_ids")
+            except InvalidArgument:
+                return False
+        if isinstance(tokens, array.array) and sys.byteorder == "little":
+            return tokens.tobytes() == packed
+        return pack_token_ids(tokens, "new_token_ids") == packed
 
     def _no_new_blocks(self) -> tuple[list[int], ...]:
         # Fresh lists: callers own what an outcome holds.
@@ -460,6 +598,7 @@ class PoolKVCache:
         blocks_out = out.new_block_ids
         errors = out.errors
         empty = out.EMPTY
+        admissions = self._admissions
         if plain is None:
             raise TypeError("allocate_running needs a pool with one full-attention group")
         tables = plain.req_to_blocks
@@ -593,6 +732,8 @@ class PoolKVCache:
                     else:
                         plain.cache_blocks(request, num_to_cache)
             request.num_computed_tokens = num_main
+            if admissions:
+                admissions.pop(request_id, None)  # as in allocate: no retry after this
             ok_out.append(True)
             computed_out.append(num_main)
             blocks_out.append(new_blocks)
@@ -601,32 +742,50 @@ class PoolKVCache:
     def free(self, request_ids: Sequence[str], *, preempted: bool = False) -> int:
         """Release requests; their full blocks stay cached for reuse.
 
+        An id among the last :attr:`recently_freed` freed ones (and not admitted again)
+        counts as freed already: a free retried after its reply was lost succeeds, with
+        0 blocks for that id, instead of failing with NOT_FOUND.
+
         Args:
-            request_ids: live requests, freed in this order (each table tail first).
+            request_ids: live (or recently freed) requests, freed in this order (each
+                table tail first).
             preempted: the engine preempted them (counted in ``num_preemptions``).
 
         Returns:
             Blocks whose last holder went (back in the free queue).
 
         Raises:
-            NotFound: an id that is not live; nothing is freed then.
+            NotFound: an id that is neither live nor recently freed; nothing is freed then.
             InvalidArgument: an id listed twice.
         """
         if isinstance(request_ids, str):
             raise InvalidArgument("request_ids", "must be a sequence of ids, not one string")
         ids = list(request_ids)
+        requests = self._requests
+        recent = self._freed
+        live = []
         for request_id in ids:
-            if request_id not in self._requests:
+            if request_id in requests:
+                live.append(request_id)
+            elif request_id not in recent:
                 raise NotFound(f"request {request_id!r} is not live in this pool")
         if len(set(ids)) != len(ids):
             raise InvalidArgument("request_ids", "lists a request more than once")
         pool = self.manager.block_pool
         freed_before = pool.num_freed_blocks
-        for request_id in ids:
+        admissions = self._admissions
+        capacity = self.recently_freed
+        for request_id in live:
             self.manager.free(request_id)
-            del self._requests[request_id]
+            del requests[request_id]
+            if admissions:
+                admissions.pop(request_id, None)
+            if capacity:
+                recent[request_id] = None
+                if len(recent) > capacity:
+                    recent.popitem(last=False)
         if preempted:
-            self._num_preemptions += len(ids)
+            self._num_preemptions += len(live)
         return pool.num_freed_blocks - freed_before
 
     def lookup(self, token_ids: Sequence[int], hashing: HashingContext | None = None) -> int:
@@ -637,7 +796,9 @@ class PoolKVCache:
         routers polling many pools do not skew the hit rate.
 
         Raises:
-            InvalidArgument: token ids out of range, or a bad hashing context.
+            InvalidArgument: more tokens than max_model_len (no admission could cache
+                them), token ids out of range, or a bad hashing context (multimodal
+                items must lie inside the prompt).
         """
         return self.lookup_blocks(token_ids, hashing)[0]
 
@@ -650,9 +811,43 @@ class PoolKVCache:
         leave the free queue when touched. Side-effect free, like :meth:`lookup`.
 
         Raises:
-            InvalidArgument: token ids out of range, or a bad hashing context.
+            InvalidArgument: as :meth:`lookup`.
         """
+        return self.probe_lookup(self.prepare_lookup(token_ids, hashing))
+
+    def check_lookup_length(self, num_tokens: int, field: str = "token_ids") -> None:
+        """Refuse a lookup longer than max_model_len before its tokens are even decoded.
+
+        No admission can take such a prompt, so none of it can be cached; hashing it
+        would only cost (a 15.7M-token lookup took seconds).
+
+        Raises:
+            InvalidArgument: naming ``field`` and the limit.
+        """
+        if num_tokens > self.max_model_len:
+            raise InvalidArgument(
+                field,
+                f"{num_tokens} tokens exceed the pool's max_model_len={self.max_model_len}: "
+                "no admission takes a prompt that long, so none of it can be cached",
+            )
+
+    def prepare_lookup(
+        self, token_ids: Sequence[int], hashing: HashingContext | None = None
+    ) -> PreparedLookup:
+        """The expensive half of a lookup: validate the prompt and hash its blocks.
+
+        A pure function of the tokens, the context and the pool's fixed hashing settings
+        (algorithm, seed, block size): it reads no block, table or index, so the server
+        runs it outside the pool's lock, in a thread for long prompts, while writers
+        go on. :meth:`probe_lookup` then reads the index.
+
+        Raises:
+            InvalidArgument: as :meth:`lookup`.
+        """
+        num_tokens = len(token_ids)
+        self.check_lookup_length(num_tokens)
         packed = pack_token_ids(token_ids, "token_ids")
+        check_mm_items(hashing, num_tokens)
         manager = self.manager
         hasher = manager.hasher
         extra = (
@@ -660,13 +855,25 @@ class PoolKVCache:
             if hasher is not None and hashing is not None and not hashing.is_empty
             else None
         )
-        if hasher is None or len(token_ids) < 2 or not manager.enable_caching:
-            return 0, self._no_new_blocks()
-        tokens = list(token_ids)
+        if hasher is None or num_tokens < 2 or not manager.enable_caching:
+            return PreparedLookup([], 0, False)
         hashes = hasher.hash_blocks(
-            tokens, 0, len(tokens) // hasher.block_size, None, extra, packed
+            token_ids, 0, num_tokens // hasher.block_size, None, extra, packed
         )
-        hits, num_hit_tokens = manager.coordinator.find_longest_cache_hit(hashes, len(tokens) - 1)
+        return PreparedLookup(hashes, num_tokens - 1, True)
+
+    def probe_lookup(self, prepared: PreparedLookup) -> tuple[int, tuple[list[int], ...]]:
+        """The index half of a lookup: the hit of prepared hashes right now (cheap; run
+        it between writers). Touches and counts nothing.
+
+        Returns:
+            The hit length in tokens and the hit blocks per group.
+        """
+        if not prepared.enabled:
+            return 0, self._no_new_blocks()
+        hits, num_hit_tokens = self.manager.coordinator.find_longest_cache_hit(
+            prepared.block_hashes, prepared.max_hit_tokens
+        )
         return num_hit_tokens, tuple(list(group) for group in hits)
 
     def block_table(self, request_id: str) -> BlockTableView:

@@ -156,7 +156,6 @@ def test_later_call_no_space_drops_the_new_tokens() -> None:
         (lambda p: p.allocate("x", [2**31], 1, start=START), "new_token_ids"),
         (lambda p: p.allocate("x", [1.5], 1, start=START), "new_token_ids"),
         (lambda p: p.allocate("x", [1] * 65, 1, start=START), "new_token_ids"),
-        (lambda p: p.allocate("a", [1], 1, start=START), "request_id"),
         (
             lambda p: p.allocate("x", [1], 1, start=RequestStart(num_encoder_tokens=-1)),
             "start.num_encoder_tokens",

@@ -22,6 +22,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvsvc_client import (
     AllocateStatus,
+    AlreadyExistsError,
     InvalidArgumentError,
     KVCacheClient,
     NotFoundError,
@@ -215,7 +216,7 @@ def test_errors_return_their_codes_and_change_nothing(cluster: Cluster, kv: KVCa
         kv.allocate("x", [1, 2**31], num_new_tokens=2, start=True)
     with pytest.raises(InvalidArgumentError, match="max_model_len"):
         kv.allocate("live", [1], num_new_tokens=MAX_MODEL_LEN)
-    with pytest.raises(InvalidArgumentError, match="request_id"):
+    with pytest.raises(AlreadyExistsError, match="already live"):
         kv.allocate("live", [1], num_new_tokens=1, start=True)
     with pytest.raises(NotFoundError):
         kv.allocate("ghost", [1], num_new_tokens=1)

@@ -9,6 +9,7 @@ import grpc
 import pytest
 from kvsvc_client import (
     AllocateStatus,
+    AlreadyExistsError,
     BlockStored,
     ClientOptions,
     FreeResult,
@@ -223,8 +224,9 @@ def test_bad_input_is_invalid_argument_and_changes_nothing(kv: KVCacheClient, ca
 def test_second_first_call_for_a_live_request_is_rejected(kv: KVCacheClient) -> None:
     kv.allocate("dup", tokens(100, 10), num_new_tokens=10, start=True)
     before = kv.usage()
-    with pytest.raises(InvalidArgumentError, match=r"request_id|start"):
-        kv.allocate("dup", tokens(100, 10), num_new_tokens=10, start=True)
+    # (The same call again is a safe retry: tests/server/test_safe_retries.py.)
+    with pytest.raises(AlreadyExistsError, match=r"already live"):
+        kv.allocate("dup", tokens(100, 11), num_new_tokens=11, start=True)
     assert kv.block_table("dup").num_computed_tokens == 10
     assert kv.usage().num_free_blocks == before.num_free_blocks
 
