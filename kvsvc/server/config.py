@@ -67,7 +67,15 @@ class PoolConfig:
         max_num_batched_tokens: a step's token budget (sizes sliding-window holdings).
         disable_hybrid_kv_cache_manager: allocate local-attention layers like full ones.
         layout: tensor layout of the plan (layer_outer or block_outer).
-        max_requests: live requests the pool accepts (admissions beyond it are rejected).
+        max_requests: live requests the pool accepts; an admission beyond it (Allocate,
+            or a Step admission) is refused with RESOURCE_EXHAUSTED and changes nothing.
+        max_num_blocks: most blocks a plan may give each rank (the null block included,
+            as in ``num_gpu_blocks_override``). The manager keeps a few hundred bytes of
+            bookkeeping per block, so a rank claiming absurd memory must not make millions
+            of them: a plan above it fails (raise it or set num_gpu_blocks_override).
+        recently_freed: freed request ids remembered (the last ones, per pool) so that a
+            Free retried after its reply was lost succeeds with 0 blocks instead of
+            NOT_FOUND; about 100 bytes plus the id each. 0 turns it off.
     """
 
     name: str
@@ -83,6 +91,8 @@ class PoolConfig:
     disable_hybrid_kv_cache_manager: bool = False
     layout: str = "layer_outer"
     max_requests: int = 65536
+    max_num_blocks: int = 4_194_304
+    recently_freed: int = 65536
 
     def __post_init__(self) -> None:
         where = f"pool {self.name!r}"
@@ -120,6 +130,18 @@ class PoolConfig:
             )
         if self.max_requests < 1:
             raise ConfigError(f"{where}: max_requests must be >= 1")
+        if self.max_num_blocks < 2:
+            raise ConfigError(f"{where}: max_num_blocks must be >= 2 (one is the null block)")
+        if (
+            self.num_gpu_blocks_override is not None
+            and self.num_gpu_blocks_override > self.max_num_blocks
+        ):
+            raise ConfigError(
+                f"{where}: num_gpu_blocks_override {self.num_gpu_blocks_override} exceeds "
+                f"max_num_blocks {self.max_num_blocks}; raise max_num_blocks"
+            )
+        if self.recently_freed < 0:
+            raise ConfigError(f"{where}: recently_freed must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,8 +7,12 @@
     READY <--(a rank lost its plan stream or missed heartbeats / is back)--> DEGRADED
 
 Engine calls are served in READY and DEGRADED. Planning failure (specs disagree, memory
-too small) drops every registration of the pool — nothing stays half-planned — and
-records the error for ``GetPlan`` and the agents' plan streams.
+too small, a plan above ``max_num_blocks``, or anything else that goes wrong while the plan
+and the manager are built) drops every registration of the pool — nothing stays
+half-planned — and records the error for ``GetPlan`` and every rank's plan stream.
+
+Memory claims are bounded at registration: no figure above :data:`MAX_MEMORY_BYTES` (per
+rank), and none of free, non-KV and KV-cache bytes above the total when a total is given.
 
 A rank is *live* while its WatchPlan stream is open (or, just after registering, until
 its first stream opens). Registering a rank that is live is refused; registering a rank
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -42,6 +47,13 @@ from kvsvc.server.config import PoolConfig
 from kvsvc.server.events import EventLog
 from kvsvc.server.seclog import security_log
 from kvsvc.specs import AttentionSpec, KVCacheSpec, iter_layer_specs
+
+log = logging.getLogger("kvsvc.server")
+
+# The most bytes a rank may claim in any memory figure: 2^48 B = 256 TiB, far above any
+# device or host, far below what would overflow the planner's arithmetic into nonsense.
+MAX_MEMORY_BYTES = 2**48
+_MEMORY_FIELDS = ("total_bytes", "free_bytes", "non_kv_bytes", "kv_cache_bytes")
 
 
 def _same_secret(expected: str, given: str) -> bool:
@@ -209,6 +221,32 @@ class Pool:
         # Registered but its plan stream not opened yet: give it the heartbeat timeout.
         return not slot.ever_streamed and now - slot.registered_at < self.heartbeat_timeout_s
 
+    @staticmethod
+    def _check_memory_claims(reg: Registration) -> None:
+        """Refuse memory figures no device has, before they reach the planner.
+
+        A claim of 2^50 bytes once made the manager try to build billions of blocks
+        (MemoryError, and a pool stuck half-registered).
+        """
+        mem = reg.memory
+        for name in _MEMORY_FIELDS:
+            value = getattr(mem, name)
+            if not 0 <= value <= MAX_MEMORY_BYTES:
+                raise InvalidArgument(
+                    f"memory.{name}",
+                    f"rank {reg.rank} claims {value} B, beyond the cap of 2^48 B (256 TiB) "
+                    "per rank",
+                )
+        if mem.total_bytes:
+            for name in ("free_bytes", "non_kv_bytes", "kv_cache_bytes"):
+                value = getattr(mem, name)
+                if value > mem.total_bytes:
+                    raise InvalidArgument(
+                        f"memory.{name}",
+                        f"rank {reg.rank} claims {value} B, more than its memory.total_bytes "
+                        f"{mem.total_bytes} B",
+                    )
+
     def _available_bytes(self, reg: Registration) -> int:
         mem = reg.memory
         if mem.kv_cache_bytes > 0:
@@ -285,6 +323,7 @@ class Pool:
         async with self.lock:
             now = self._clock()
             self._validate_registration(reg)
+            self._check_memory_claims(reg)
             available = self._available_bytes(reg)
             existing = self.slots.get(reg.rank)
             if existing is not None and self.is_live(existing, now):
@@ -391,22 +430,53 @@ class Pool:
             self._planning = True
             try:
                 plan = await loop.run_in_executor(None, plan_kv_cache, specs, memory, options)
+                self._check_num_blocks(plan)
                 cache = await loop.run_in_executor(None, self._build_cache, plan)
             finally:
                 self._planning = False
         except (PlanningError, ValueError) as exc:
-            self.num_plan_failures += 1
-            self.error = str(exc)
-            # Nothing half-planned: every rank must register again to retry.
-            self._dropped_sessions = {s.session_id: self.error for s in self.slots.values()}
-            self.slots.clear()
-            self._set_state(PoolState.WAITING_FOR_WORKERS)
+            self._plan_failed(str(exc))
+            return
+        except Exception as exc:  # MemoryError included: never leave the pool half-planned
+            log.exception("planning pool %r failed unexpectedly", self.name)
+            self._plan_failed(
+                f"planning pool {self.name!r} failed: {type(exc).__name__}: {exc} (see the "
+                "server log); check the ranks' memory claims, max_num_blocks and "
+                "num_gpu_blocks_override"
+            )
             return
         self.plan = plan
         self.cache = cache
         self.hash_seed = cache.hash_seed
         self.error = ""
         self._set_state(PoolState.PLANNED)
+
+    def _plan_failed(self, error: str) -> None:
+        """Drop every registration and tell every rank's plan stream why.
+
+        Notifies even when the state stays WAITING_FOR_WORKERS (it does: planning starts
+        there): the ranks that registered earlier wait on their plan streams for a change,
+        and without one they would wait forever for a plan that is not coming.
+        """
+        self.num_plan_failures += 1
+        self.error = error
+        # Nothing half-planned: every rank must register again to retry.
+        self._dropped_sessions = {s.session_id: error for s in self.slots.values()}
+        self.slots.clear()
+        if self.state != PoolState.WAITING_FOR_WORKERS:
+            self._set_state(PoolState.WAITING_FOR_WORKERS)
+        else:
+            self._notify()
+
+    def _check_num_blocks(self, plan: Any) -> None:
+        """A plan above ``max_num_blocks`` fails before the manager builds its blocks."""
+        limit = self.config.max_num_blocks
+        if plan.num_blocks > limit:
+            raise PlanningError(
+                f"pool {self.name!r}: the plan has {plan.num_blocks} blocks per rank, above "
+                f"max_num_blocks={limit}; raise max_num_blocks or set "
+                "num_gpu_blocks_override (or check the ranks' memory claims)"
+            )
 
     def _build_cache(self, plan: Any) -> Any:
         from kvsvc.core import PoolKVCache
@@ -419,6 +489,8 @@ class Pool:
             hash_seed=self.config.hash_seed,
             hash_block_size=plan.hash_block_size,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_requests=self.config.max_requests,
+            recently_freed=self.config.recently_freed,
         )
 
     def _forget_cached_blocks(self) -> None:

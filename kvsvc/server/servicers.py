@@ -42,6 +42,10 @@ TOKEN_ID_LIMIT = 2**31
 # Above this much work (tokens + 64 per operation) a call runs in a worker thread so the
 # event loop keeps serving other pools, health checks and streams meanwhile.
 OFFLOAD_WORK_THRESHOLD = 200_000
+# A Lookup hashes its prompt outside the pool's lock; above this many tokens in a thread
+# (a few milliseconds of hashing), so the loop keeps serving the pool's writers meanwhile.
+LOOKUP_OFFLOAD_TOKENS = 16_384
+_FREE_REASONS = frozenset(kvcache_pb2.FreeReason.values())
 
 _ALLOCATE = kvcache_pb2.STEP_OPERATION_TYPE_ALLOCATE
 _FREE = kvcache_pb2.STEP_OPERATION_TYPE_FREE
@@ -90,6 +94,24 @@ async def _run(pool: Pool, work: int, fn: Any, *args: Any) -> Any:
             result = fn(*args)
         pool.drain_events()
         return result
+
+
+async def _off_loop(work: int, fn: Any, *args: Any) -> Any:
+    """Run ``fn`` (which touches no pool state) inline when small, in a thread when large."""
+    if work > LOOKUP_OFFLOAD_TOKENS:
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    return fn(*args)
+
+
+async def _read(pool: Pool, fn: Any, *args: Any) -> Any:
+    """Run a brief side-effect-free ``fn`` between the pool's writers.
+
+    Inline writers run whole between two awaits, so on the loop a read never sees one
+    half done; a writer offloaded to a thread holds ``pool.lock`` while it runs, so the
+    read takes the lock too, but only for its own few microseconds (no events to drain).
+    """
+    async with pool.lock:
+        return fn(*args)
 
 
 class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
@@ -159,6 +181,12 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
             raise InvalidArgument("request_ids", "lists a request more than once")
         if current_engine.get():
             ids = [scoped_request_id(request_id) for request_id in ids]
+        if request.reason not in _FREE_REASONS:
+            raise InvalidArgument(
+                "reason",
+                f"unknown FreeReason {request.reason}; valid: "
+                + ", ".join(f"{name}={value}" for name, value in kvcache_pb2.FreeReason.items()),
+            )
         preempted = request.reason == kvcache_pb2.FREE_REASON_PREEMPTED
         freed = await _run(pool, len(ids), self._free, pool, ids, preempted)
         return kvcache_pb2.FreeResponse(num_freed_blocks=freed)
@@ -191,16 +219,36 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
 
     @rpc_handler("Lookup")
     async def Lookup(self, request: Any, context: Any) -> kvcache_pb2.LookupResponse:
+        """A side-effect-free read, so it never stalls the pool's writers: the prompt is
+        bounded by max_model_len before it is decoded, hashed outside the pool's lock (in
+        a thread when long), and only the brief index probe runs between writers. The
+        answer is the one ``PoolKVCache.lookup`` gives at the moment of the probe."""
         pool = self._pools.get(request.pool)
         cache = pool.ensure_serving()
+        if request.packed_token_ids:
+            cache.check_lookup_length(len(request.packed_token_ids) // 4, "packed_token_ids")
+        else:
+            cache.check_lookup_length(len(request.token_ids), "token_ids")
+        hashing = hashing_from_pb(request.hashing, "hashing")
+        prepared = await _off_loop(
+            len(request.token_ids) + len(request.packed_token_ids) // 4,
+            self._prepare_lookup,
+            cache,
+            request,
+            hashing,
+        )
+        cached, _ = await _read(pool, cache.probe_lookup, prepared)
+        pool.stats_lookup(cached)
+        return kvcache_pb2.LookupResponse(num_cached_tokens=cached)
+
+    @staticmethod
+    def _prepare_lookup(cache: Any, request: Any, hashing: Any) -> Any:
+        """Decode, check and hash a Lookup's prompt (pure: safe beside the writers)."""
         tokens = token_ids_of(
             request.token_ids, request.packed_token_ids, "token_ids", "packed_token_ids"
         )
         _check_token_ids(tokens, "token_ids")
-        hashing = hashing_from_pb(request.hashing, "hashing")
-        cached = await _run(pool, len(tokens), cache.lookup, tokens, hashing)
-        pool.stats_lookup(cached)
-        return kvcache_pb2.LookupResponse(num_cached_tokens=cached)
+        return cache.prepare_lookup(tokens, hashing)
 
     @rpc_handler("GetBlockTable")
     async def GetBlockTable(self, request: Any, context: Any) -> kvcache_pb2.GetBlockTableResponse:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from kvsvc.core import (
+    MAX_MM_ITEMS,
     AllBlocksCleared,
     AllocateOutcome,
     BlockRemoved,
@@ -57,7 +58,16 @@ def token_ids_of(repeated: Any, packed: bytes, field: str, packed_field: str) ->
 
 
 def hashing_from_pb(msg: pb.HashingContext, where: str) -> HashingContext | None:
-    """The core's hashing context; None when the message carries nothing."""
+    """The core's hashing context; None when the message carries nothing.
+
+    Items are checked for shape here (and their number bounded before any is converted);
+    that each lies inside the prompt, and the identifier bound, the core checks
+    (``kvsvc.core.check_mm_items``) where the prompt's length is known.
+    """
+    if len(msg.mm_items) > MAX_MM_ITEMS:
+        raise InvalidArgument(
+            f"{where}.mm_items", f"{len(msg.mm_items)} items exceed the limit of {MAX_MM_ITEMS}"
+        )
     items: list[MultiModalItem] = []
     last_offset = -1
     for i, item in enumerate(msg.mm_items):
