@@ -11,9 +11,13 @@ import grpc
 
 from kvsvc.tls import ClientTls, client_tls, open_aio_channel, open_channel
 
-# Calls that change nothing may be retried after UNAVAILABLE; Allocate, Free and Step are
-# never retried by the client (a lost reply would make a retry apply twice).
+# Calls that change nothing may be retried after UNAVAILABLE.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
+# Allocate admissions and Free are safe to repeat (the server answers a repeated admission
+# with the request's state and a repeated Free of a recently freed id with success), so
+# they are also retried when the reply was lost: the call may have been applied.
+# Continuations and Step are never retried (a repeat would apply them twice).
+RETRYABLE_REPEATS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -25,7 +29,9 @@ CHANNEL_OPTIONS = (
 class ClientOptions:
     """Attributes:
     timeout: deadline of each unary call, seconds.
-    retries: extra attempts of a side-effect-free call after UNAVAILABLE.
+    retries: extra attempts of a side-effect-free call after UNAVAILABLE, and of an
+        ``allocate`` admission (``start`` given) or a ``free`` after UNAVAILABLE or
+        DEADLINE_EXCEEDED (each attempt gets the whole ``timeout``).
     backoff: first retry delay, seconds (doubles, with jitter, up to ``max_backoff``).
     token: bearer token sent as ``authorization`` metadata ("" = send none).
     token_file: a file holding the token (its first line that is not blank or a comment).

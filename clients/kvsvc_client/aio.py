@@ -10,7 +10,7 @@ import grpc
 
 from kvsvc.v1 import admin_pb2, admin_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc
 from kvsvc_client import _wire
-from kvsvc_client._common import RETRYABLE, ClientOptions
+from kvsvc_client._common import RETRYABLE, RETRYABLE_REPEATS, ClientOptions
 from kvsvc_client._types import (
     AllocateResult,
     BlockTable,
@@ -39,7 +39,12 @@ class AsyncStep(_wire.StepBuilder):
 
 
 class AsyncKVCacheClient:
-    """Engine-facing asyncio client of one pool. See :class:`kvsvc_client.KVCacheClient`."""
+    """Engine-facing asyncio client of one pool. See :class:`kvsvc_client.KVCacheClient`.
+
+    Retries as that client does: side-effect-free calls after UNAVAILABLE; admissions and
+    ``free`` after UNAVAILABLE or DEADLINE_EXCEEDED too (the server makes repeating them
+    safe); later ``allocate`` calls and ``step`` never.
+    """
 
     def __init__(self, target: str, pool: str, *, options: ClientOptions | None = None) -> None:
         self.pool = pool
@@ -59,8 +64,15 @@ class AsyncKVCacheClient:
         await self.close()
 
     async def _call(
-        self, method: Callable[..., Awaitable[_T]], request: Any, timeout: float | None, retry: bool
+        self,
+        method: Callable[..., Awaitable[_T]],
+        request: Any,
+        timeout: float | None,
+        retry: bool,
+        codes: frozenset[grpc.StatusCode] = RETRYABLE,
     ) -> _T:
+        """One RPC; with ``retry``, up to ``options.retries`` more after a status in
+        ``codes`` (backing off between attempts)."""
         attempts = 1 + (self.options.retries if retry else 0)
         for attempt in range(attempts):
             try:
@@ -68,7 +80,7 @@ class AsyncKVCacheClient:
                     request, timeout=timeout or self.options.timeout, metadata=self._metadata
                 )
             except grpc.aio.AioRpcError as exc:
-                if attempt + 1 < attempts and exc.code() in RETRYABLE:
+                if attempt + 1 < attempts and exc.code() in codes:
                     await asyncio.sleep(self.options.delay(attempt))
                     continue
                 raise error_from_rpc(exc) from None
@@ -84,18 +96,25 @@ class AsyncKVCacheClient:
         start: RequestStart | bool = False,
         timeout: float | None = None,
     ) -> AllocateResult:
+        """See :meth:`kvsvc_client.KVCacheClient.allocate` (admissions are retried)."""
         request = _wire.allocate_request(
             self.pool, request_id, new_token_ids, num_new_tokens, num_lookahead_tokens, start
         )
+        admission = request.HasField("start")
         return _wire.allocate_result(
-            await self._call(self._stub.Allocate, request, timeout, retry=False)
+            await self._call(
+                self._stub.Allocate, request, timeout, retry=admission, codes=RETRYABLE_REPEATS
+            )
         )
 
     async def free(
         self, *request_ids: str, preempted: bool = False, timeout: float | None = None
     ) -> int:
+        """See :meth:`kvsvc_client.KVCacheClient.free` (retried: a repeat is safe)."""
         request = _wire.free_request(self.pool, request_ids, preempted)
-        response = await self._call(self._stub.Free, request, timeout, retry=False)
+        response = await self._call(
+            self._stub.Free, request, timeout, retry=True, codes=RETRYABLE_REPEATS
+        )
         return response.num_freed_blocks
 
     def step(self) -> AsyncStep:

@@ -12,7 +12,7 @@ import grpc
 
 from kvsvc.v1 import admin_pb2, admin_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc
 from kvsvc_client import _wire
-from kvsvc_client._common import RETRYABLE, ClientOptions
+from kvsvc_client._common import RETRYABLE, RETRYABLE_REPEATS, ClientOptions
 from kvsvc_client._types import (
     AllocateResult,
     BlockTable,
@@ -73,7 +73,11 @@ class KVCacheClient:
     """Engine-facing client of one pool.
 
     Every call has a deadline (``options.timeout``). Calls without side effects (lookup,
-    block_table, usage, admin) are retried on UNAVAILABLE; allocate, free and step are not.
+    block_table, usage, admin) are retried on UNAVAILABLE. Admissions (``allocate`` with
+    ``start``) and ``free`` are retried on UNAVAILABLE and DEADLINE_EXCEEDED too, up to
+    ``options.retries`` times: the server answers a repeated admission with the request's
+    state and a repeated free with success, so a retry after a lost reply does no work
+    twice. Later ``allocate`` calls and ``step`` are never retried.
 
     Example::
 
@@ -125,8 +129,15 @@ class KVCacheClient:
         self.close()
 
     def _call(
-        self, method: Callable[..., _T], request: Any, timeout: float | None, retry: bool
+        self,
+        method: Callable[..., _T],
+        request: Any,
+        timeout: float | None,
+        retry: bool,
+        codes: frozenset[grpc.StatusCode] = RETRYABLE,
     ) -> _T:
+        """One RPC; with ``retry``, up to ``options.retries`` more after a status in
+        ``codes`` (backing off between attempts)."""
         attempts = 1 + (self.options.retries if retry else 0)
         for attempt in range(attempts):
             try:
@@ -134,7 +145,7 @@ class KVCacheClient:
                     request, timeout=timeout or self.options.timeout, metadata=self._metadata
                 )
             except grpc.RpcError as exc:
-                if attempt + 1 < attempts and exc.code() in RETRYABLE:  # type: ignore[attr-defined]
+                if attempt + 1 < attempts and exc.code() in codes:  # type: ignore[attr-defined]
                     time.sleep(self.options.delay(attempt))
                     continue
                 raise error_from_rpc(exc) from None
@@ -162,16 +173,33 @@ class KVCacheClient:
             num_lookahead_tokens: extra slots for speculative tokens.
             start: on the first call, ``True`` or a :class:`RequestStart` with the hashing
                 context; ``False`` on later calls.
+
+        A first call is retried after UNAVAILABLE or DEADLINE_EXCEEDED (``options.retries``
+        times at most): if the lost attempt was applied, the retry answers the request's
+        state as that admission left it (same blocks). Later calls are not retried.
         """
         request = _wire.allocate_request(
             self.pool, request_id, new_token_ids, num_new_tokens, num_lookahead_tokens, start
         )
-        return _wire.allocate_result(self._call(self._stub.Allocate, request, timeout, retry=False))
+        admission = request.HasField("start")
+        return _wire.allocate_result(
+            self._call(
+                self._stub.Allocate, request, timeout, retry=admission, codes=RETRYABLE_REPEATS
+            )
+        )
 
     def free(self, *request_ids: str, preempted: bool = False, timeout: float | None = None) -> int:
-        """Release requests; returns blocks whose last holder this was."""
+        """Release requests; returns blocks whose last holder this was.
+
+        Retried after UNAVAILABLE or DEADLINE_EXCEEDED (``options.retries`` times at most):
+        ids the lost attempt freed count as freed already, so the retry succeeds (their
+        blocks are not counted again: the result may then be lower than what was freed).
+        """
         request = _wire.free_request(self.pool, request_ids, preempted)
-        return self._call(self._stub.Free, request, timeout, retry=False).num_freed_blocks
+        response = self._call(
+            self._stub.Free, request, timeout, retry=True, codes=RETRYABLE_REPEATS
+        )
+        return response.num_freed_blocks
 
     def step(self) -> SyncStep:
         """A builder for one scheduling step's batch of operations."""
