@@ -9,6 +9,8 @@ together are bad usage (2); a file that is missing or wrong is the environment (
 from __future__ import annotations
 
 import argparse
+import os
+from collections.abc import Mapping
 from typing import Any
 
 from kvsvc.tls import (
@@ -22,6 +24,12 @@ from kvsvc.tls import (
     TlsFileError,
     client_tls,
 )
+
+# The agent's /metrics certificate from the environment: a container sets these once, and
+# its health check (kvsvc.tools.healthcheck --agent-metrics HOST:PORT) then speaks HTTPS too.
+METRICS_TLS_CERT_ENV = "KVSVC_METRICS_TLS_CERT"
+METRICS_TLS_KEY_ENV = "KVSVC_METRICS_TLS_KEY"
+METRICS_TLS_CLIENT_CA_ENV = "KVSVC_METRICS_TLS_CLIENT_CA"
 
 
 def tls_exit_status(exc: TlsError) -> int:
@@ -71,29 +79,46 @@ def add_metrics_tls_flags(group: Any) -> None:
     names no host), so it is not reused here.
     """
     group.add_argument(
-        "--metrics-tls-cert", metavar="PEM", help="serve /metrics over HTTPS with this certificate"
+        "--metrics-tls-cert",
+        metavar="PEM",
+        help=f"serve /metrics over HTTPS with this certificate (env {METRICS_TLS_CERT_ENV})",
     )
-    group.add_argument("--metrics-tls-key", metavar="PEM", help="its private key (unencrypted)")
+    group.add_argument(
+        "--metrics-tls-key",
+        metavar="PEM",
+        help=f"its private key, unencrypted (env {METRICS_TLS_KEY_ENV})",
+    )
     group.add_argument(
         "--metrics-tls-client-ca",
         metavar="PEM",
-        help="require scrapers' client certificates signed by this CA",
+        help="require scrapers' client certificates signed by this CA "
+        f"(env {METRICS_TLS_CLIENT_CA_ENV})",
     )
 
 
-def metrics_tls_from_args(args: argparse.Namespace) -> ServerTls | None:
-    """The agent's ``/metrics`` certificate files, or None for plain HTTP.
+def metrics_tls_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> ServerTls | None:
+    """The agent's ``/metrics`` certificate files (flags, then ``KVSVC_METRICS_TLS_*``; an
+    empty value is off), or None for plain HTTP.
 
     Raises:
         TlsError: the certificate without the key (or the reverse), or a client CA alone.
     """
-    cert, key, ca = args.metrics_tls_cert, args.metrics_tls_key, args.metrics_tls_client_ca
+    env = os.environ if environ is None else environ
+
+    def pick(value: str | None, variable: str) -> str | None:
+        return (env.get(variable) if value is None else value) or None
+
+    cert = pick(args.metrics_tls_cert, METRICS_TLS_CERT_ENV)
+    key = pick(args.metrics_tls_key, METRICS_TLS_KEY_ENV)
+    ca = pick(args.metrics_tls_client_ca, METRICS_TLS_CLIENT_CA_ENV)
     if (cert is None) != (key is None):
         raise TlsError(
             "--metrics-tls-key" if key is None else "--metrics-tls-cert",
             "--metrics-tls-cert and --metrics-tls-key go together",
         )
-    if cert is None:
+    if cert is None or key is None:
         if ca is not None:
             raise TlsError(
                 "--metrics-tls-client-ca", "needs --metrics-tls-cert and --metrics-tls-key"

@@ -298,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
             host = args.metrics_listen.rpartition(":")[0] or "0.0.0.0"
             scheme = "https" if metrics_tls is not None else "http"
             logger.info("metrics on %s://%s:%d/metrics", scheme, host, metrics_server.port)
-        elif metrics_tls_from_args(args) is not None:
+        elif args.metrics_tls_cert or args.metrics_tls_key or args.metrics_tls_client_ca:
             raise InvalidArgument("--metrics-tls-cert", "needs --metrics-listen")
     except TlsError as exc:  # before InvalidArgument: both are ValueErrors
         print(f"{prog}: error: {exc}", file=sys.stderr)

@@ -20,9 +20,11 @@ allocation).
 TLS: ``--tls-ca``, ``--tls-cert``, ``--tls-key`` and ``--tls-server-name`` (or ``KVSVC_TLS_CA``,
 ``KVSVC_TLS_CERT``, ``KVSVC_TLS_KEY``, ``KVSVC_TLS_SERVER_NAME``, which a container sets once
 for its kvsvc process and its health check alike) make the ``--server`` check speak TLS.
-``--agent-metrics https://HOST:PORT`` reads an agent's ``/metrics`` over HTTPS with the same
-settings (the scheme decides, as the agent's container may hold a CA for its server while
-its own ``/metrics`` is plain HTTP).
+An agent's ``/metrics`` is read over HTTPS, with the same settings, for
+``--agent-metrics https://HOST:PORT``, or for a bare ``HOST:PORT`` when
+``KVSVC_METRICS_TLS_CERT`` is set: the variable that makes the agent in the same container
+serve HTTPS (``KVSVC_TLS_CA`` alone cannot decide: an agent trusts its server's CA whether
+or not its own ``/metrics`` is HTTPS). ``http://`` forces plain HTTP.
 
 Exit status: 0 healthy, 1 unhealthy or unreachable (one line on stderr says why), 2 bad
 arguments.
@@ -32,12 +34,18 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import os
 import socket
 import sys
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from kvsvc.commands._tls import add_client_tls_flags, client_tls_from_args, tls_exit_status
+from kvsvc.commands._tls import (
+    METRICS_TLS_CERT_ENV,
+    add_client_tls_flags,
+    client_tls_from_args,
+    tls_exit_status,
+)
 from kvsvc.tls import ClientTls, TlsError, open_channel
 
 HEALTHY, UNHEALTHY, USAGE = 0, 1, 2
@@ -229,7 +237,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         else:
             address = args.agent_metrics
-            https = address.startswith("https://")
+            https = address.startswith("https://") or (
+                not address.startswith("http://") and bool(os.environ.get(METRICS_TLS_CERT_ENV))
+            )
             address = address.removeprefix("https://").removeprefix("http://")
             result = check_agent(
                 _validate_address(address, "--agent-metrics"), args.timeout, tls, https=https

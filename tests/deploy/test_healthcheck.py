@@ -162,6 +162,7 @@ def mtls_server(certs: Any) -> Iterator[ServerThread]:
 def no_tls_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     for name in ("KVSVC_TLS_CA", "KVSVC_TLS_CERT", "KVSVC_TLS_KEY", "KVSVC_TLS_SERVER_NAME"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("KVSVC_METRICS_TLS_CERT", raising=False)
     return monkeypatch
 
 
@@ -230,5 +231,10 @@ def test_agent_metrics_over_https(certs: Any, no_tls_env: pytest.MonkeyPatch) ->
         flags = ["--tls-ca", str(good.ca), "--tls-cert", str(good.client_cert)]
         flags += ["--tls-key", str(good.client_key)]
         assert main(["--agent-metrics", f"https://{address}", *flags]) == 0
+        # A bare address: HTTP, unless the container says its agent serves HTTPS.
+        assert main(["--agent-metrics", address, *flags]) == 1
+        no_tls_env.setenv("KVSVC_METRICS_TLS_CERT", str(good.server_cert))
+        assert main(["--agent-metrics", address, *flags]) == 0
+        assert main(["--agent-metrics", f"http://{address}", *flags]) == 1
     finally:
         endpoint.close()

@@ -51,7 +51,15 @@ from tests.server.harness import FakeRank, ServerThread, llama_like_specs, runni
 REPO = Path(__file__).resolve().parents[2]
 POOL = "p"
 SERVE = (sys.executable, "-m", "kvsvc", "serve", "--pool", POOL, "--listen", "127.0.0.1:0")
-TLS_ENV = (TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, "KVSVC_TLS_SERVER_NAME")
+TLS_ENV = (
+    TLS_CA_ENV,
+    TLS_CERT_ENV,
+    TLS_KEY_ENV,
+    "KVSVC_TLS_SERVER_NAME",
+    "KVSVC_METRICS_TLS_CERT",
+    "KVSVC_METRICS_TLS_KEY",
+    "KVSVC_METRICS_TLS_CLIENT_CA",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -541,7 +549,9 @@ def test_vllm_settings_carry_tls_to_the_engine_side_client(
 
 
 def test_kvsvc_worker_tls_flag_errors(
-    certs: dict[str, DevCerts], capsys: pytest.CaptureFixture[str]
+    certs: dict[str, DevCerts],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A TLS file that cannot be used exits 1 (the environment), clashing flags 2 (usage)."""
     pytest.importorskip("torch", reason="kvsvc worker imports the agent (torch)")
@@ -564,3 +574,7 @@ def test_kvsvc_worker_tls_flag_errors(
     ]
     assert main([*base, *metrics]) == 2
     assert "--metrics-tls-cert and --metrics-tls-key go together" in capsys.readouterr().err
+    # The same from the container's environment.
+    monkeypatch.setenv("KVSVC_METRICS_TLS_CERT", str(certs["good"].server_cert))
+    assert main([*base, "--metrics-listen", "127.0.0.1:0"]) == 2
+    assert "--metrics-tls-key" in capsys.readouterr().err
