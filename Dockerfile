@@ -10,6 +10,10 @@
 # the server's asks its own grpc.health.v1 service, the worker's asks its own /metrics
 # whether the server accepted its allocation (an agent has no gRPC server of its own).
 # Ports: gRPC 50051 and /metrics 9400 (the server's defaults), agent /metrics 9401.
+# TLS: both HEALTHCHECKs read KVSVC_TLS_CA / KVSVC_TLS_CERT / KVSVC_TLS_KEY (the CA and the
+# client certificate of an mTLS server), and the worker's reads its /metrics over HTTPS when
+# KVSVC_METRICS_TLS_CERT is set (the variable that makes the agent serve HTTPS): set them in
+# the container, nothing here changes (deploy/compose.tls.yaml, deploy/kubernetes-tls/).
 # tests/deploy/ run these CMD and HEALTHCHECK commands against live processes.
 
 ARG PYTHON_VERSION=3.11
