@@ -3,11 +3,15 @@
 prometheus_client's ``start_http_server`` can serve HTTPS, but it wraps the *listening*
 socket, so every TLS handshake runs in its one accept thread: a single client that opens
 a connection and sends nothing stalls the endpoint for every scraper. Here the accept loop
-only accepts; each connection's handshake (bounded by :data:`HANDSHAKE_TIMEOUT_S`) and
-request run in that connection's own thread, and a refused handshake (plain HTTP on an
-HTTPS port, an untrusted or missing client certificate) closes that connection only.
-The certificate comes from a :class:`kvsvc.tls.ServerTlsSource`, so a renewed one is
-picked up by the next connection.
+only accepts; each connection's handshake and request run in that connection's own thread,
+and a refused handshake (plain HTTP on an HTTPS port, an untrusted or missing client
+certificate) closes that connection only. The certificate comes from a
+:class:`kvsvc.tls.ServerTlsSource`, so a renewed one is picked up by the next connection.
+
+Connections are bounded in time and number, with or without TLS: a connection whose
+handshake or request stalls for :attr:`MetricsHTTPServer.timeout_s` seconds is dropped, and
+past :attr:`MetricsHTTPServer.max_connections` open at once a new one is closed at once
+(one thread each: a client opening thousands must not start thousands of threads).
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ from prometheus_client.exposition import ThreadingWSGIServer
 
 from kvsvc.tls import ServerTlsSource
 
-# A handshake (and each read of a request) that takes longer than this is dropped.
-HANDSHAKE_TIMEOUT_S = 10.0
+# A handshake or a read of a request that takes longer than this drops the connection.
+CONNECTION_TIMEOUT_S = 10.0
+# Connections served at once (each has a thread); Prometheus needs one per scraper.
+MAX_CONNECTIONS = 64
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -35,15 +41,39 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 class MetricsHTTPServer(ThreadingWSGIServer):
-    """A threaded WSGI server whose connections do their own TLS handshake."""
+    """A threaded WSGI server whose connections do their own TLS handshake, each bounded in
+    time, and at most ``max_connections`` of them at once."""
 
     tls: ServerTlsSource | None = None
+    timeout_s: float = CONNECTION_TIMEOUT_S
+    max_connections: int = MAX_CONNECTIONS
+
+    def server_activate(self) -> None:
+        super().server_activate()
+        self._slots = threading.BoundedSemaphore(self.max_connections)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """Start the connection's thread if a slot is free; close it otherwise."""
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started: the slot is still ours
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
     def finish_request(self, request: Any, client_address: Any) -> None:
+        request.settimeout(self.timeout_s)
         if self.tls is None:
             super().finish_request(request, client_address)
             return
-        request.settimeout(HANDSHAKE_TIMEOUT_S)
         try:
             # On failure the socket is closed with the wrapper (ssl.SSLError is an OSError).
             secure = self.tls.ssl_context().wrap_socket(request, server_side=True)

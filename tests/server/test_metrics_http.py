@@ -1,0 +1,73 @@
+"""kvsvc.metrics_http: the /metrics server bounds each connection in time and all of them
+in number, with or without TLS (an idle or slow client must not pin a thread for ever, and
+a flood of connections must not start a thread each)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client import CollectorRegistry, Gauge
+
+from kvsvc.metrics_http import MetricsHTTPServer, serve_metrics_http
+
+
+@pytest.fixture
+def endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
+    monkeypatch.setattr(MetricsHTTPServer, "timeout_s", 0.5)
+    monkeypatch.setattr(MetricsHTTPServer, "max_connections", 3)
+    registry = CollectorRegistry()
+    Gauge("probe_value", "A value to find.", registry=registry).set(7)
+    server, thread = serve_metrics_http("127.0.0.1", 0, registry)
+    yield int(server.server_port)
+    server.shutdown()
+    server.server_close()
+    thread.join(5)
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return str(response.read().decode())
+
+
+def closed_by_server(sock: socket.socket, within: float) -> bool:
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_connections_past_the_cap_are_closed_and_start_no_thread(endpoint: int) -> None:
+    before = threading.active_count()
+    idle = [socket.create_connection(("127.0.0.1", endpoint)) for _ in range(3)]
+    time.sleep(0.2)
+    flood = [socket.create_connection(("127.0.0.1", endpoint)) for _ in range(20)]
+    try:
+        assert all(closed_by_server(s, 0.4) for s in flood)
+        assert threading.active_count() - before <= 3
+    finally:
+        for sock in flood:
+            sock.close()
+    # The idle ones are dropped after the timeout; then scrapes are served again.
+    try:
+        assert all(closed_by_server(s, 2.0) for s in idle)
+    finally:
+        for sock in idle:
+            sock.close()
+    assert "probe_value 7.0" in scrape(endpoint)
+
+
+def test_a_slow_request_is_dropped_after_the_timeout(endpoint: int) -> None:
+    with socket.create_connection(("127.0.0.1", endpoint)) as slow:
+        slow.sendall(b"GET /metrics HTTP/1.1\r\n")  # and never the rest
+        started = time.monotonic()
+        assert closed_by_server(slow, 3.0)
+        assert time.monotonic() - started < 2.0
+    assert "probe_value 7.0" in scrape(endpoint)
