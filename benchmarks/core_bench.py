@@ -1,4 +1,4 @@
-"""Benchmark of kvsvc.core against its goals and vLLM's in-process manager (the anchor).
+"""Benchmark of kvsvc.core against its goals and vLLM's in-process manager.
 
 What it measures (medians unless said otherwise):
 
@@ -12,10 +12,16 @@ What it measures (medians unless said otherwise):
   workload through the ``PoolKVCache`` facade the server calls (xxh3, sha256_cbor, and a
   full + sliding-window hybrid model).
 
+The vLLM column: where vLLM is importable (``.venv-vllm/bin/python
+benchmarks/core_bench.py``), vLLM's own ``BlockPool``, request hasher
+(``get_request_block_hasher``) and ``KVCacheManager`` run the same workloads in the same
+run, and the column says "this run". Elsewhere it shows figures measured once on another
+run of this machine (``REFERENCE``) and says "reference, not measured here".
+
 Per-call times come from ``perf_counter_ns`` around each call; they include the timer's own
 overhead (printed). The suite runs ``--runs`` times (default 3) and keeps, per metric, the
 best run's median. Run ``python benchmarks/core_bench.py`` for the table, ``--json`` for one
-JSON object, ``--quick`` for a smoke run with small sizes.
+JSON object, ``--quick`` for a smoke run with small sizes, ``--no-vllm`` to skip vLLM.
 """
 
 from __future__ import annotations
@@ -43,8 +49,9 @@ from kvsvc.core import (
 )
 from kvsvc.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
-# vLLM's own in-process manager on the same 2-core machine (from the issue).
-ANCHOR = {
+# vLLM's own in-process manager, measured once on this 2-core machine (the issue's figures):
+# what the vLLM column shows, labelled so, where vLLM cannot be imported.
+REFERENCE = {
     "pool_build_1m_s": 1.86,
     "pool_bytes_per_block": 141.0,
     "alloc_free_cycle_us": 7.55,
@@ -55,7 +62,7 @@ ANCHOR = {
     "hash_sha256_tokens_per_s": 4.6e6,
     "hash_xxh3_tokens_per_s": 10e6,
 }
-# Twice as fast as the anchor (hit rate: the workload's exact value).
+# Twice as fast as the reference (hit rate: the workload's exact value).
 GOAL = {
     "pool_build_1m_s": 0.2,
     "pool_bytes_per_block": 64.0,
@@ -112,28 +119,32 @@ def _timer_overhead_us() -> float:
     return _median_us(samples)
 
 
-def bench_pool_build(num_blocks: int, repeats: int) -> tuple[float, float]:
-    """Median construction time (s) and tracemalloc bytes per block of a BlockPool."""
+def bench_pool_build(
+    num_blocks: int, repeats: int, make_pool: Callable[[int], Any] = BlockPool
+) -> tuple[float, float]:
+    """Median construction time (s) and tracemalloc bytes per block of a block pool."""
     times = []
     for _ in range(repeats):
         gc.collect()
         t0 = time.perf_counter()
-        pool = BlockPool(num_blocks)
+        pool = make_pool(num_blocks)
         times.append(time.perf_counter() - t0)
         del pool
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    pool = BlockPool(num_blocks)
+    pool = make_pool(num_blocks)
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     del pool
     return statistics.median(times), (after - before) / num_blocks
 
 
-def bench_alloc_free(num_blocks: int, cycles: int) -> float:
+def bench_alloc_free(
+    num_blocks: int, cycles: int, make_pool: Callable[[int], Any] = BlockPool
+) -> float:
     """Median microseconds per get_new_blocks(16) + free_blocks cycle (batches of 1000)."""
-    pool = BlockPool(num_blocks)
+    pool = make_pool(num_blocks)
     get = pool.get_new_blocks
     free = pool.free_blocks
     batch = min(1000, cycles)
@@ -148,20 +159,34 @@ def bench_alloc_free(num_blocks: int, cycles: int) -> float:
     return statistics.median(means) / 1000.0
 
 
-def bench_hash(algo: str, num_tokens: int, repeats: int, block_size: int) -> float:
-    """Tokens per second hashing a prompt through the request hasher."""
+def _hash_tokens(num_tokens: int) -> list[int]:
     rng = random.Random(1)
-    tokens = [rng.randrange(0, 150_000) for _ in range(num_tokens)]
-    hasher = BlockHasher(algo, block_size, seed="bench")
+    return [rng.randrange(0, 150_000) for _ in range(num_tokens)]
+
+
+def _tokens_per_s(
+    num_tokens: int,
+    repeats: int,
+    hash_once: Callable[[Any], Any],
+    prepare: Callable[[list[int]], Any] = lambda tokens: tokens,
+) -> float:
+    """Tokens per second of ``hash_once(prepare(tokens))``; only ``hash_once`` is timed."""
+    tokens = _hash_tokens(num_tokens)
     samples = []
     clock = time.perf_counter_ns
     gc.collect()
     for _ in range(repeats):
-        copy = list(tokens)
+        prepared = prepare(list(tokens))
         t0 = clock()
-        RequestState("r", copy, hasher=hasher)
+        hash_once(prepared)
         samples.append(clock() - t0)
     return num_tokens / (statistics.median(samples) / 1e9)
+
+
+def bench_hash(algo: str, num_tokens: int, repeats: int, block_size: int) -> float:
+    """Tokens per second hashing a prompt through the request hasher."""
+    hasher = BlockHasher(algo, block_size, seed="bench")
+    return _tokens_per_s(num_tokens, repeats, lambda t: RequestState("r", t, hasher=hasher))
 
 
 def _workload_prompts(sizes: Sizes) -> list[list[int]]:
@@ -294,24 +319,191 @@ def bench_facade_workload(sizes: Sizes, algo: str, hybrid: bool = False) -> dict
     }
 
 
-def run(sizes: Sizes, runs: int = 1) -> dict[str, float]:
+# -- vLLM's own classes on the same workloads ----------------------------------------------
+
+
+def load_vllm() -> Any | None:
+    """vLLM's KV cache classes, or None where vLLM cannot be imported.
+
+    (A bare ``find_spec("vllm")`` is not enough: from tests/, ``tests/vllm`` looks like a
+    namespace package named vllm.)
+    """
+    try:
+        from vllm.sampling_params import SamplingParams
+        from vllm.utils.hashing import sha256_cbor, xxhash
+        from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
+        from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.kv_cache_interface import FullAttentionSpec as VllmFullAttentionSpec
+        from vllm.v1.kv_cache_interface import KVCacheConfig as VllmKVCacheConfig
+        from vllm.v1.kv_cache_interface import KVCacheGroupSpec as VllmKVCacheGroupSpec
+        from vllm.v1.request import Request
+    except ImportError:
+        return None
+    import torch
+    import vllm
+
+    return argparse.Namespace(
+        version=vllm.__version__,
+        torch=torch,
+        SamplingParams=SamplingParams,
+        hash_fns={"xxh3_128": xxhash, "sha256_cbor": sha256_cbor},
+        BlockPool=VllmBlockPool,
+        KVCacheManager=VllmKVCacheManager,
+        get_request_block_hasher=get_request_block_hasher,
+        init_none_hash=init_none_hash,
+        FullAttentionSpec=VllmFullAttentionSpec,
+        KVCacheConfig=VllmKVCacheConfig,
+        KVCacheGroupSpec=VllmKVCacheGroupSpec,
+        Request=Request,
+    )
+
+
+def vllm_request(v: Any, request_id: str, tokens: list[int], hasher: Any = None) -> Any:
+    params = v.SamplingParams(max_tokens=1 << 20)
+    return v.Request(request_id, tokens, params, None, block_hasher=hasher)
+
+
+def vllm_hasher(v: Any, algo: str, block_size: int) -> Any:
+    """vLLM's request hasher for ``algo`` (xxh3_128 -> vLLM's ``xxhash``, also xxh3-128)."""
+    hash_fn = v.hash_fns[algo]
+    v.init_none_hash(hash_fn)
+    return v.get_request_block_hasher(block_size, hash_fn)
+
+
+def vllm_manager(v: Any, num_blocks: int, block_size: int, max_model_len: int) -> Any:
+    """vLLM's KVCacheManager for one full-attention group, as its scheduler builds it."""
+    spec = v.FullAttentionSpec(
+        block_size=block_size, num_kv_heads=8, head_size=128, dtype=v.torch.bfloat16
+    )
+    config = v.KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[v.KVCacheGroupSpec(["l"], spec)],
+    )
+    return v.KVCacheManager(
+        config,
+        max_model_len=max_model_len,
+        scheduler_block_size=block_size,
+        hash_block_size=block_size,
+        enable_caching=True,
+        log_stats=True,
+    )
+
+
+def bench_vllm_workload(v: Any, sizes: Sizes, algo: str = "xxh3_128") -> dict[str, float]:
+    """:func:`bench_manager_workload` on vLLM's KVCacheManager: the same prompts, pool and
+    steps, timed the same way. The prefix-cache stats are recorded as vLLM's scheduler does
+    after an admission, inside the timed allocate (kvsvc records them in its lookup)."""
+    prompts = _workload_prompts(sizes)
+    max_len = sizes.prompt_len + sizes.decode_steps + 16
+    config = _workload_config(sizes)
+    manager = vllm_manager(v, config.num_blocks, sizes.block_size, max_len)
+    hasher = vllm_hasher(v, algo, sizes.block_size)
+    clock = time.perf_counter_ns
+    hash_ns, lookup_ns, alloc_ns, admit_ns = [], [], [], []
+    requests = []
+    gc.collect()
+    for i, prompt in enumerate(prompts):
+        t0 = clock()
+        request = vllm_request(v, f"r{i}", list(prompt), hasher)
+        t1 = clock()
+        hits, num_hits, _ = manager.get_computed_blocks(request)
+        t2 = clock()
+        blocks = manager.allocate_slots(request, len(prompt) - num_hits, num_hits, hits)
+        manager.record_prefix_cache_stats(request, num_hits)
+        t3 = clock()
+        assert blocks is not None, "workload pool too small"
+        request.num_computed_tokens = len(prompt)
+        hash_ns.append(t1 - t0)
+        lookup_ns.append(t2 - t1)
+        alloc_ns.append(t3 - t2)
+        admit_ns.append(t3 - t1)
+        requests.append(request)
+    decode_ns = []
+    allocate = manager.allocate_slots
+    for step in range(sizes.decode_steps):
+        for request in requests:
+            request.append_output_token_ids(step)  # the sampled token arrives (untimed)
+            t0 = clock()
+            out = allocate(request, 1)
+            decode_ns.append(clock() - t0)
+            assert out is not None
+            request.num_computed_tokens += 1
+    free_ns = []
+    for request in requests:
+        t0 = clock()
+        manager.free(request)
+        free_ns.append(clock() - t0)
+    stats = manager.make_prefix_cache_stats()
+    return {
+        "hash_prompt_us_p50": _median_us(hash_ns),
+        "prompt_lookup_us_p50": _median_us(lookup_ns),
+        "prompt_alloc_us_p50": _median_us(alloc_ns),
+        "prompt_allocate_us_p50": _median_us(admit_ns),
+        "decode_allocate_us_p50": _median_us(decode_ns),
+        "decode_allocate_us_mean": statistics.fmean(decode_ns) / 1000.0,
+        "free_us_p50": _median_us(free_ns),
+        "hit_rate": stats.hits / stats.queries if stats.queries else 0.0,
+    }
+
+
+def bench_vllm(v: Any, sizes: Sizes) -> dict[str, float]:
+    """vLLM's classes on the benchmarks kvsvc runs, keyed like kvsvc's figures."""
+
+    def make_pool(num_blocks: int) -> Any:
+        return v.BlockPool(num_blocks, enable_caching=True, hash_block_size=sizes.block_size)
+
+    results: dict[str, float] = {}
+    results["pool_build_100k_s"], results["pool_bytes_per_block_100k"] = bench_pool_build(
+        sizes.pool_small, sizes.build_repeats, make_pool
+    )
+    results["pool_build_1m_s"], results["pool_bytes_per_block"] = bench_pool_build(
+        sizes.pool_large, sizes.build_repeats, make_pool
+    )
+    cycle_us = bench_alloc_free(sizes.pool_small, sizes.cycles, make_pool)
+    results["alloc_free_cycle_us"] = cycle_us
+    results["alloc_free_cycles_per_s"] = 1e6 / cycle_us
+    for algo, key in (
+        ("xxh3_128", "hash_xxh3_tokens_per_s"),
+        ("sha256_cbor", "hash_sha256_tokens_per_s"),
+    ):
+        # A request made (untimed) without a hasher, then hashed: the hasher's work.
+        results[key] = _tokens_per_s(
+            sizes.hash_tokens,
+            sizes.hash_repeats,
+            vllm_hasher(v, algo, sizes.block_size),
+            lambda tokens: vllm_request(v, "r", tokens),
+        )
+    results.update(bench_vllm_workload(v, sizes))
+    return results
+
+
+VLLM_PREFIX = "vllm_"
+
+
+def run(sizes: Sizes, runs: int = 1, v: Any | None = None) -> dict[str, float]:
     """The whole suite ``runs`` times; per metric the best run's median.
 
     Other processes on a small machine inflate single runs; the best of a few is the
-    number least distorted by them.
+    number least distorted by them. With ``v`` (:func:`load_vllm`), each run also measures
+    vLLM's classes (keys prefixed ``vllm_``), so both see the same machine.
     """
-    best = run_once(sizes)
+    best = run_once(sizes, v)
     for _ in range(runs - 1):
-        for key, value in run_once(sizes).items():
-            if key in HIGHER_IS_BETTER:
+        for key, value in run_once(sizes, v).items():
+            if key.removeprefix(VLLM_PREFIX) in HIGHER_IS_BETTER:
                 best[key] = max(best[key], value)
             elif not key.endswith("hit_rate"):
                 best[key] = min(best[key], value)
     return best
 
 
-def run_once(sizes: Sizes) -> dict[str, float]:
+def run_once(sizes: Sizes, v: Any | None = None) -> dict[str, float]:
     results: dict[str, float] = {}
+    if v is not None:
+        for key, value in bench_vllm(v, sizes).items():
+            results[VLLM_PREFIX + key] = value
     results["timer_overhead_us"] = _timer_overhead_us()
     results["pool_build_100k_s"], results["pool_bytes_per_block_100k"] = bench_pool_build(
         sizes.pool_small, sizes.build_repeats
@@ -384,8 +576,7 @@ def _ratio(key: str, value: float, reference: float | None) -> str:
     return f"{better:.2f}x"
 
 
-def _meets(key: str, value: float) -> str:
-    goal = GOAL.get(key)
+def _meets(key: str, value: float, goal: float | None) -> str:
     if goal is None:
         return ""
     if key == "hit_rate":
@@ -397,24 +588,100 @@ def _meets(key: str, value: float) -> str:
     return "yes" if ok else "NO"
 
 
-def render_table(results: dict[str, Any]) -> str:
-    header = ("metric", "measured", "goal", "vs goal", "met", "vLLM", "vs vLLM")
+def expected_hit_rate(sizes: Sizes) -> float:
+    """The workload's exact prefix hit rate: every request after the first hits the shared
+    prefix's full blocks."""
+    prefix_tokens = sizes.prefix_len // sizes.block_size * sizes.block_size
+    return (sizes.requests - 1) * prefix_tokens / (sizes.requests * sizes.prompt_len)
+
+
+def goals(sizes: Sizes) -> dict[str, float]:
+    return {**GOAL, "hit_rate": expected_hit_rate(sizes)}
+
+
+def vllm_figures(results: dict[str, float], sizes: Sizes) -> tuple[str, dict[str, float]]:
+    """The vLLM column and where it comes from.
+
+    ``("measured", ...)``: vLLM ran in this run. ``("reference", REFERENCE)``: it did not,
+    and the sizes are the full ones the reference was measured at. ``("none", {})``: neither
+    (a ``--quick`` run without vLLM: the reference's sizes differ, no ratio would be fair).
+    """
+    measured = {
+        key.removeprefix(VLLM_PREFIX): value
+        for key, value in results.items()
+        if key.startswith(VLLM_PREFIX)
+    }
+    if measured:
+        return "measured", measured
+    if sizes == Sizes():
+        return "reference", dict(REFERENCE)
+    return "none", {}
+
+
+def vs_vllm(results: dict[str, float], sizes: Sizes) -> dict[str, float]:
+    """Times better than vLLM (> 1 is better) per metric both have, from the same figures
+    the table prints (hit rates are compared, not divided: see :func:`_ratio`)."""
+    _, figures = vllm_figures(results, sizes)
+    out = {}
+    for key, reference in figures.items():
+        value = results.get(key)
+        if value and reference and key != "hit_rate":
+            out[key] = value / reference if key in HIGHER_IS_BETTER else reference / value
+    return out
+
+
+def vllm_column_title(source: str, version: str | None = None) -> str:
+    if source == "measured":
+        return f"vLLM {version} (this run)" if version else "vLLM (this run)"
+    if source == "reference":
+        return "vLLM (reference, not measured here)"
+    return "vLLM (not measured)"
+
+
+def _label(label: str, sizes: Sizes) -> str:
+    """A row label naming the sizes this run used (``--quick`` runs smaller ones)."""
+    full = Sizes()
+    for old, new in (
+        (f"{full.pool_small // 1000}k", f"{sizes.pool_small // 1000}k"),
+        ("1M", f"{sizes.pool_large / 1e6:g}M"),
+        (f"{full.hash_tokens} tokens", f"{sizes.hash_tokens} tokens"),
+        (f"{full.prompt_len}-token", f"{sizes.prompt_len}-token"),
+    ):
+        label = label.replace(old, new)
+    return label
+
+
+def render_table(
+    results: dict[str, Any], sizes: Sizes | None = None, vllm_version: str | None = None
+) -> str:
+    sizes = sizes or Sizes()
+    source, figures = vllm_figures(results, sizes)
+    targets = goals(sizes)
+    header = (
+        "metric",
+        "measured",
+        "goal",
+        "vs goal",
+        "met",
+        vllm_column_title(source, vllm_version),
+        "vs vLLM",
+    )
     lines = []
     for key, label, fmt in ROWS:
         if key not in results:
             continue
         value = results[key]
-        goal = GOAL.get(key)
-        anchor = ANCHOR.get(key)
+        goal = targets.get(key)
+        reference = figures.get(key)
         lines.append(
             (
-                label,
+                _label(label, sizes),
                 fmt(value),
                 fmt(goal) if goal is not None else "",
                 _ratio(key, value, goal),
-                _meets(key, value),
-                fmt(anchor) if anchor is not None else "",
-                _ratio(key, value, anchor),
+                _meets(key, value, goal),
+                fmt(reference) if reference is not None else "",
+                _ratio(key, value, reference),
             )
         )
     widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
@@ -439,17 +706,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--runs", type=int, default=3, help="repeat the suite, keep each metric's best median"
     )
+    parser.add_argument(
+        "--no-vllm", action="store_true", help="do not measure vLLM even where it is importable"
+    )
     args = parser.parse_args(argv)
-    results = run(QUICK if args.quick else Sizes(), max(1, args.runs))
+    v = None if args.no_vllm else load_vllm()
+    sizes = QUICK if args.quick else Sizes()
+    results = run(sizes, max(1, args.runs), v)
+    source, figures = vllm_figures(results, sizes)
     if args.json:
-        print(json.dumps(results, sort_keys=True))
+        report: dict[str, Any] = dict(results)
+        report["expected_hit_rate"] = expected_hit_rate(sizes)
+        report["vllm_source"] = source
+        report["vllm_version"] = v.version if v is not None else None
+        report["vllm"] = figures
+        report["vs_vllm"] = vs_vllm(results, sizes)
+        print(json.dumps(report, sort_keys=True))
     else:
-        print(render_table(results))
+        print(render_table(results, sizes, v.version if v is not None else None))
+        where = {
+            "measured": "vLLM's BlockPool, request hasher and KVCacheManager ran the same "
+            "workloads in this run",
+            "reference": "vLLM is not importable here: its column is a reference measured "
+            "on another run (run this with .venv-vllm/bin/python to measure it)",
+            "none": "vLLM is not importable here, and the reference figures are for the full sizes",
+        }[source]
         print(
             f"\nPython {platform.python_version()}, {os.cpu_count()} CPUs; best of "
-            f"{max(1, args.runs)} runs of medians. 'vs' columns: times better than goal / "
-            "vLLM (>1 is better); bytes per block by tracemalloc (Python allocations of "
-            "the constructor)."
+            f"{max(1, args.runs)} runs of medians. {where}. 'vs' columns: times better than "
+            "goal / vLLM (>1 is better); bytes per block by tracemalloc (Python "
+            "allocations of the constructor)."
         )
     return 0
 
