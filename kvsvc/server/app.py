@@ -16,18 +16,19 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
+from kvsvc.ports import ListenError, check_bindable
 from kvsvc.server.auth import AuthInterceptor, load_credentials
 from kvsvc.server.config import ConfigFileError, ServerConfig, split_host_port
+from kvsvc.server.grpc_handlers import add_kvcache_service
 from kvsvc.server.pool import Pool, PoolState
+from kvsvc.server.reflection import enable_reflection
 from kvsvc.server.servicers import AdminServicer, KVCacheServicer, Pools, WorkerServicer
 from kvsvc.tls import ServerTlsSource, TlsFileError
 from kvsvc.v1 import (
     admin_pb2,
     admin_pb2_grpc,
     kvcache_pb2,
-    kvcache_pb2_grpc,
     worker_pb2,
     worker_pb2_grpc,
 )
@@ -69,6 +70,14 @@ class KvsvcServer:
                 for p in config.pools
             }
         )
+        for p in config.pools:
+            self.pools.by_name[p.name].events.configure(
+                pool=p.name,
+                max_bytes=config.event_buffer_bytes,
+                max_subscribers=p.max_subscribers,
+                max_lag_bytes=p.subscriber_max_lag_bytes,
+                write_timeout_s=config.subscriber_write_timeout_s,
+            )
         # vLLM-format events: imported only when asked for (pyzmq and msgspec are optional;
         # the ImportError says to install kvsvc[vllm]).
         self.kv_events: ZmqKVEvents | None = None
@@ -133,8 +142,23 @@ class KvsvcServer:
         interceptors = (
             [AuthInterceptor(self.credentials, observer)] if self.credentials.enabled else []
         )
+        # Both addresses are tried before anything starts: a port in use is one line naming
+        # the flag (ListenError), not gRPC's traceback or a half-started server.
+        host, port = split_host_port(self.config.listen, "listen")
+        check_bindable(host, port, address=self.config.listen, what="gRPC", flag=LISTEN_FLAG)
+        if self.config.metrics_listen:
+            metrics_host, metrics_port = split_host_port(
+                self.config.metrics_listen, "metrics_listen"
+            )
+            check_bindable(
+                metrics_host,
+                metrics_port,
+                address=self.config.metrics_listen,
+                what="/metrics",
+                flag=METRICS_LISTEN_FLAG,
+            )
         server = grpc.aio.server(options=options, interceptors=interceptors)
-        kvcache_pb2_grpc.add_KVCacheServiceServicer_to_server(
+        add_kvcache_service(  # WatchEvents sends bytes serialized once for all subscribers
             KVCacheServicer(self.pools, observer, self.config.max_step_operations), server
         )
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(
@@ -144,33 +168,46 @@ class KvsvcServer:
             AdminServicer(self.pools, observer, time.monotonic), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
+        enable_reflection(  # grpc.reflection.v1 and v1alpha
             (
                 KVCACHE_SERVICE,
                 WORKER_SERVICE,
                 ADMIN_SERVICE,
                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
             ),
             server,
         )
-        host, port = split_host_port(self.config.listen, "listen")
         address = f"{_bracket(host)}:{port}"
-        if self.tls is not None:
-            self.port = server.add_secure_port(address, self.tls.grpc_credentials())
-        else:
-            self.port = server.add_insecure_port(address)
+        try:
+            if self.tls is not None:
+                self.port = server.add_secure_port(address, self.tls.grpc_credentials())
+            else:
+                self.port = server.add_insecure_port(address)
+        except RuntimeError:  # taken since the check: gRPC says "Failed to bind to address"
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot listen on {self.config.listen}")
+            await server.stop(None)  # else its finaliser runs on a closed loop
+            raise ListenError(
+                self.config.listen, "gRPC", LISTEN_FLAG, "the address cannot be bound"
+            )
         await self._update_health()
         await server.start()
         self._server = server
         if self.config.metrics_listen:
-            self._metrics_http, self.metrics_port = self.metrics.serve_http(
-                self.config.metrics_listen, tls=self.tls
-            )
+            try:
+                self._metrics_http, self.metrics_port = self.metrics.serve_http(
+                    self.config.metrics_listen, tls=self.tls
+                )
+            except OSError as exc:
+                await server.stop(None)
+                self._server = None
+                raise ListenError(
+                    self.config.metrics_listen, "/metrics", METRICS_LISTEN_FLAG, exc
+                ) from None
         self._tasks.append(asyncio.get_running_loop().create_task(self._watch_heartbeats()))
-        log.info(
+        # DEBUG: `kvsvc serve` prints its own start-up line (which tools wait for) on
+        # stdout; at INFO this one showed up next to it, the same news twice.
+        log.debug(
             "kvsvc serving on port %d (%s; metrics %s); pools: %s",
             self.port,
             "plaintext"
@@ -205,6 +242,11 @@ class KvsvcServer:
     async def wait_for_termination(self) -> None:
         assert self._server is not None
         await self._server.wait_for_termination()
+
+
+# What a ListenError tells the user to change (``kvsvc serve``'s flags, the config keys).
+LISTEN_FLAG = "--listen (config key listen)"
+METRICS_LISTEN_FLAG = "--metrics-listen (config key metrics_listen)"
 
 
 def _bracket(host: str) -> str:
