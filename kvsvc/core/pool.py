@@ -32,7 +32,7 @@ import sys
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import xxhash
 
@@ -73,6 +73,9 @@ class RequestStart:
 
 # Freed request ids remembered per pool, so a retried Free succeeds (see PoolKVCache.free).
 DEFAULT_RECENTLY_FREED = 65536
+# The layout of PoolKVCache.to_state (bump the version when it changes).
+STATE_FORMAT = "kvsvc.core.PoolKVCache"
+STATE_VERSION = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +119,9 @@ class AllocateOutcome:
         num_cached_tokens: first call: tokens served from the prefix cache; otherwise 0.
         num_scheduled_tokens: tokens scheduled (would have been, when not ok).
         num_computed_tokens: the request's computed tokens after the call.
+        recompute: the request's KV data is gone (:meth:`PoolKVCache.invalidate`):
+            nothing changed (``ok`` is False); the engine frees it as preempted and
+            admits it again.
     """
 
     ok: bool
@@ -124,6 +130,7 @@ class AllocateOutcome:
     num_cached_tokens: int
     num_scheduled_tokens: int
     num_computed_tokens: int
+    recompute: bool = False
 
 
 def _token_error(token: object) -> InvalidArgument:
@@ -140,10 +147,11 @@ class RunningColumns:
 
     ``new_block_ids`` holds, per operation, the blocks appended to its (single group's)
     table, or the shared ``EMPTY`` list; ``errors`` maps an operation index to the error
-    that rejected it (its other entries are then placeholders).
+    that rejected it (its other entries are then placeholders); ``recompute`` lists the
+    operations refused because their request must be recomputed (``ok`` False).
     """
 
-    __slots__ = ("errors", "new_block_ids", "num_computed_tokens", "ok")
+    __slots__ = ("errors", "new_block_ids", "num_computed_tokens", "ok", "recompute")
 
     EMPTY: ClassVar[list[int]] = []  # shared; never mutated
 
@@ -152,15 +160,18 @@ class RunningColumns:
         self.num_computed_tokens: list[int] = []
         self.new_block_ids: list[list[int]] = []
         self.errors: dict[int, KvsvcError] = {}
+        self.recompute: list[int] = []
 
 
 @dataclass(frozen=True, slots=True)
 class BlockTableView:
-    """A copy of one request's tables (null id 0 where blocks were dropped)."""
+    """A copy of one request's tables (null id 0 where blocks were dropped);
+    ``needs_recompute``: its KV data is gone (see :meth:`PoolKVCache.invalidate`)."""
 
     groups: tuple[list[int], ...]
     num_computed_tokens: int
     num_tokens: int
+    needs_recompute: bool = False
 
 
 class PoolKVCache:
@@ -236,7 +247,11 @@ class PoolKVCache:
         self._admissions: dict[str, _Admission] = {}
         # Freed ids, oldest first (values unused): a retried free of one is not an error.
         self._freed: OrderedDict[str, None] = OrderedDict()
+        # Live requests whose KV data is gone (invalidate): every call but a free answers
+        # ``recompute`` until the engine frees them.
+        self._recompute: set[str] = set()
         self._num_preemptions = 0
+        self.num_invalidations = 0
         coordinator = self.manager.coordinator
         # Groups that never drop blocks always report 0 leading nulls: skip asking.
         self._null_counts = (
@@ -349,7 +364,12 @@ class PoolKVCache:
             )
         request = self._requests.get(request_id)
         if request is None:
-            raise NotFound(f"request {request_id!r} is not live in this pool")
+            raise NotFound(
+                f"request {request_id!r} is not live in this pool (a request's first call "
+                "needs start; a freed or preempted request is admitted again with start)"
+            )
+        if self._recompute and request_id in self._recompute:
+            return self._recompute_outcome(request)
         num_tokens_before = len(request.all_token_ids)
         if new_token_ids:
             if packed_token_ids is None:
@@ -424,6 +444,8 @@ class PoolKVCache:
     ) -> AllocateOutcome:
         live = self._requests.get(request_id)
         if live is not None:
+            if self._recompute and request_id in self._recompute:
+                return self._recompute_outcome(live)
             return self._repeat_admission(live, prompt, budget, num_lookahead_tokens, start, packed)
         if not prompt:
             raise InvalidArgument("new_token_ids", "the first call must carry the prompt")
@@ -563,6 +585,20 @@ class PoolKVCache:
         # Fresh lists: callers own what an outcome holds.
         return tuple([] for _ in range(self.num_groups))
 
+    def _recompute_outcome(self, request: RequestState) -> AllocateOutcome:
+        """The answer to any allocation of a request whose KV data is gone: nothing
+        changes, the engine must free it and admit it again."""
+        null_counts = self._null_counts
+        return AllocateOutcome(
+            False,
+            self._no_new_blocks(),
+            self._zeros if null_counts is None else null_counts(request.request_id),
+            0,
+            0,
+            request.num_computed_tokens,
+            recompute=True,
+        )
+
     def allocate_running(
         self,
         request_ids: Sequence[str],
@@ -615,13 +651,14 @@ class PoolKVCache:
         none_hash = hasher.none_hash if hasher is not None else b""
         xxh3_digest = xxhash.xxh3_128_digest
         group_id = plain.group_id
+        flagged = self._recompute
         pos = token_pos
         for i in range(begin, end):
             count = token_counts[i]
             num_new = num_new_tokens[i]
             request_id = request_ids[i]
             request = requests.get(request_id)
-            if count > 1 or request is None or num_new < 0:
+            if count > 1 or request is None or num_new < 0 or (flagged and request_id in flagged):
                 # General path: error reporting, multi-token appends.
                 tokens = token_ids[pos : pos + count]
                 pos += count
@@ -633,6 +670,8 @@ class PoolKVCache:
                     computed_out.append(0)
                     blocks_out.append(empty)
                     continue
+                if outcome.recompute:
+                    out.recompute.append(i)
                 ok_out.append(outcome.ok)
                 computed_out.append(outcome.num_computed_tokens)
                 blocks_out.append(outcome.new_block_ids[0] or empty)
@@ -775,11 +814,14 @@ class PoolKVCache:
         freed_before = pool.num_freed_blocks
         admissions = self._admissions
         capacity = self.recently_freed
+        flagged = self._recompute
         for request_id in live:
             self.manager.free(request_id)
             del requests[request_id]
             if admissions:
                 admissions.pop(request_id, None)
+            if flagged:
+                flagged.discard(request_id)
             if capacity:
                 recent[request_id] = None
                 if len(recent) > capacity:
@@ -890,10 +932,20 @@ class PoolKVCache:
             groups=tuple(list(t) for t in tables),
             num_computed_tokens=request.num_computed_tokens,
             num_tokens=request.num_tokens,
+            needs_recompute=request_id in self._recompute,
         )
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
+
+    @property
+    def num_requests(self) -> int:
+        """Live requests."""
+        return len(self._requests)
+
+    def needs_recompute(self, request_id: str) -> bool:
+        """Whether a live request was flagged by :meth:`invalidate` (and not freed since)."""
+        return request_id in self._recompute
 
     def request_ids(self) -> list[str]:
         """Live request ids, in admission order."""
@@ -952,6 +1004,26 @@ class PoolKVCache:
         """
         return self.manager.reset_prefix_cache()
 
+    def invalidate(self) -> tuple[int, int]:
+        """The pool's KV data is gone (a rank came back with fresh tensors, or an operator
+        reset the cache by force): forget every cached hash and flag every live request.
+
+        The prefix index is emptied at once (one ``AllBlocksCleared`` event), held blocks
+        included, so nothing serves stale KV as a hit. Live requests keep their blocks
+        (the engine's view of them stays right) but every later allocation of one answers
+        ``recompute`` and changes nothing, until the engine frees it (as preempted) and
+        admits it again with its tokens so far.
+
+        Returns:
+            The requests flagged and the blocks that lost their hash.
+        """
+        dropped = self.manager.block_pool.clear_prefix_index()
+        self._recompute.update(self._requests)
+        # A flagged request answers ``recompute`` to a repeated admission too.
+        self._admissions.clear()
+        self.num_invalidations += 1
+        return len(self._requests), dropped
+
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop blocks from the prefix index (e.g. their KV failed to load).
 
@@ -972,3 +1044,191 @@ class PoolKVCache:
     def take_events(self) -> KVEventBatch | None:
         """Events since the last call as the next numbered batch; None if nothing happened."""
         return self.manager.take_events()
+
+    # -- state (persistence) -------------------------------------------------------------
+
+    def config_state(self) -> dict[str, Any]:
+        """What a saved state must have been made under to be loaded into this pool: the
+        shape of the pool and its groups, the hashing settings (seed included: a secret
+        for xxh3) and the length bound."""
+        managers = self.manager.coordinator.managers
+        return {
+            "num_blocks": self.manager.block_pool.num_blocks,
+            "groups": [[type(m).__name__, m.block_size] for m in managers],
+            "hash_algo": self.hash_algo,
+            "hash_seed": self.hash_seed,
+            "hash_block_size": self.hash_block_size,
+            "enable_caching": self.enable_caching,
+            "max_model_len": self.max_model_len,
+        }
+
+    def to_state(self) -> dict[str, Any]:
+        """Everything that decides what this pool answers next, as plain values.
+
+        Deterministic: two pools built from the same config and seed that were given the
+        same calls have equal states, and a pool loaded from a state (:meth:`load_state`)
+        answers every later call exactly as the original would (same block ids, eviction
+        order, events and sequence numbers). Lists and arrays are copies, so the state
+        can be encoded (:mod:`kvsvc.core.state`) while the pool goes on serving.
+
+        Raises:
+            ValueError: events are pending (take them first), or a group tracks requests
+                the facade does not know (a bug: the state would not load).
+        """
+        managers = self.manager.coordinator.managers
+        requests = self._requests
+        for manager in managers:
+            if manager.num_tracked_requests() != len(requests):
+                raise ValueError(
+                    f"group {manager.group_id} tracks {manager.num_tracked_requests()} "
+                    f"requests, the pool {len(requests)}"
+                )
+        records = []
+        for request_id, request in requests.items():
+            record = request.to_state()
+            record.append([m.request_state(request_id) for m in managers])
+            records.append(record)
+        admissions = [
+            [
+                request_id,
+                None if a.start.hashing is None else a.start.hashing.to_state(),
+                a.start.skip_prefix_cache_read,
+                a.start.resumed,
+                a.start.num_encoder_tokens,
+                a.num_new_tokens,
+                a.num_lookahead_tokens,
+                a.num_cached_tokens,
+                a.num_scheduled_tokens,
+            ]
+            for request_id, a in self._admissions.items()
+        ]
+        return {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "config": self.config_state(),
+            "limits": {
+                "max_requests": self.max_requests,
+                "recently_freed": self.recently_freed,
+                "max_num_batched_tokens": self.max_num_batched_tokens,
+            },
+            "manager": self.manager.to_state(),
+            "requests": records,
+            "admissions": admissions,
+            "freed": list(self._freed),
+            "recompute": sorted(self._recompute),
+            "num_preemptions": self._num_preemptions,
+            "num_invalidations": self.num_invalidations,
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Become the pool :meth:`to_state` described (this pool must be fresh, built from
+        the same config; its limits stay its own).
+
+        Raises:
+            ValueError: a state of another format, version or config (the message names
+                the first difference); nothing is loaded then.
+        """
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a pool state (format {state.get('format')!r})")
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(
+                f"pool state version {state.get('version')!r}; this kvsvc reads {STATE_VERSION}"
+            )
+        mine = self.config_state()
+        for key, value in mine.items():
+            theirs = state["config"].get(key)
+            if theirs != value:
+                shown = (
+                    "(the secret seeds differ)"
+                    if key == "hash_seed"
+                    else (f"{theirs!r}, this pool {value!r}")
+                )
+                raise ValueError(f"the state was made for another pool: {key} {shown}")
+        manager = self.manager
+        managers = manager.coordinator.managers
+        hasher = manager.hasher
+        requests = {}
+        for record in state["requests"]:
+            request = RequestState.from_state(record[:9], hasher)
+            if len(record[9]) != len(managers):
+                raise ValueError(f"request {request.request_id!r} has entries for other groups")
+            requests[request.request_id] = (request, record[9])
+        manager.load_state(state["manager"])
+        self._requests.clear()
+        for request_id, (request, entries) in requests.items():
+            self._requests[request_id] = request
+            for m, entry in zip(managers, entries, strict=True):
+                m.load_request_state(request_id, entry)
+        self._admissions.clear()
+        for (
+            request_id,
+            hashing,
+            skip,
+            resumed,
+            num_encoder_tokens,
+            num_new,
+            num_lookahead,
+            num_cached,
+            num_scheduled,
+        ) in state["admissions"]:
+            start = RequestStart(
+                hashing=None if hashing is None else HashingContext.from_state(hashing),
+                skip_prefix_cache_read=skip,
+                resumed=resumed,
+                num_encoder_tokens=num_encoder_tokens,
+            )
+            self._admissions[request_id] = _Admission(
+                start, num_new, num_lookahead, num_cached, num_scheduled
+            )
+        self._freed.clear()
+        self._freed.update(dict.fromkeys(state["freed"]))
+        self._recompute.clear()
+        self._recompute.update(state["recompute"])
+        self._num_preemptions = state["num_preemptions"]
+        self.num_invalidations = state["num_invalidations"]
+        self._trim_freed()
+
+    def _trim_freed(self) -> None:
+        """Forget the oldest freed ids beyond :attr:`recently_freed` (after it shrank)."""
+        while len(self._freed) > self.recently_freed:
+            self._freed.popitem(last=False)
+
+    def set_limits(self, *, max_requests: int | None, recently_freed: int) -> None:
+        """Apply new bounds to a running pool (a restart with another config): live
+        requests above a lower ``max_requests`` stay; admissions wait below it.
+
+        Raises:
+            ValueError: a bound out of range.
+        """
+        if max_requests is not None and max_requests < 1:
+            raise ValueError(f"max_requests must be >= 1, got {max_requests}")
+        if recently_freed < 0:
+            raise ValueError(f"recently_freed must be >= 0, got {recently_freed}")
+        self.max_requests = max_requests
+        self.recently_freed = recently_freed
+        self._trim_freed()
+
+    @classmethod
+    def from_state(cls, config: KVCacheConfig, state: dict[str, Any], **kwargs: Any) -> PoolKVCache:
+        """A pool built from ``config`` with the state's hashing settings and limits, then
+        loaded with ``state``. ``kwargs`` go to the constructor (``enable_events``, ...).
+
+        Raises:
+            ValueError: as :meth:`load_state`.
+        """
+        saved = state["config"]
+        limits = state["limits"]
+        pool = cls(
+            config,
+            max_model_len=saved["max_model_len"],
+            enable_caching=saved["enable_caching"],
+            hash_algo=saved["hash_algo"],
+            hash_seed=saved["hash_seed"],
+            hash_block_size=saved["hash_block_size"],
+            max_num_batched_tokens=limits["max_num_batched_tokens"],
+            max_requests=limits["max_requests"],
+            recently_freed=limits["recently_freed"],
+            **kwargs,
+        )
+        pool.load_state(state)
+        return pool
