@@ -11,8 +11,12 @@ from typing import Any
 
 from kvsvc.server.auth import env_tokens, load_credentials
 from kvsvc.server.config import (
+    DEFAULT_EVENT_BUFFER_BYTES,
     DEFAULT_LISTEN,
+    DEFAULT_MAX_SUBSCRIBERS,
     DEFAULT_METRICS_LISTEN,
+    DEFAULT_SUBSCRIBER_MAX_LAG_BYTES,
+    DEFAULT_SUBSCRIBER_WRITE_TIMEOUT_S,
     HASH_ALGOS,
     LAYOUTS,
     POOL_PLACEHOLDER,
@@ -64,6 +68,20 @@ def add_parser(subparsers: Any) -> None:
         "--heartbeat-timeout", type=float, help="seconds before a silent rank degrades its pool"
     )
     server.add_argument("--event-buffer", type=int, help="event batches kept per pool for replay")
+    server.add_argument(
+        "--event-buffer-bytes",
+        type=parse_bytes,
+        help="bytes of event batches kept per pool for replay "
+        f"(default {DEFAULT_EVENT_BUFFER_BYTES // 2**20}MiB)",
+    )
+    server.add_argument(
+        "--subscriber-write-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="end a WatchEvents stream (RESOURCE_EXHAUSTED) whose write has not completed "
+        f"after this long: it stopped reading (default {DEFAULT_SUBSCRIBER_WRITE_TIMEOUT_S:g}"
+        "; 0 never)",
+    )
     server.add_argument(
         "--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR")
     )
@@ -138,6 +156,19 @@ def add_parser(subparsers: Any) -> None:
     pool.add_argument("--max-num-batched-tokens", type=int, default=8192)
     pool.add_argument("--disable-hybrid-kv-cache-manager", action="store_true")
     pool.add_argument("--layout", choices=LAYOUTS, default="layer_outer")
+    pool.add_argument(
+        "--max-subscribers",
+        type=int,
+        default=DEFAULT_MAX_SUBSCRIBERS,
+        help=f"open WatchEvents streams the pool takes (default {DEFAULT_MAX_SUBSCRIBERS})",
+    )
+    pool.add_argument(
+        "--subscriber-max-lag-bytes",
+        type=parse_bytes,
+        default=DEFAULT_SUBSCRIBER_MAX_LAG_BYTES,
+        help="how much further behind a WatchEvents subscriber may fall (serialized bytes) "
+        f"before it gets a gap marker (default {DEFAULT_SUBSCRIBER_MAX_LAG_BYTES // 2**20}MiB)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -162,6 +193,10 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         overrides["heartbeat_timeout_s"] = args.heartbeat_timeout
     if args.event_buffer:
         overrides["event_buffer_batches"] = args.event_buffer
+    if args.event_buffer_bytes:
+        overrides["event_buffer_bytes"] = args.event_buffer_bytes
+    if args.subscriber_write_timeout is not None:
+        overrides["subscriber_write_timeout_s"] = args.subscriber_write_timeout
     for flag, key in (
         ("kv_events_zmq", "kv_events_zmq"),
         ("kv_events_replay", "kv_events_replay"),
@@ -190,6 +225,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
                 layout=args.layout,
+                max_subscribers=args.max_subscribers,
+                subscriber_max_lag_bytes=args.subscriber_max_lag_bytes,
             ),
         )
     return server_config_from_dict(data, overrides)

@@ -36,6 +36,11 @@ DEFAULT_KV_EVENTS_TOPIC = ""
 KV_EVENTS_SCHEMES = ("tcp://", "ipc://", "inproc://")
 # Replaced by the pool's name in kv_events_topic (and nowhere else).
 POOL_PLACEHOLDER = "{pool}"
+# WatchEvents bounds (see kvsvc.server.events for what each protects).
+DEFAULT_EVENT_BUFFER_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_SUBSCRIBERS = 64
+DEFAULT_SUBSCRIBER_MAX_LAG_BYTES = 4 * 1024 * 1024
+DEFAULT_SUBSCRIBER_WRITE_TIMEOUT_S = 30.0
 
 
 class ConfigError(ValueError):
@@ -76,6 +81,13 @@ class PoolConfig:
         recently_freed: freed request ids remembered (the last ones, per pool) so that a
             Free retried after its reply was lost succeeds with 0 blocks instead of
             NOT_FOUND; about 100 bytes plus the id each. 0 turns it off.
+        max_subscribers: open WatchEvents streams the pool takes; the next one is refused
+            with RESOURCE_EXHAUSTED (each costs the server ~25 us per batch it is sent).
+        subscriber_max_lag_bytes: how much ground a subscriber may lose: its lag (the
+            serialized bytes of the batches between it and the newest) may grow this much
+            past the smallest it has had (about 0 for one that kept up; a replay from an
+            old start may take its time); past it, it gets a gap marker and resumes from
+            the replay within half of this of the newest batch.
     """
 
     name: str
@@ -93,6 +105,8 @@ class PoolConfig:
     max_requests: int = 65536
     max_num_blocks: int = 4_194_304
     recently_freed: int = 65536
+    max_subscribers: int = DEFAULT_MAX_SUBSCRIBERS
+    subscriber_max_lag_bytes: int = DEFAULT_SUBSCRIBER_MAX_LAG_BYTES
 
     def __post_init__(self) -> None:
         where = f"pool {self.name!r}"
@@ -142,6 +156,10 @@ class PoolConfig:
             )
         if self.recently_freed < 0:
             raise ConfigError(f"{where}: recently_freed must be >= 0")
+        if self.max_subscribers < 1:
+            raise ConfigError(f"{where}: max_subscribers must be >= 1")
+        if self.subscriber_max_lag_bytes < 4096:
+            raise ConfigError(f"{where}: subscriber_max_lag_bytes must be >= 4096")
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +183,11 @@ class ServerConfig:
         heartbeat_timeout_s: a rank silent this long makes its pool DEGRADED.
         event_buffer_batches: event batches kept for WatchEvents replay, per pool.
         event_buffer_events: events kept for replay, per pool (whichever bound is hit first).
+        event_buffer_bytes: bytes of batches kept for replay, per pool (a batch counts its
+            estimated in-memory size until it is first sent, then its serialized size).
+        subscriber_write_timeout_s: a WatchEvents write that has not completed after this
+            long (the subscriber stopped reading) ends that stream with RESOURCE_EXHAUSTED
+            and frees its slot; 0 never does.
         max_step_operations: operations one Step may carry.
         kv_events_zmq: publish each pool's KV events in vLLM's wire format on a ZMQ PUB
             socket at this endpoint (None: off). Bound when it has ``*`` or ``::`` or is
@@ -200,6 +223,8 @@ class ServerConfig:
     heartbeat_timeout_s: float = 10.0
     event_buffer_batches: int = 10000
     event_buffer_events: int = 200_000
+    event_buffer_bytes: int = DEFAULT_EVENT_BUFFER_BYTES
+    subscriber_write_timeout_s: float = DEFAULT_SUBSCRIBER_WRITE_TIMEOUT_S
     max_step_operations: int = 8192
     kv_events_zmq: str | None = None
     kv_events_replay: str | None = None
@@ -232,6 +257,10 @@ class ServerConfig:
             raise ConfigError("event_buffer_batches must be >= 1")
         if self.event_buffer_events < 1:
             raise ConfigError("event_buffer_events must be >= 1")
+        if self.event_buffer_bytes < 4096:
+            raise ConfigError("event_buffer_bytes must be >= 4096")
+        if self.subscriber_write_timeout_s < 0:
+            raise ConfigError("subscriber_write_timeout_s must be >= 0 (0: never)")
         if not 1 <= self.max_step_operations <= 1_000_000:
             raise ConfigError("max_step_operations must be in [1, 1000000]")
         self._check_kv_events()

@@ -199,6 +199,28 @@ class _PoolCollector(Collector):
         subscribers = GaugeMetricFamily(
             "kvsvc_event_subscribers", "Open WatchEvents streams.", labels=("pool",)
         )
+        subscribers_refused = CounterMetricFamily(
+            "kvsvc_event_subscribers_refused",
+            "WatchEvents calls refused because the pool had max_subscribers.",
+            labels=("pool",),
+        )
+        subscribers_lagged = CounterMetricFamily(
+            "kvsvc_event_subscribers_lagged",
+            "Gap markers sent to subscribers that fell subscriber_max_lag_bytes behind "
+            "(each skipped ahead).",
+            labels=("pool",),
+        )
+        subscribers_cut = CounterMetricFamily(
+            "kvsvc_event_subscribers_cut",
+            "WatchEvents streams ended because a write did not complete within "
+            "subscriber_write_timeout_s.",
+            labels=("pool",),
+        )
+        buffer_bytes = GaugeMetricFamily(
+            "kvsvc_event_buffer_bytes",
+            "Bytes the replay buffer holds (bounded by event_buffer_bytes).",
+            labels=("pool",),
+        )
         registered = GaugeMetricFamily(
             "kvsvc_workers_registered", "Ranks registered.", labels=("pool",)
         )
@@ -284,6 +306,10 @@ class _PoolCollector(Collector):
                 published.add_metric([name, kind], count)
             dropped.add_metric([name], pool.events.num_dropped_batches)
             subscribers.add_metric([name], pool.events.num_subscribers)
+            subscribers_refused.add_metric([name], pool.events.num_refused)
+            subscribers_lagged.add_metric([name], pool.events.num_lagged)
+            subscribers_cut.add_metric([name], pool.events.num_cut)
+            buffer_bytes.add_metric([name], pool.events.held_bytes)
             registered.add_metric([name], len(pool.slots))
             reports.add_metric([name], pool.num_allocation_reports)
             registrations.add_metric([name], pool.num_registrations)
@@ -320,6 +346,10 @@ class _PoolCollector(Collector):
             published,
             dropped,
             subscribers,
+            subscribers_refused,
+            subscribers_lagged,
+            subscribers_cut,
+            buffer_bytes,
             registered,
             heartbeat_age,
             mem_total,

@@ -264,10 +264,16 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
 
     @rpc_stream_handler("WatchEvents")
     async def WatchEvents(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        """Follow the pool's events. Each batch goes out as the bytes the pool's event log
+        serialized once for all subscribers, written with ``context.write`` (the method is
+        registered by :func:`kvsvc.server.grpc_handlers.add_kvcache_service`, whose
+        serializer passes bytes through), so a write that never completes can be timed
+        out (see :meth:`EventLog.serve`). Nothing is yielded."""
         pool = self._pools.get(request.pool)
         start = request.from_sequence if request.HasField("from_sequence") else None
-        async for batch in pool.events.follow(start, request.epoch):
-            yield batch
+        await pool.events.serve(context.write, start, request.epoch, peer=context.peer())
+        return
+        yield  # an async generator, as rpc_stream_handler wraps one
 
     @rpc_handler("GetUsage")
     async def GetUsage(self, request: Any, context: Any) -> kvcache_pb2.GetUsageResponse:
