@@ -16,6 +16,7 @@ from kvsvc.server.config import PoolConfig
 from kvsvc.tools.healthcheck import check_agent, check_grpc, main
 from tests.deploy.files import free_port
 from tests.server.harness import ServerThread, bring_up, running_server
+from tests.tooling import missing
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +142,7 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from kvsvc.tools.devcerts import find_openssl, make_dev_certs
 
     if find_openssl() is None:
-        pytest.skip("the openssl command line is not installed (apt-get install openssl)")
+        missing("the openssl command line", "apt-get install openssl")
     root = tmp_path_factory.mktemp("certs")
     return make_dev_certs(root / "good"), make_dev_certs(root / "other")
 

@@ -50,6 +50,7 @@ from tests.deploy.files import (
     port_of,
     rewrite_flag,
 )
+from tests.tooling import missing, require_tool
 
 OVERLAY = DEPLOY / "kubernetes-tls"
 COMPOSE_TLS = DEPLOY / "compose.tls.yaml"
@@ -184,10 +185,10 @@ def docs() -> list[dict[str, Any]]:
     return overlay_documents()
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
 def test_the_overlay_renders_offline_as_patched_here(docs: list[dict[str, Any]]) -> None:
+    kubectl = require_tool("kubectl", "kubectl kustomize renders the overlay")
     result = subprocess.run(
-        ["kubectl", "kustomize", str(OVERLAY)], capture_output=True, text=True, timeout=60
+        [kubectl, "kustomize", str(OVERLAY)], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
     yaml = pytest.importorskip("yaml")
@@ -346,14 +347,12 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from kvsvc.tools.devcerts import find_openssl, make_dev_certs
 
     if find_openssl() is None:
-        pytest.skip("the openssl command line is not installed (apt-get install openssl)")
+        missing("the openssl command line", "apt-get install openssl")
     return make_dev_certs(tmp_path_factory.mktemp("certs") / "dev")
 
 
 def test_promtool_accepts_the_tls_config(certs: Any, tmp_path: Path) -> None:
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool is not installed (Debian package 'prometheus')")
+    promtool = require_tool("promtool", "Debian package 'prometheus': apt-get install prometheus")
     text = PROMETHEUS_TLS.read_text().replace("/etc/prometheus/tls", str(certs.directory))
     (tmp_path / "prometheus.yml").write_text(text)
     shutil.copyfile(PROMETHEUS / "alerts.yml", tmp_path / "alerts.yml")
