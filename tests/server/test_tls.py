@@ -47,6 +47,7 @@ from kvsvc.tls import (
 from kvsvc.tools.devcerts import DevCerts, find_openssl, make_dev_certs
 from kvsvc.v1 import worker_pb2_grpc
 from tests.server.harness import FakeRank, ServerThread, llama_like_specs, running_server
+from tests.tooling import missing
 
 REPO = Path(__file__).resolve().parents[2]
 POOL = "p"
@@ -72,7 +73,7 @@ def _no_tls_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, DevCerts]:
     if find_openssl() is None:
-        pytest.skip("the openssl command line is not installed (apt-get install openssl)")
+        missing("the openssl command line", "apt-get install openssl")
     root = tmp_path_factory.mktemp("certs")
     return {name: make_dev_certs(root / name) for name in ("good", "other")}
 
@@ -500,7 +501,7 @@ def test_client_settings_resolve_flags_then_environment() -> None:
 def test_demo_runs_over_mtls_and_removes_its_certificates() -> None:
     pytest.importorskip("torch", reason="the demo's agents allocate torch tensors")
     if find_openssl() is None:
-        pytest.skip("the openssl command line is not installed (apt-get install openssl)")
+        missing("the openssl command line", "apt-get install openssl")
     env = {k: v for k, v in os.environ.items() if k not in TLS_ENV}
     done = subprocess.run(
         [sys.executable, "-m", "kvsvc", "demo", "--tls", "--requests", "20", "--tp", "1"],
