@@ -11,20 +11,23 @@ watched one serializes each batch once, not once per subscriber.
 A subscriber asks for a start sequence: it gets what is still held, a ``gap`` marker
 first when its start was already dropped, then new batches as they arrive.
 
-What a subscriber costs, and the bounds that keep it from slowing the pool (measured: the
-server's time goes to sending, about 25 us of gRPC work per message per subscriber on this
-2-core machine; 500 subscribers replaying 10,000 held batches cut a writer's Steps from
-~1,300/s to ~20/s for as long as the replay took):
+What a subscriber costs, and the bounds that keep it from slowing the pool (measured on a
+2-core machine: the server's time goes to sending, about 25 us of gRPC work per message
+per subscriber, all of it on the one event loop the engines' calls run on; 64 subscribers
+replaying the buffer cut a writer from ~1,250 Steps/s to ~100-190, 500 to ~20, for as
+long as the replay took; 64 that keep up, to ~250-400):
 
 - **Sending is paced.** All subscribers of all pools on the event loop share a
-  :class:`SendGate` that lets a few writes start per loop iteration, so the engines'
-  calls get a turn between every few sends however many subscribers are behind. A
-  subscriber that the pacing (or its own reading) leaves behind falls behind; it never
-  holds the writers up.
-- **Lag is bounded** (``max_lag_bytes``): a subscriber further behind the newest batch
-  than that (in serialized bytes of the batches it has yet to get) gets a gap marker and
-  resumes from the replay where it is within half the bound. Subscribers never pin the
-  buffer: it drops its oldest batches whoever still wanted them, so a subscriber holds
+  :class:`SendGate`: writes go out in rounds of a few, and after each round the gate
+  pauses twice as long as the round took, so subscribers get at most a third of a busy
+  loop and the engines' calls run in the pauses (the same 64 subscribers then leave the
+  writer ~75 % of its Steps). A subscriber that the pacing (or its own reading) leaves
+  behind falls behind; it never holds the writers up.
+- **Lag is bounded** (``max_lag_bytes``): a subscriber whose lag (serialized bytes from
+  its position to the newest batch) grew that much past the smallest it had gets a gap
+  marker and resumes from the replay within half the bound of the newest batch. A replay
+  from an old start may take its time; losing ground is what counts. Subscribers never pin
+  the buffer: it drops its oldest batches whoever still wanted them, so a subscriber holds
   back nothing but its one message in flight.
 - **Stuck writes are cut** (``write_timeout_s``): a subscriber that stopped reading fills
   its HTTP/2 window and the server's write to it blocks (at no cost per batch, but holding
@@ -529,7 +532,7 @@ class EventLog:
             if subscriber.task is not None:
                 subscriber.task.uncancel()
             self.num_cut += 1
-            resume = max(next_seq, self.oldest_sequence)
+            resume = next_seq  # its write was under way: it may not have arrived
             self._log.warning(
                 f"cut:{self.pool}",
                 "WatchEvents subscriber %s of pool %r cut: a write did not complete within "
