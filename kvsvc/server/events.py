@@ -80,10 +80,10 @@ _TOKEN_BYTES = 36
 # entry and its int fields, a deque slot.
 _SERIALIZED_OVERHEAD = 256
 # Serialized-size estimate of a batch (for lag, before it is serialized): its header with
-# the epoch, and per event the fields around its hashes and token ids (3 bytes per id:
-# varints of ids below 2^21).
+# the epoch, and per event the fields around its hashes and token ids (medium, group kind:
+# ~32 bytes), 2 bytes of framing per hash and 3 bytes per id (varints of ids below 2^21).
 _WIRE_BATCH = 64
-_WIRE_EVENT = 16
+_WIRE_EVENT = 32
 _WIRE_TOKEN = 3
 
 
@@ -304,35 +304,42 @@ class EventLog:
     def append(self, batch: KVEventBatch) -> None:
         """Add the next batch (its sequence must follow the last one) and wake subscribers."""
         assert batch.seq == self._last_seq + 1, (batch.seq, self._last_seq)
-        counts = self.num_events_by_type
-        size = _BATCH_BYTES
-        wire = _WIRE_BATCH
-        # One pass over the events: the counters, and the sizes that bound the buffer.
+        # One pass over the events: the counters, and what the sizes that bound the buffer
+        # are made of (summed, then priced once: this runs on every change to the index).
+        stored = removed = cleared = hashes = tokens = 0
+        hash_len = 16
         for event in batch.events:
-            if isinstance(event, BlockStored):
-                counts["stored"] += 1
-                hashes = event.block_hashes
-                hash_bytes = _HASH_BYTES + (len(hashes[0]) if hashes else 32)
-                num_tokens = len(event.token_ids)
-                size += _STORED_BYTES + (len(hashes) + 1) * hash_bytes + _TOKEN_BYTES * num_tokens
-                wire += (
-                    _WIRE_EVENT
-                    + (len(hashes) + 1) * (hash_bytes - _HASH_BYTES + 2)
-                    + _WIRE_TOKEN * num_tokens
-                    + len(event.group_kind)
-                    + len(event.medium)
-                    + len(event.lora_name or "")
-                )
-            elif isinstance(event, BlockRemoved):
-                counts["removed"] += 1
-                hashes = event.block_hashes
-                hash_len = len(hashes[0]) if hashes else 32
-                size += _REMOVED_BYTES + len(hashes) * (_HASH_BYTES + hash_len)
-                wire += _WIRE_EVENT + len(hashes) * (hash_len + 2) + len(event.medium)
-            elif isinstance(event, AllBlocksCleared):
-                counts["cleared"] += 1
-                size += _CLEARED_BYTES
-                wire += 4
+            if type(event) is BlockStored:
+                stored += 1
+                hashes += len(event.block_hashes) + 1  # + the parent
+                tokens += len(event.token_ids)
+            elif type(event) is BlockRemoved:
+                removed += 1
+                hashes += len(event.block_hashes)
+            else:
+                cleared += 1
+        if hashes:
+            first = next(e for e in batch.events if not isinstance(e, AllBlocksCleared))
+            if first.block_hashes:
+                hash_len = len(first.block_hashes[0])
+        counts = self.num_events_by_type
+        counts["stored"] += stored
+        counts["removed"] += removed
+        counts["cleared"] += cleared
+        size = (
+            _BATCH_BYTES
+            + _STORED_BYTES * stored
+            + _REMOVED_BYTES * removed
+            + _CLEARED_BYTES * cleared
+            + (_HASH_BYTES + hash_len) * hashes
+            + _TOKEN_BYTES * tokens
+        )
+        wire = (
+            _WIRE_BATCH
+            + _WIRE_EVENT * (stored + removed + cleared)
+            + (hash_len + 2) * hashes
+            + _WIRE_TOKEN * tokens
+        )
         entry = _Entry(batch, size, wire, self._stream_bytes, len(batch.events))
         self._stream_bytes += wire
         self._batches.append(entry)
