@@ -24,13 +24,14 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvsvc/v1/pools.proto\x12\x08kvsvc.v1*\x92\x01\n\tPoolState\x12\x1a\n\x16POOL_STATE_UNSPECIFIED\x10\x00\x12\"\n\x1ePOOL_STATE_WAITING_FOR_WORKERS\x10\x01\x12\x16\n\x12POOL_STATE_PLANNED\x10\x02\x12\x14\n\x10POOL_STATE_READY\x10\x03\x12\x17\n\x13POOL_STATE_DEGRADED\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvsvc/v1/pools.proto\x12\x08kvsvc.v1*\x92\x01\n\tPoolState\x12\x1a\n\x16POOL_STATE_UNSPECIFIED\x10\x00\x12\"\n\x1ePOOL_STATE_WAITING_FOR_WORKERS\x10\x01\x12\x16\n\x12POOL_STATE_PLANNED\x10\x02\x12\x14\n\x10POOL_STATE_READY\x10\x03\x12\x17\n\x13POOL_STATE_DEGRADED\x10\x04\x42\x8b\x01\n\x0c\x63om.kvsvc.v1B\nPoolsProtoP\x01Z.github.com/kvsvc/kvsvc/gen/go/kvsvc/v1;kvsvcv1\xa2\x02\x03KXX\xaa\x02\x08Kvsvc.V1\xca\x02\x08Kvsvc\\V1\xe2\x02\x14Kvsvc\\V1\\GPBMetadata\xea\x02\tKvsvc::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvsvc.v1.pools_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-  DESCRIPTOR._loaded_options = None
+  _globals['DESCRIPTOR']._loaded_options = None
+  _globals['DESCRIPTOR']._serialized_options = b'\n\014com.kvsvc.v1B\nPoolsProtoP\001Z.github.com/kvsvc/kvsvc/gen/go/kvsvc/v1;kvsvcv1\242\002\003KXX\252\002\010Kvsvc.V1\312\002\010Kvsvc\\V1\342\002\024Kvsvc\\V1\\GPBMetadata\352\002\tKvsvc::V1'
   _globals['_POOLSTATE']._serialized_start=35
   _globals['_POOLSTATE']._serialized_end=181
 # @@protoc_insertion_point(module_scope)
