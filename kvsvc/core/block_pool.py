@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import compress
+from typing import Any
 
 from kvsvc.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventQueue
 from kvsvc.core.hashing import BlockHash, BlockHashList
@@ -171,6 +173,44 @@ class FreeBlockQueue:
 
     def get_all_free_blocks(self) -> list[int]:
         return list(self)
+
+    # -- state (persistence) -----------------------------------------------------------
+
+    def to_state(self) -> dict[str, Any]:
+        """The queue exactly as it is: the three regions and the raw link arrays.
+
+        The arrays are copied whole (stale ``prev`` entries of unlinked ids included), so
+        a queue loaded from this state is indistinguishable from this one.
+        """
+        return {
+            "num_blocks": self.num_blocks,
+            "stack": array("i", self._stack),
+            "lo": self._lo,
+            "next": array("i", self._next),
+            "prev": array("i", self._prev),
+            "num_linked": self._num_linked,
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Take over ``state`` (from :meth:`to_state` of a queue of the same size).
+
+        Raises:
+            ValueError: a state of another size or with inconsistent regions.
+        """
+        n = self.num_blocks
+        if state["num_blocks"] != n:
+            raise ValueError(f"free queue of {state['num_blocks']} blocks loaded into one of {n}")
+        nxt, prv, stack = state["next"], state["prev"], state["stack"]
+        if len(nxt) != n + 1 or len(prv) != n + 1:
+            raise ValueError("free queue link arrays have the wrong length")
+        lo, num_linked = state["lo"], state["num_linked"]
+        if not 1 <= lo <= n or not 0 <= num_linked < n or len(stack) + (n - lo) + num_linked >= n:
+            raise ValueError("free queue regions are inconsistent")
+        self._stack[:] = list(stack)
+        self._lo = lo
+        self._next[:] = array("i", nxt)
+        self._prev[:] = array("i", prv)
+        self._num_linked = num_linked
 
 
 class BlockPool:
@@ -533,6 +573,20 @@ class BlockPool:
         num_held = self.num_blocks - 1 - self.num_reserved_blocks - self.free_queue.num_free_blocks
         if num_held:
             return False
+        self.clear_prefix_index()
+        return True
+
+    def clear_prefix_index(self) -> int:
+        """Empty the prefix index even while blocks are held (their KV is gone).
+
+        Held blocks stay held and free ones stay where they are in the free queue; only
+        the hashes go, so no later request can hit a block. One ``AllBlocksCleared``
+        event says so. Evictions are not counted: nothing was reused.
+
+        Returns:
+            The number of blocks that lost their hash.
+        """
+        dropped = self.num_cached_blocks
         # In place: managers keep references to these containers for their hot loops.
         for index in self._index:
             index.clear()
@@ -542,4 +596,133 @@ class BlockPool:
         self.num_cached_blocks = 0
         if self.events is not None:
             self.events.append(AllBlocksCleared())
-        return True
+        return dropped
+
+    # -- state (persistence) -----------------------------------------------------------
+
+    def to_state(self) -> dict[str, Any]:
+        """Everything that decides this pool's future behaviour, as plain values.
+
+        The prefix index is not written out as such: each cached block carries its hash
+        and group, which gives the index, except which of several blocks cached under one
+        hash is the one a lookup returns and the order of the others; ``dups`` keeps
+        exactly that (``[hash, first, later...]`` per duplicated hash, per group).
+        Pending events must have been drained (the server drains after every call).
+
+        Raises:
+            ValueError: events are pending.
+        """
+        if self.events is not None and self.events.pending:
+            raise ValueError("the block pool has undrained events; take them first")
+        dups = [
+            [[h, index[h], *later] for h, later in group_dups.items()]
+            for index, group_dups in zip(self._index, self._dups, strict=True)
+        ]
+        return {
+            "num_blocks": self.num_blocks,
+            "num_groups": self.num_groups,
+            "enable_caching": self.enable_caching,
+            "ref_cnt": list(self.ref_cnt),
+            "block_hash": list(self.block_hash),
+            "block_group": bytes(self.block_group),
+            "dups": dups,
+            "free_queue": self.free_queue.to_state(),
+            "num_reserved_blocks": self.num_reserved_blocks,
+            "num_cached_blocks": self.num_cached_blocks,
+            "num_evictions": self.num_evictions,
+            "num_allocated_blocks": self.num_allocated_blocks,
+            "num_freed_blocks": self.num_freed_blocks,
+            "event_seq": self.events.last_seq if self.events is not None else 0,
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Take over ``state`` (from :meth:`to_state` of a pool of the same shape).
+
+        Containers are updated in place: managers hold references to them.
+
+        Raises:
+            ValueError: a state of another shape, or one whose index does not add up.
+        """
+        n = self.num_blocks
+        for key, mine in (
+            ("num_blocks", n),
+            ("num_groups", self.num_groups),
+            ("enable_caching", self.enable_caching),
+        ):
+            if state[key] != mine:
+                raise ValueError(f"block pool state has {key}={state[key]!r}, this pool {mine!r}")
+        ref_cnt, block_hash = state["ref_cnt"], state["block_hash"]
+        block_group = state["block_group"]
+        if len(ref_cnt) != n or len(block_hash) != n or len(block_group) != n:
+            raise ValueError("block pool state arrays have the wrong length")
+        # The null block's count drifts around its large constant (nulls in freed tables
+        # are decremented, null hits touched) but never comes near 0.
+        if ref_cnt[NULL_BLOCK_ID] < _NULL_REF_COUNT // 2 or block_hash[NULL_BLOCK_ID] is not None:
+            raise ValueError("block pool state: the null block is not the null block")
+        dup_blocks: list[dict[BlockHash, list[int]]] = [{} for _ in range(self.num_groups)]
+        for group_id, entries in enumerate(state["dups"]):
+            for h, first, *later in entries:
+                dup_blocks[group_id][h] = [first, *later]
+        # Cached blocks by group, in id order (hashes are non-empty bytes: compress keeps
+        # exactly the cached ones, at C speed; a million-block pool loads in milliseconds).
+        cached_ids = list(compress(range(n), block_hash))
+        if self.num_groups == 1:
+            by_group = [cached_ids]
+        else:
+            by_group = [[] for _ in range(self.num_groups)]
+            for block_id in cached_ids:
+                group_id = block_group[block_id]
+                if group_id >= self.num_groups:
+                    raise ValueError(
+                        f"block {block_id} is cached in group {group_id}: no such group"
+                    )
+                by_group[group_id].append(block_id)
+        indexes: list[dict[BlockHash, int]] = []
+        for group_id, ids in enumerate(by_group):
+            hashes = list(map(block_hash.__getitem__, ids))
+            dups = dup_blocks[group_id]
+            if dups:
+                index = {h: b for h, b in zip(hashes, ids, strict=True) if h not in dups}
+                listed = 0
+                for h, blocks in dups.items():
+                    if len(set(blocks)) != len(blocks) or any(
+                        block_hash[b] != h or block_group[b] != group_id for b in blocks
+                    ):
+                        raise ValueError("block pool state: a duplicate entry does not match")
+                    index[h] = blocks[0]
+                    listed += len(blocks)
+                # Every cached block is the one entry of its hash, or listed with its copies.
+                complete = len(index) - len(dups) + listed == len(ids)
+            else:
+                index = dict(zip(hashes, ids, strict=True))
+                complete = len(index) == len(ids)
+            if not complete:
+                raise ValueError(
+                    f"block pool state: group {group_id} caches a hash on several blocks "
+                    "without saying which is found first"
+                )
+            indexes.append(index)
+        if len(cached_ids) != state["num_cached_blocks"]:
+            raise ValueError(
+                f"block pool state counts {state['num_cached_blocks']} cached blocks, "
+                f"its hashes {len(cached_ids)}"
+            )
+        self.free_queue.load_state(state["free_queue"])
+        self.ref_cnt[:] = list(ref_cnt)
+        self.block_hash[:] = list(block_hash)
+        self.block_group[:] = bytes(block_group)
+        for group_id in range(self.num_groups):
+            self._index[group_id].clear()
+            self._index[group_id].update(indexes[group_id])
+            self._dups[group_id].clear()
+            self._dups[group_id].update(
+                {h: blocks[1:] for h, blocks in dup_blocks[group_id].items()}
+            )
+        self.num_reserved_blocks = state["num_reserved_blocks"]
+        self.num_cached_blocks = len(cached_ids)
+        self.num_evictions = state["num_evictions"]
+        self.num_allocated_blocks = state["num_allocated_blocks"]
+        self.num_freed_blocks = state["num_freed_blocks"]
+        if self.events is not None:
+            self.events.pending.clear()
+            self.events.restore(state["event_seq"])

@@ -80,6 +80,12 @@ class KVEventQueue:
     def last_seq(self) -> int:
         return self._last_seq
 
+    def restore(self, last_seq: int) -> None:
+        """Continue numbering after ``last_seq`` (a pool loaded from its saved state)."""
+        if last_seq < 0:
+            raise ValueError(f"an event sequence cannot be negative, got {last_seq}")
+        self._last_seq = last_seq
+
     def append(self, event: KVEvent) -> None:
         self.pending.append(event)
 

@@ -105,6 +105,27 @@ class HashingContext:
             self.cache_salt or self.lora_name or self.mm_items or self.prompt_embeds_digests
         )
 
+    def to_state(self) -> list[Any]:
+        """Plain values that :meth:`from_state` turns back into an equal context."""
+        return [
+            self.cache_salt,
+            self.lora_name,
+            self.lora_path,
+            [[item.identifier, item.offset, item.length] for item in self.mm_items],
+            list(self.prompt_embeds_digests),
+        ]
+
+    @classmethod
+    def from_state(cls, state: list[Any]) -> HashingContext:
+        cache_salt, lora_name, lora_path, items, digests = state
+        return cls(
+            cache_salt=cache_salt,
+            lora_name=lora_name,
+            lora_path=lora_path,
+            mm_items=tuple(MultiModalItem(i, o, n) for i, o, n in items),
+            prompt_embeds_digests=tuple(digests),
+        )
+
 
 def check_mm_items(context: HashingContext | None, num_tokens: int, field: str = "hashing") -> None:
     """Check a prompt's multimodal items before anything is admitted or looked up.

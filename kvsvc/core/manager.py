@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from math import gcd, lcm
+from typing import Any
 
 from kvsvc.core.block_pool import NULL_BLOCK_ID, BlockPool
 from kvsvc.core.coordinator import KVCacheCoordinator, make_coordinator
@@ -506,3 +507,46 @@ class KVCacheManager:
     def take_events(self) -> KVEventBatch | None:
         """Events since the last call as one numbered batch, or None if there were none."""
         return self.events.take() if self.events is not None else None
+
+    # -- state (persistence) -------------------------------------------------------------
+
+    def to_state(self) -> dict[str, Any]:
+        """The pool, every group's own state and the prefix-cache stats (requests' entries
+        are the facade's to write, see :meth:`PoolKVCache.to_state`)."""
+        stats = self.prefix_cache_stats
+        return {
+            "block_pool": self.block_pool.to_state(),
+            "groups": [m.to_state() for m in self.coordinator.managers],
+            "prefix_cache_stats": [
+                stats.requests,
+                stats.queries,
+                stats.hits,
+                stats.preempted_requests,
+                stats.preempted_queries,
+                stats.preempted_hits,
+            ],
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Take over :meth:`to_state` (requests' entries are loaded by the facade).
+
+        Raises:
+            ValueError: a state of another shape.
+        """
+        managers = self.coordinator.managers
+        if len(state["groups"]) != len(managers):
+            raise ValueError(
+                f"the state has {len(state['groups'])} KV cache groups, this pool {len(managers)}"
+            )
+        self.block_pool.load_state(state["block_pool"])
+        for manager, group_state in zip(managers, state["groups"], strict=True):
+            manager.load_state(group_state)
+        self._tables.clear()
+        (
+            self.prefix_cache_stats.requests,
+            self.prefix_cache_stats.queries,
+            self.prefix_cache_stats.hits,
+            self.prefix_cache_stats.preempted_requests,
+            self.prefix_cache_stats.preempted_queries,
+            self.prefix_cache_stats.preempted_hits,
+        ) = state["prefix_cache_stats"]

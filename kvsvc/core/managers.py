@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import islice
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from kvsvc.core.block_pool import NULL_BLOCK_ID, BlockPool
 from kvsvc.core.hashing import BlockHashList, hashes_at_block_size
@@ -246,6 +246,50 @@ class SingleTypeKVCacheManager:
             self.pool.free_blocks(reversed(blocks))
         self.num_cached_block.pop(request_id, None)
         self._leading_nulls.pop(request_id, None)
+
+    # -- state (persistence) -------------------------------------------------------------
+
+    def request_state(self, request_id: str) -> list[Any]:
+        """What this group keeps for one request: ``[table, num_cached_block or -1]``
+        (subclasses append their own). The leading-null count is a memo, not state."""
+        table = self.req_to_blocks.get(request_id)
+        return [
+            None if table is None else list(table),
+            self.num_cached_block.get(request_id, -1),
+        ]
+
+    def load_request_state(self, request_id: str, state: list[Any]) -> None:
+        """Take over one request's entry from :meth:`request_state`."""
+        table, num_cached = state[0], state[1]
+        if table is not None:
+            self.req_to_blocks[request_id] = list(table)
+        if num_cached >= 0:
+            self.num_cached_block[request_id] = num_cached
+
+    def num_tracked_requests(self) -> int:
+        """Requests with an entry in this group (every live request, once admitted)."""
+        return len(self.req_to_blocks.keys() | self.num_cached_block.keys())
+
+    def to_state(self) -> dict[str, Any]:
+        """This group's state besides its requests' entries."""
+        return {"kind": type(self).__name__, "block_size": self.block_size}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Take over :meth:`to_state`; requests' entries come through
+        :meth:`load_request_state`. Containers are cleared in place (the manager above
+        keeps references to them).
+
+        Raises:
+            ValueError: the state is of another kind of group.
+        """
+        if state["kind"] != type(self).__name__ or state["block_size"] != self.block_size:
+            raise ValueError(
+                f"group {self.group_id} is {type(self).__name__} with block size "
+                f"{self.block_size}; the state is {state['kind']} with {state['block_size']}"
+            )
+        self.req_to_blocks.clear()
+        self.num_cached_block.clear()
+        self._leading_nulls.clear()
 
     # -- queries -------------------------------------------------------------------------
 
@@ -647,6 +691,34 @@ class MambaManager(SingleTypeKVCacheManager):
         self.last_state_block_idx.pop(request_id, None)
         super().free(request_id)
 
+    def request_state(self, request_id: str) -> list[Any]:
+        """The base entry plus ``[last_state_block_idx or -1, got state blocks]``."""
+        return [
+            *super().request_state(request_id),
+            self.last_state_block_idx.get(request_id, -1),
+            request_id in self._allocated_block_reqs,
+        ]
+
+    def load_request_state(self, request_id: str, state: list[Any]) -> None:
+        super().load_request_state(request_id, state)
+        if state[2] >= 0:
+            self.last_state_block_idx[request_id] = state[2]
+        if state[3]:
+            self._allocated_block_reqs.add(request_id)
+
+    def num_tracked_requests(self) -> int:
+        return len(
+            self.req_to_blocks.keys()
+            | self.num_cached_block.keys()
+            | self.last_state_block_idx.keys()
+            | self._allocated_block_reqs
+        )
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        super().load_state(state)
+        self.last_state_block_idx.clear()
+        self._allocated_block_reqs.clear()
+
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
         return 0
 
@@ -712,6 +784,13 @@ class SinkFullAttentionManager(FullAttentionManager):
                 f"{self.block_size}"
             )
         self.sink_blocks = pool.reserve_blocks(sink_len // self.block_size)
+
+    def to_state(self) -> dict[str, Any]:
+        return {**super().to_state(), "sink_blocks": list(self.sink_blocks)}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        super().load_state(state)
+        self.sink_blocks = list(state["sink_blocks"])
 
 
 def representative_spec(spec: KVCacheSpec) -> KVCacheSpec:

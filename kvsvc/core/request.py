@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
+from typing import Any
 
 from kvsvc.core.hashing import BlockExtraKeys, BlockHash, BlockHasher, HashingContext
 
@@ -112,6 +114,68 @@ class RequestState:
         del self.all_token_ids[num_tokens:]
         if self._hasher is not None:
             del self.block_hashes[num_tokens // self._hasher.block_size :]
+
+    def to_state(self) -> list[Any]:
+        """``[id, tokens, num_prompt_tokens, num_computed_tokens, block_hashes, hashing,
+        skip_reading_prefix_cache, resumed, num_encoder_tokens]`` as plain values (the
+        tokens as an ``array('I')`` whatever sequence holds them here)."""
+        tokens = self.all_token_ids
+        return [
+            self.request_id,
+            array.array("I", tokens),
+            self.num_prompt_tokens,
+            self.num_computed_tokens,
+            list(self.block_hashes),
+            None if self.hashing is None else self.hashing.to_state(),
+            self.skip_reading_prefix_cache,
+            self.resumed,
+            self.num_encoder_tokens,
+        ]
+
+    @classmethod
+    def from_state(cls, state: list[Any], hasher: BlockHasher | None) -> RequestState:
+        """The request :meth:`to_state` describes, with its saved hashes (not re-hashed).
+
+        Raises:
+            ValueError: hashes that do not match the token count (a state of another
+                hash block size, or a damaged one).
+        """
+        (
+            request_id,
+            tokens,
+            num_prompt_tokens,
+            num_computed_tokens,
+            block_hashes,
+            hashing,
+            skip,
+            resumed,
+            num_encoder_tokens,
+        ) = state
+        self = cls.__new__(cls)
+        self.request_id = request_id
+        # The wire's own token type (see unpack_token_ids); the fast paths expect it.
+        self.all_token_ids = array.array("I", tokens)  # type: ignore[assignment]
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_computed_tokens = num_computed_tokens
+        self.block_hashes = list(block_hashes)
+        self.hashing = None if hashing is None else HashingContext.from_state(hashing)
+        self.lora_name = self.hashing.lora_name if self.hashing is not None else None
+        self.skip_reading_prefix_cache = skip
+        self.resumed = resumed
+        self.num_encoder_tokens = num_encoder_tokens
+        self._hasher = hasher
+        self.extra_keys = None
+        expected = 0
+        if hasher is not None:
+            expected = len(self.all_token_ids) // hasher.block_size
+            if self.hashing is not None and not self.hashing.is_empty:
+                self.extra_keys = BlockExtraKeys(self.hashing, hasher.block_size)
+        if len(self.block_hashes) != expected:
+            raise ValueError(
+                f"request {request_id!r}: {len(self.block_hashes)} saved block hashes for "
+                f"{len(self.all_token_ids)} tokens ({expected} expected)"
+            )
+        return self
 
     def __repr__(self) -> str:
         return (
