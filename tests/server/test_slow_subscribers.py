@@ -59,13 +59,17 @@ class ServeProcess:
                 "--pool", "p", "--max-model-len", "1024", "--log-level", "INFO", *flags,
             ],
         )  # fmt: skip
-        port, self.metrics_port = wait_for_ports(self.child)
-        self.address = f"127.0.0.1:{port}"
-        self.rank = FakeRank(self.address, "p", 0, 1, llama_like_specs(), KV_BYTES)
-        self.rank.register()
-        self.rank.open_stream()
-        assert not self.rank.wait_for_config().error
-        self.rank.report()
+        try:
+            port, self.metrics_port = wait_for_ports(self.child)
+            self.address = f"127.0.0.1:{port}"
+            self.rank = FakeRank(self.address, "p", 0, 1, llama_like_specs(), KV_BYTES)
+            self.rank.register()
+            self.rank.open_stream()
+            assert not self.rank.wait_for_config().error
+            self.rank.report()
+        except BaseException:
+            self.child.stop()  # a failed bring-up leaves no server behind
+            raise
 
     def metric(self, name: str) -> float:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics") as reply:
