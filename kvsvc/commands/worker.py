@@ -4,9 +4,9 @@ Derives the rank's layer specs from a model config (or a spec file), profiles th
 registers with the server, allocates the tensors of its plan and holds them, heartbeating,
 until SIGINT or SIGTERM. It registers again on its own when the server restarts.
 
-Exit status: 0 stopped by a signal; 1 the server rejected the rank, planning failed, or
-the plan could not be allocated (the log says what to change); 2 bad flags, an unusable
-model config, or a memory budget that does not fit.
+Exit status: 0 stopped by a signal; 1 the server rejected the rank, planning failed, the
+plan could not be allocated (the log says what to change), or the ``--metrics-listen``
+port is taken; 2 bad flags, an unusable model config, or a memory budget that does not fit.
 """
 
 from __future__ import annotations
@@ -306,9 +306,12 @@ def run(args: argparse.Namespace) -> int:
     except InvalidArgument as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:  # the metrics port is taken
-        print(f"{prog}: error: metrics_listen: {exc}", file=sys.stderr)
-        return 2
+    except OSError as exc:  # the metrics port is taken: the environment, not a bad flag
+        from kvsvc.ports import ListenError
+
+        error = ListenError(args.metrics_listen, "agent /metrics", "--metrics-listen", exc)
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 1
 
     stop = threading.Event()
 

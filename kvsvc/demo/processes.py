@@ -90,8 +90,12 @@ def wait_for_ports(server: Child, timeout: float = 30.0) -> tuple[int, int]:
             if match:
                 return int(match.group(1)), int(match.group(2) or 0)
         if not server.alive():
+            server.stop()  # joins the reader: every line the server wrote is in
+            output = server.output().strip()
+            # One line (a port in use, a bad TLS file) reads best on the same line.
+            sep = " " if output and "\n" not in output else "\n"
             raise RuntimeError(
-                f"the server exited with status {server.process.returncode}:\n{server.output()}"
+                f"the server exited with status {server.process.returncode}:{sep}{output}"
             )
         time.sleep(0.05)
     raise TimeoutError(f"the server did not start within {timeout:.0f}s:\n{server.output()}")

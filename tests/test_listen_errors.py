@@ -1,0 +1,145 @@
+"""A port someone else holds: one line naming the address and the flag, exit status 1.
+
+Each test holds a port with a listening socket first, then runs the command as a real
+process (as a user would meet it), so gRPC's own bind failure and logging are in play.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvsvc.ports import ListenError, check_bindable
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A loopback port another socket is listening on."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        yield holder.getsockname()[1]
+
+
+def kvsvc(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvsvc", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def one_line(done: subprocess.CompletedProcess[str]) -> str:
+    assert done.returncode == 1, (done.returncode, done.stdout, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    return lines[0]
+
+
+def test_serve_on_a_taken_grpc_port(busy_port: int) -> None:
+    done = kvsvc(
+        "serve", "--pool", "p", "--listen", f"127.0.0.1:{busy_port}", "--metrics-listen", "off"
+    )
+    assert one_line(done) == (
+        f"kvsvc serve: cannot listen on 127.0.0.1:{busy_port} (gRPC): the address is "
+        "already in use; stop what holds it, or choose another address with --listen "
+        "(config key listen)"
+    )
+    assert done.stdout == ""  # never said it was serving
+
+
+def test_serve_on_a_taken_metrics_port(busy_port: int) -> None:
+    done = kvsvc(
+        "serve",
+        "--pool",
+        "p",
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        f"127.0.0.1:{busy_port}",
+    )
+    assert one_line(done) == (
+        f"kvsvc serve: cannot listen on 127.0.0.1:{busy_port} (/metrics): the address is "
+        "already in use; stop what holds it, or choose another address with --metrics-listen "
+        "(config key metrics_listen)"
+    )
+    assert "Event loop is closed" not in done.stderr
+
+
+def test_worker_on_a_taken_metrics_port(busy_port: int) -> None:
+    pytest.importorskip("torch")
+    done = kvsvc(
+        "worker",
+        "--server",
+        "127.0.0.1:1",
+        "--pool",
+        "p",
+        "--rank",
+        "0",
+        "--world-size",
+        "1",
+        "--device",
+        "cpu",
+        "--model-config",
+        "llama-3.2-1b",
+        "--kv-cache-memory",
+        "16MiB",
+        "--metrics-listen",
+        f"127.0.0.1:{busy_port}",
+        "--log-level",
+        "WARNING",
+    )
+    assert one_line(done) == (
+        f"kvsvc worker: error: cannot listen on 127.0.0.1:{busy_port} (agent /metrics): the "
+        "address is already in use; stop what holds it, or choose another address with "
+        "--metrics-listen"
+    )
+
+
+def test_a_port_taken_after_the_check_is_the_same_error(
+    busy_port: int, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # Someone binds between the check and gRPC's bind (or the check is fooled): gRPC's
+    # RuntimeError becomes the ListenError, and the half-built server is stopped on its
+    # loop, so nothing complains about a closed event loop when it is collected.
+    import kvsvc.server.app as app
+    from kvsvc.server.config import PoolConfig, ServerConfig
+
+    monkeypatch.setattr(app, "check_bindable", lambda *a, **k: None)
+    for listen, metrics, what in (
+        (f"127.0.0.1:{busy_port}", None, "gRPC"),
+        ("127.0.0.1:0", f"127.0.0.1:{busy_port}", "/metrics"),
+    ):
+        config = ServerConfig(pools=(PoolConfig(name="p"),), listen=listen, metrics_listen=metrics)
+        with pytest.raises(ListenError) as raised:
+            asyncio.run(app.create_server(config))
+        assert str(raised.value).startswith(f"cannot listen on 127.0.0.1:{busy_port} ({what})")
+        gc.collect()
+    assert "Event loop is closed" not in capfd.readouterr().err
+
+
+def test_check_bindable_passes_free_ports_and_port_zero(busy_port: int) -> None:
+    check_bindable("127.0.0.1", 0, address="127.0.0.1:0", what="x", flag="--x")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free = probe.getsockname()[1]
+    check_bindable("127.0.0.1", free, address=f"127.0.0.1:{free}", what="x", flag="--x")
+    with pytest.raises(ListenError) as raised:
+        check_bindable("127.0.0.1", busy_port, address="here", what="x", flag="--x")
+    assert raised.value.flag == "--x" and raised.value.address == "here"
+    with pytest.raises(ListenError, match="no such address on this machine"):
+        check_bindable("192.0.2.1", 5000, address="192.0.2.1:5000", what="x", flag="--x")
