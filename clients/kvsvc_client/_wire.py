@@ -30,7 +30,7 @@ from kvsvc_client._types import (
     Usage,
     WorkerInfo,
 )
-from kvsvc_client.errors import error_from_rpc
+from kvsvc_client.errors import InvalidArgumentError, error_from_rpc
 
 _CODE_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 _STATE_NAMES = {
@@ -46,8 +46,8 @@ PACK_THRESHOLD = 16
 def pack_token_ids(token_ids: Sequence[int]) -> bytes | None:
     """Little-endian 32-bit packing of the ids, or None when short or not packable.
 
-    Ids that do not fit (negative, >= 2**32, not ints) are sent unpacked, so the server
-    answers with its usual INVALID_ARGUMENT naming the field.
+    Ids that do not fit (negative, >= 2**32, not ints) are left to the repeated field,
+    which refuses them too (:func:`extend_token_ids`).
     """
     if len(token_ids) < PACK_THRESHOLD:
         return None
@@ -58,6 +58,31 @@ def pack_token_ids(token_ids: Sequence[int]) -> bytes | None:
     if sys.byteorder == "big":
         values.byteswap()
     return values.tobytes()
+
+
+# The server's bound on token ids (its INVALID_ARGUMENT names the field and the first id
+# at or above it); the wire's uint32 fields cannot carry ids outside [0, 2**32) at all.
+MAX_TOKEN_ID_EXCLUSIVE = 2**31
+
+
+def extend_token_ids(repeated: Any, token_ids: Sequence[int], field: str) -> None:
+    """Append ``token_ids`` to a repeated uint32 field.
+
+    Ids the field cannot hold (negative, >= 2**32, not ints) never reach the server, so
+    they are refused here as the server refuses ids >= 2**31: an InvalidArgumentError
+    naming the field, the first bad id and its index. Nothing is sent.
+    """
+    try:
+        repeated.extend(token_ids)
+    except (ValueError, TypeError):
+        for i, token in enumerate(token_ids):
+            if not isinstance(token, int) or not 0 <= token < MAX_TOKEN_ID_EXCLUSIVE:
+                raise InvalidArgumentError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{field}: token ids must be integers in [0, {MAX_TOKEN_ID_EXCLUSIVE}); "
+                    f"[{i}] is {token!r}",
+                ) from None
+        raise
 
 
 def hashing_to_pb(hashing: HashingContext | None) -> kvcache_pb2.HashingContext | None:
@@ -106,7 +131,7 @@ def allocate_request(
     if packed is not None:
         request.packed_new_token_ids = packed
     else:
-        request.new_token_ids.extend(new_token_ids)
+        extend_token_ids(request.new_token_ids, new_token_ids, "new_token_ids")
     start_pb = start_to_pb(start)
     if start_pb is not None:
         request.start.CopyFrom(start_pb)
@@ -126,7 +151,7 @@ def lookup_request(
     if packed is not None:
         request.packed_token_ids = packed
     else:
-        request.token_ids.extend(token_ids)
+        extend_token_ids(request.token_ids, token_ids, "token_ids")
     return request
 
 
@@ -229,12 +254,11 @@ class StepBuilder:
 
     def to_pb(self) -> kvcache_pb2.StepRequest:
         packed = pack_token_ids(self._tokens)
-        return kvcache_pb2.StepRequest(
+        request = kvcache_pb2.StepRequest(
             pool=self._pool,
             types=cast(list[kvcache_pb2.StepOperationType], self._types),
             request_ids=self._ids,
             num_token_ids=self._counts,
-            token_ids=self._tokens if packed is None else (),
             packed_token_ids=packed or b"",
             num_new_tokens=self._new,
             num_lookahead_tokens=self._lookahead if any(self._lookahead) else (),
@@ -242,6 +266,9 @@ class StepBuilder:
             starts=self._starts,
             free_queue_head_limit=self.free_queue_head_limit,
         )
+        if packed is None:
+            extend_token_ids(request.token_ids, self._tokens, "token_ids")
+        return request
 
     def parse(self, response: kvcache_pb2.StepResponse) -> StepResultList:
         return StepResultList(self._types, response)

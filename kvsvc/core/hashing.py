@@ -52,7 +52,8 @@ from kvsvc.errors import InvalidArgument
 
 HASH_ALGOS: tuple[str, ...] = ("xxh3_128", "sha256_cbor")
 DEFAULT_SHA256_CBOR_SEED = "vllm-none-hash"
-# Token ids travel as int32 on the wire and in the xxh3 byte encoding.
+# Token ids are below 2^31: they fit the wire's uint32 fields and packed 32-bit form, and
+# the xxh3 byte encoding packs them as int32.
 MAX_TOKEN_ID_EXCLUSIVE = 2**31
 
 BlockHash = bytes
@@ -595,7 +596,7 @@ def _bad_token_error(token_ids: Sequence[int], field: str) -> InvalidArgument:
 
 
 def validate_token_ids(token_ids: Sequence[int], field: str) -> None:
-    """Check that every token id is an int in [0, 2**31) (the int32 wire type).
+    """Check that every token id is an int in [0, 2**31) (what the wire and hashing carry).
 
     Raises:
         InvalidArgument: naming ``field``, the first bad id and its index.
