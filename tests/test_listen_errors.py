@@ -110,6 +110,15 @@ def test_worker_on_a_taken_metrics_port(busy_port: int) -> None:
     )
 
 
+def test_demo_with_a_taken_metrics_port_starts_nothing(busy_port: int) -> None:
+    done = kvsvc("demo", "--metrics-listen", f"127.0.0.1:{busy_port}")
+    assert one_line(done) == (
+        f"kvsvc demo: cannot listen on 127.0.0.1:{busy_port} (server /metrics): the address "
+        "is already in use; stop what holds it, or choose another address with --metrics-listen"
+    )
+    assert done.stdout == ""  # failed before starting anything
+
+
 def test_a_port_taken_after_the_check_is_the_same_error(
     busy_port: int, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:

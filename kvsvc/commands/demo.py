@@ -3,8 +3,12 @@
 Starts a server and ``--tp`` CPU worker agents as real processes, waits for the pool to be
 READY, prints the plan, then runs a simulated engine (shared system prompts, multi-turn
 follow-ups, chunked prefill, decode steps through ``Step``, preemptions when blocks run
-out) and prints a final table. ``/metrics`` stays up while it runs; Ctrl-C stops
+out) and prints a final table. ``/metrics`` is up while it runs (``--keep-serving`` keeps
+the server, the agents and ``/metrics`` up after the table, until Ctrl-C); Ctrl-C stops
 everything cleanly.
+
+Exit status: 0 done; 1 a process failed or a port is taken; 2 bad flags; 130 interrupted
+(0 when ``--keep-serving`` was waiting for the Ctrl-C).
 """
 
 from __future__ import annotations
@@ -43,7 +47,17 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--max-running", type=int, default=32, help="requests decoding at once")
     parser.add_argument("--token-budget", type=int, default=2048, help="tokens per step")
     parser.add_argument("--hash-algo", default="xxh3_128", choices=("xxh3_128", "sha256_cbor"))
-    parser.add_argument("--metrics-listen", default="127.0.0.1:0", help="server /metrics address")
+    parser.add_argument(
+        "--metrics-listen",
+        default="127.0.0.1:0",
+        help="server /metrics address (default 127.0.0.1:0: any free port, printed)",
+    )
+    parser.add_argument(
+        "--keep-serving",
+        action="store_true",
+        help="after the final table keep the server, agents and /metrics up until Ctrl-C "
+        "(a 300-request run lasts a few seconds: too short to scrape or inspect)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", action="store_true", help="echo the children's logs")
     parser.add_argument(
@@ -60,20 +74,43 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _progress(engine: Any, kv: Any, peak: list[int]) -> None:
-    """Redraw the live line (and sample the pool's block usage for the peak)."""
-    usage = kv.usage()
-    used = usage.num_blocks - usage.num_free_blocks
-    peak[0] = max(peak[0], used)
-    s = engine.stats
-    p50 = s.latency_percentile(0.5) * 1e6
-    line = (
-        f"\r  finished {s.requests_finished:>4}/{engine.workload.num_requests}"
-        f"  running {len(engine.running):>3}  waiting {len(engine.waiting):>3}"
-        f"  blocks {used:>5}/{usage.num_blocks}  hit rate {s.hit_rate:6.1%}"
-        f"  preemptions {s.preemptions:>4}  step p50 {p50:7.0f} us"
-    )
-    print(line, end="", flush=True)
+class Progress:
+    """The live progress line: redrawn in place on a terminal, plain lines otherwise.
+
+    Redrawing with ``\\r`` every 0.1 s suits a terminal; in a log file (``make demo > log``)
+    the same bytes become one endless line. Off a terminal it prints a line at most every
+    ``log_every`` seconds, and the last state once at the end.
+    """
+
+    def __init__(self, kv: Any, *, tty: bool, log_every: float = 2.0) -> None:
+        self._kv = kv
+        self._tty = tty
+        self._log_every = log_every
+        self._last_logged: float | None = None
+        self.peak_blocks = 0
+
+    def update(self, engine: Any, *, final: bool = False) -> None:
+        """Sample the pool's block usage (for the peak) and show the line if it is due."""
+        usage = self._kv.usage()
+        used = usage.num_blocks - usage.num_free_blocks
+        self.peak_blocks = max(self.peak_blocks, used)
+        now = time.monotonic()
+        last = self._last_logged
+        if not self._tty and not final and last is not None and now - last < self._log_every:
+            return
+        self._last_logged = now
+        s = engine.stats
+        p50 = s.latency_percentile(0.5) * 1e6
+        line = (
+            f"  finished {s.requests_finished:>4}/{engine.workload.num_requests}"
+            f"  running {len(engine.running):>3}  waiting {len(engine.waiting):>3}"
+            f"  blocks {used:>5}/{usage.num_blocks}  hit rate {s.hit_rate:6.1%}"
+            f"  preemptions {s.preemptions:>4}  step p50 {p50:7.0f} us"
+        )
+        if self._tty:
+            print("\r" + line, end="\n" if final else "", flush=True)
+        else:
+            print(line, flush=True)
 
 
 def _final_table(stats: Any, usage: Any, peak_blocks: int, elapsed: float) -> str:
@@ -122,6 +159,33 @@ def _tls_flags(directory: str) -> tuple[list[str], list[str], Any]:
     return server, client, options
 
 
+def _check_metrics_listen(listen: str) -> None:
+    """Fail before anything starts when the server's ``/metrics`` address is taken.
+
+    Raises:
+        ConfigError: not ``HOST:PORT``.
+        ListenError: the address cannot be bound (one line naming ``--metrics-listen``).
+    """
+    from kvsvc.ports import check_bindable
+    from kvsvc.server.config import split_host_port
+
+    if listen == "off":
+        return
+    host, port = split_host_port(listen, "--metrics-listen")
+    check_bindable(host, port, address=listen, what="server /metrics", flag="--metrics-listen")
+
+
+def _serve_until_interrupted(address: str, metrics_url: str) -> None:
+    """``--keep-serving``: hold everything up until Ctrl-C (or SIGTERM)."""
+    print(
+        f"--keep-serving: the server ({address}), its agents and {metrics_url or '/metrics'} "
+        "stay up; try `kvsvc ctl --server " + address + " pools`. Ctrl-C stops everything.",
+        flush=True,
+    )
+    while True:
+        time.sleep(3600)
+
+
 def run(args: argparse.Namespace) -> int:
     import json
     import tempfile
@@ -130,10 +194,20 @@ def run(args: argparse.Namespace) -> int:
 
     from kvsvc.demo.engine import SimulatedEngine, WorkloadConfig
     from kvsvc.demo.processes import spawn, stop_all, wait_for_ports
+    from kvsvc.ports import ListenError
+    from kvsvc.server.config import ConfigError
 
     if args.requests < 1 or args.tp < 1:
         print("kvsvc demo: --requests and --tp must be >= 1", file=sys.stderr)
         return 2
+    try:
+        _check_metrics_listen(args.metrics_listen)
+    except ConfigError as exc:
+        print(f"kvsvc demo: {exc}", file=sys.stderr)
+        return 2
+    except ListenError as exc:
+        print(f"kvsvc demo: {exc}", file=sys.stderr)
+        return 1
     # Ctrl-C and SIGTERM both stop the run cleanly, even when started from a script
     # that left SIGINT ignored (background jobs of a non-interactive shell).
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -211,12 +285,17 @@ def run(args: argparse.Namespace) -> int:
                         print(f"--- {child.name} ---\n{child.output()}", file=sys.stderr)
                 print(f"kvsvc demo: {exc}", file=sys.stderr)
                 return 1
+            metrics_url = (
+                f"{'https' if args.tls else 'http'}://127.0.0.1:{metrics_port}/metrics"
+                if metrics_port
+                else ""
+            )
             print(
                 f"pool {pool!r} is READY on {address}"
                 + (
-                    f"; metrics at {'https' if args.tls else 'http'}://127.0.0.1:"
-                    f"{metrics_port}/metrics"
-                    if metrics_port
+                    f"; metrics at {metrics_url}"
+                    + ("" if args.keep_serving else " while the run lasts (--keep-serving: after)")
+                    if metrics_url
                     else ""
                 )
             )
@@ -232,18 +311,22 @@ def run(args: argparse.Namespace) -> int:
                 seed=args.seed,
             )
             engine = SimulatedEngine(kv, workload)
-            peak = [0]
-            print(f"running {args.requests} requests through the simulated engine:")
+            progress = Progress(kv, tty=sys.stdout.isatty())
+            print(f"running {args.requests} requests through the simulated engine:", flush=True)
             started = time.monotonic()
-            stats = engine.run(progress=lambda e: _progress(e, kv, peak), progress_every=0.1)
+            stats = engine.run(progress=progress.update, progress_every=0.1)
             elapsed = time.monotonic() - started
-            _progress(engine, kv, peak)
-            print()
-            print(_final_table(stats, kv.usage(), peak[0], elapsed))
+            progress.update(engine, final=True)
+            print(_final_table(stats, kv.usage(), progress.peak_blocks, elapsed), flush=True)
         for child in children[1:]:
             if not child.alive():
                 print(f"kvsvc demo: {child.name} exited early:\n{child.output()}", file=sys.stderr)
                 return 1
+        if args.keep_serving:
+            try:
+                _serve_until_interrupted(address, metrics_url)
+            except KeyboardInterrupt:
+                print("\nstopping the agents and the server ...", file=sys.stderr)
         return 0
     except KeyboardInterrupt:
         print("\ninterrupted; stopping the agents and the server ...", file=sys.stderr)
