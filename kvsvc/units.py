@@ -47,3 +47,29 @@ def parse_bytes(text: str) -> int:
 def format_gib(num_bytes: int | float) -> str:
     """Bytes as GiB with two decimals, the way capacity messages quote them."""
     return f"{num_bytes / 1024**3:.2f}"
+
+
+def format_sizes(*sizes: int | float) -> tuple[str, ...]:
+    """Byte counts side by side, in one unit and precise enough to tell them apart.
+
+    Capacity messages compare what is needed with what is available, and the two often
+    differ by one block: at two decimals of a GiB, 128 MiB needed and 127.5 MiB
+    available both read "0.12 GiB", which tells the reader nothing. The unit is GiB from
+    1 GiB up, else MiB (KiB, B below); decimals grow from 2 until different counts print
+    differently (up to 6), and exact byte counts follow when even that is not enough.
+    """
+    largest = max((abs(s) for s in sizes), default=0)
+    unit, scale = next(
+        ((name, value) for name, value in _DISPLAY_UNITS if largest >= value), ("B", 1)
+    )
+    if scale == 1:
+        return tuple(f"{int(s)} B" for s in sizes)
+    distinct = len(set(sizes))
+    for decimals in range(2, 7):
+        texts = tuple(f"{s / scale:.{decimals}f} {unit}" for s in sizes)
+        if len(set(texts)) == distinct:
+            return texts
+    return tuple(f"{s / scale:.2f} {unit} ({int(s):,} bytes)" for s in sizes)
+
+
+_DISPLAY_UNITS = (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))

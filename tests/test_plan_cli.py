@@ -127,7 +127,8 @@ def test_auto_fit_and_the_memory_error(capsys: pytest.CaptureFixture[str]) -> No
     rc, out, err = run(capsys, "--model-config", "llama-3.1-8b", "--kv-cache-memory", "8GiB")
     assert rc == 1
     assert out == ""
-    assert "max seq len (131072), 16.00 GiB KV cache is needed" in err
+    assert "max_model_len 131072 tokens (--max-model-len), 16.00 GiB of KV cache is needed" in err
+    assert "--kv-cache-memory" in err and "https://" not in err
     assert "the estimated maximum model length is 65520" in err
 
 

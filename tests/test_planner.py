@@ -469,19 +469,39 @@ def test_memory_error_says_what_is_needed_and_what_fits() -> None:
     specs = {f"model.layers.{i}.self_attn.attn": spec for i in range(32)}
     with pytest.raises(PlanningError) as info:
         plan_kv_cache([specs], [8 * 2**30], PlannerOptions(max_model_len=131072))
-    assert str(info.value).startswith(
-        "To serve at least one request with the model's max seq len (131072), 16.00 GiB KV "
-        "cache is needed on rank 0, which is larger than the available KV cache memory "
-        "(8.00 GiB). Based on the available memory, the estimated maximum model length is "
-        "65520. Try increasing `gpu_memory_utilization` or decreasing `max_model_len`."
+    assert str(info.value) == (
+        "To serve at least one request of max_model_len 131072 tokens (--max-model-len), "
+        "16.00 GiB of KV cache is needed on rank 0, more than the available KV cache memory "
+        "(8.00 GiB, the null block held back). Based on the available memory, the estimated "
+        "maximum model length is 65520. Either give the KV cache more memory "
+        "(--kv-cache-memory, or --gpu-memory-utilization on a GPU), or lower --max-model-len."
     )
     plan = plan_kv_cache([specs], [8 * 2**30], PlannerOptions(max_model_len=65520))
     assert plan.num_blocks == 4096
 
 
 def test_no_memory_at_all() -> None:
-    with pytest.raises(PlanningError, match="No available memory for the cache blocks on rank 0"):
+    with pytest.raises(PlanningError) as info:
         plan_kv_cache([{"a": full()}], [PAGE], PlannerOptions(max_model_len=16))
+    assert str(info.value) == (
+        "No memory is left for the KV cache blocks on rank 0 (0 B once the null block is "
+        "held back): give the KV cache more memory (--kv-cache-memory, or "
+        "--gpu-memory-utilization on a GPU)."
+    )
+
+
+def test_memory_error_tells_needed_from_available_when_they_differ_by_one_block() -> None:
+    # 16 layers x 32 KiB pages = 512 KiB per block; 4096 tokens need 256 blocks = 128 MiB,
+    # and 128 MiB less the null block is 127.5 MiB: at two decimals of a GiB both read 0.12.
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=64, dtype="bfloat16")
+    specs = {f"model.layers.{i}.self_attn.attn": spec for i in range(16)}
+    with pytest.raises(PlanningError) as info:
+        plan_kv_cache([specs], [128 * 2**20], PlannerOptions(max_model_len=4096))
+    message = str(info.value)
+    assert "128.00 MiB of KV cache is needed on rank 0" in message
+    assert "available KV cache memory (127.50 MiB, the null block held back)" in message
+    assert "the estimated maximum model length is 4080." in message
+    assert "vllm.ai" not in message and "gpu_memory_utilization" not in message
 
 
 @pytest.mark.parametrize("use_override", [True, False])
@@ -494,7 +514,7 @@ def test_null_block_is_reserved_in_the_check(use_override: bool) -> None:
     else:
         options = PlannerOptions(max_model_len=512)
         memory = PAGE * 32
-    with pytest.raises(PlanningError, match="max seq len"):
+    with pytest.raises(PlanningError, match="max_model_len 512 tokens"):
         plan_kv_cache([{"layer1": spec}], [memory], options)
     assert plan_kv_cache([{"layer1": spec}], [PAGE * 33], PlannerOptions(max_model_len=512))
 

@@ -19,16 +19,19 @@ from typing import Any
 
 from kvsvc.commands._args import add_model_flags, add_model_source, int_at_least
 from kvsvc.errors import PlanningError
-from kvsvc.units import parse_bytes
+from kvsvc.planner.memory import MORE_MEMORY_HINT
+from kvsvc.units import format_sizes, parse_bytes
 
 EXAMPLES = """\
 examples:
   kvsvc plan --model-config llama-3.2-1b --kv-cache-memory 8GiB
-  kvsvc plan --model-config ./config.json --tp 4 --pp 2 --kv-cache-memory 40GiB --max-model-len -1
+  kvsvc plan --model-config examples/config.json --tp 4 --pp 2 --kv-cache-memory 40GiB \\
+      --max-model-len -1
   kvsvc plan --model-config gemma-3-12b --gpu-memory 80GiB --gpu-memory-utilization 0.9 \\
       --non-kv-memory 30GiB --json
-  kvsvc plan --spec-file specs.json --max-model-len 32768 --kv-cache-memory 20GiB
+  kvsvc plan --spec-file examples/specs.json --max-model-len 32768 --kv-cache-memory 20GiB
   kvsvc plan --list-models
+(examples/ is in the kvsvc repository; docs/spec-files.md describes spec files)
 """
 
 
@@ -366,7 +369,16 @@ def run(args: argparse.Namespace) -> int:
         plan, info = _build(args)
     except PlanningError as exc:
         # The plan is impossible as asked: the message says what would fit.
-        print(f"kvsvc plan: {exc}", file=sys.stderr)
+        message = str(exc)
+        if args.gpu_memory is not None and MORE_MEMORY_HINT in message:
+            # The KV cache's share came from three flags here: show the arithmetic.
+            usable = int(args.gpu_memory * args.gpu_memory_utilization) - args.non_kv_memory
+            (usable_text,) = format_sizes(usable)
+            message += (
+                f" Here the KV cache gets --gpu-memory x --gpu-memory-utilization - "
+                f"--non-kv-memory = {usable_text} per GPU."
+            )
+        print(f"kvsvc plan: {message}", file=sys.stderr)
         return 1
     except (_UsageError, ValueError) as exc:
         print(f"kvsvc plan: error: {exc}", file=sys.stderr)

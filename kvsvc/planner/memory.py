@@ -17,9 +17,13 @@ from kvsvc.specs import (
     UniformTypeKVCacheSpecs,
     cdiv,
 )
-from kvsvc.units import format_gib
+from kvsvc.units import format_sizes
 
-CONSERVING_MEMORY_DOCS = "https://docs.vllm.ai/en/latest/configuration/conserving_memory/"
+# What a memory error tells the user to change: kvsvc's own flags (vLLM's engine flags of
+# the same meaning share the names, except --kv-cache-memory-bytes).
+MORE_MEMORY_HINT = (
+    "give the KV cache more memory (--kv-cache-memory, or --gpu-memory-utilization on a GPU)"
+)
 
 
 def layer_spec(group: KVCacheGroupSpec, layer_name: str) -> KVCacheSpec:
@@ -117,10 +121,10 @@ def check_enough_memory(
     """
     where = f" on rank {rank}" if rank is not None else ""
     if available_memory <= 0:
+        (available,) = format_sizes(available_memory)
         raise PlanningError(
-            f"No available memory for the cache blocks{where}. Try increasing "
-            "`gpu_memory_utilization` (or give the KV cache more memory). "
-            f"See {CONSERVING_MEMORY_DOCS} for more details."
+            f"No memory is left for the KV cache blocks{where} ({available} once the null "
+            f"block is held back): {MORE_MEMORY_HINT}."
         )
     needed = needed_memory()
     if needed <= available_memory:
@@ -131,10 +135,11 @@ def check_enough_memory(
         if estimated > 0
         else ""
     )
+    needed_text, available_text = format_sizes(needed, available_memory)
     raise PlanningError(
-        f"To serve at least one request with the model's max seq len ({max_model_len}), "
-        f"{format_gib(needed)} GiB KV cache is needed{where}, which is larger than the "
-        f"available KV cache memory ({format_gib(available_memory)} GiB). {estimated_msg}"
-        "Try increasing `gpu_memory_utilization` or decreasing `max_model_len`. "
-        f"See {CONSERVING_MEMORY_DOCS} for more details."
+        f"To serve at least one request of max_model_len {max_model_len} tokens "
+        "(--max-model-len), "
+        f"{needed_text} of KV cache is needed{where}, more than the available KV cache "
+        f"memory ({available_text}, the null block held back). {estimated_msg}"
+        f"Either {MORE_MEMORY_HINT}, or lower --max-model-len."
     )

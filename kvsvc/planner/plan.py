@@ -31,6 +31,7 @@ from kvsvc.planner.layout import (
     project_groups_to_worker,
 )
 from kvsvc.planner.memory import (
+    MORE_MEMORY_HINT,
     blocks_per_request,
     check_enough_memory,
     estimate_max_model_len,
@@ -406,8 +407,8 @@ def plan_kv_cache(
             fitted = min(fitted, searched[key])
         if fitted <= 0:
             raise PlanningError(
-                "Cannot auto-fit max_model_len: not enough memory to serve even a single "
-                "token. Try increasing `gpu_memory_utilization`."
+                "Cannot auto-fit max_model_len (--max-model-len -1): not enough memory to "
+                f"serve even a single token; {MORE_MEMORY_HINT}."
             )
         ctx = ctx.with_max_model_len(fitted)
 

@@ -280,7 +280,7 @@ def test_memory_too_small_for_one_request_is_the_planners_error(model_dir: Path)
         cleanup_after_failed_start()
     message = str(raised.value)
     assert message.startswith(f"kvsvc: the kvsvc server at {server.address} could not plan")
-    assert "max seq len (512)" in message
+    assert "max_model_len 512 tokens" in message
     assert "estimated maximum model length" in message
 
 
