@@ -37,10 +37,10 @@ examples:
   kvsvc worker --server 127.0.0.1:50051 --pool llama --rank 0 --world-size 1 --device cpu \\
       --model-config llama-3.2-1b --max-model-len 4096 --kv-cache-memory 2GiB
   kvsvc worker --server kvsvc:50051 --pool big --rank 3 --world-size 8 --tp 4 --pp 2 \\
-      --device cuda:3 --model-config ./config.json --gpu-memory-utilization 0.9 \\
+      --device cuda:3 --model-config examples/config.json --gpu-memory-utilization 0.9 \\
       --metrics-listen 0.0.0.0:9400
   kvsvc worker --server 127.0.0.1:50051 --pool p --rank 0 --world-size 1 --device cpu \\
-      --spec-file specs.json --kv-cache-memory 512MiB --attn-layout kv_first \\
+      --spec-file examples/specs.json --kv-cache-memory 512MiB --attn-layout kv_first \\
       --attn-layout model.layers.0.self_attn.attn=flash
 """
 
@@ -206,6 +206,7 @@ def build_agent(args: argparse.Namespace) -> Any:
 
     from kvsvc import models
     from kvsvc.worker import AgentMetrics, WorkerAgent, WorkerAgentConfig, parse_device
+    from kvsvc.worker.profiling import FLAG_NAMES
 
     try:
         token = resolve_token("agent", args.auth_token, args.token_file)
@@ -272,6 +273,8 @@ def build_agent(args: argparse.Namespace) -> Any:
         default_attn_layout=default_layout,
         shared_layers=dict(args.shared_layer),
         metrics=AgentMetrics(args.pool, args.rank, device),
+        # Memory errors name this command's flags, not WorkerAgentConfig's fields.
+        setting_names=FLAG_NAMES,
     )
 
 
@@ -321,9 +324,11 @@ def run(args: argparse.Namespace) -> int:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
+        from kvsvc.worker import WorkerAgentError  # torch: imported by build_agent already
+
         try:
             agent.launch()
-        except InvalidArgument as exc:
+        except WorkerAgentError as exc:  # the memory budget does not fit (MEMORY, DEVICE)
             print(f"{prog}: error: {exc}", file=sys.stderr)
             return 2
         announced = False

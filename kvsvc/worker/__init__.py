@@ -24,8 +24,10 @@ As a library, inside an engine's worker process (one agent per rank)::
 this rank's plan, allocates and reshapes the tensors, reports them and returns the views;
 a heartbeat thread then keeps the session alive and the agent re-registers on its own
 when the server restarts (keeping the tensors: the same specs get the same plan). It
-raises :class:`WorkerAgentError` when the server rejects the rank or planning fails (the
-message says what to change). A different plan after ``start`` returned stops the agent
+raises :class:`WorkerAgentError` when the memory budget does not fit, the server rejects
+the rank or planning fails (the message says what to change). On a CPU-only machine skip
+the snapshot (it raises ``InvalidArgument`` without CUDA) and give ``device="cpu"`` with a
+fixed ``kv_cache_memory``. A different plan after ``start`` returned stops the agent
 with ``REPLANNED`` (``agent.error``), since the engine bound the old tensors.
 
 Without gRPC, the pure steps::

@@ -64,8 +64,10 @@ from kvsvc.worker.errors import AllocationError, WorkerAgentError
 from kvsvc.worker.layouts import DEFAULT_LAYOUT, resolve_layouts
 from kvsvc.worker.metrics import AgentMetrics
 from kvsvc.worker.profiling import (
+    PYTHON_NAMES,
     CudaMemorySnapshot,
     MemoryProfile,
+    SettingNames,
     device_free_bytes,
     profile_memory,
 )
@@ -238,6 +240,7 @@ class WorkerAgent:
         metrics: AgentMetrics | None = None,
         memory_baseline: CudaMemorySnapshot | None = None,
         memory_profile: MemoryProfile | None = None,
+        setting_names: SettingNames = PYTHON_NAMES,
     ) -> None:
         """Validate everything that can be checked before talking to the server.
 
@@ -253,6 +256,8 @@ class WorkerAgent:
             metrics: series to update (default: a fresh registry).
             memory_baseline: CUDA: the snapshot taken before the engine loaded weights.
             memory_profile: skip profiling and offer these figures.
+            setting_names: how memory errors name the settings to change (default the
+                ``WorkerAgentConfig`` fields; ``kvsvc worker`` passes its flags).
 
         Raises:
             InvalidArgument: naming the bad field.
@@ -279,6 +284,7 @@ class WorkerAgent:
         self.metrics = metrics or AgentMetrics(config.pool, config.rank, self._device)
         self._baseline = memory_baseline
         self._profile = memory_profile
+        self._setting_names = setting_names
         self._metadata = (
             (("authorization", f"Bearer {config.auth_token}"),) if config.auth_token else None
         )
@@ -325,9 +331,10 @@ class WorkerAgent:
             the shared layers.
 
         Raises:
-            InvalidArgument: the memory budget does not fit.
-            WorkerAgentError: the server rejected the agent, planning failed, or
-                ``timeout`` passed; the agent is stopped.
+            WorkerAgentError: the memory budget does not fit or the device cannot be
+                profiled (codes ``MEMORY``, ``DEVICE``: the message names the
+                ``WorkerAgentConfig`` field), the server rejected the agent, planning
+                failed, or ``timeout`` passed; the agent is stopped.
         """
         self.launch()
         try:
@@ -340,19 +347,29 @@ class WorkerAgent:
         """Profile memory and start the agent's threads without waiting (see :meth:`start`).
 
         Raises:
-            InvalidArgument: the memory budget does not fit.
+            WorkerAgentError: the memory budget does not fit, or the device cannot be
+                profiled (codes ``MEMORY``, ``DEVICE``).
         """
         with self._lock:
             if self._launched:
                 raise RuntimeError("the agent was already started")
             self._launched = True
         if self._profile is None:
-            self._profile = profile_memory(
-                self._device,
-                kv_cache_memory=self._cfg.kv_cache_memory,
-                gpu_memory_utilization=self._cfg.gpu_memory_utilization,
-                baseline=self._baseline,
-            )
+            try:
+                self._profile = profile_memory(
+                    self._device,
+                    kv_cache_memory=self._cfg.kv_cache_memory,
+                    gpu_memory_utilization=self._cfg.gpu_memory_utilization,
+                    baseline=self._baseline,
+                    names=self._setting_names,
+                )
+            except InvalidArgument as exc:
+                # The documented error of start(), worded for whoever configured the agent.
+                code = "DEVICE" if exc.field == "device" else "MEMORY"
+                with self._changed:
+                    self._done = True
+                    self._changed.notify_all()
+                raise WorkerAgentError(code, str(exc)) from None
         profile = self._profile
         self.metrics.memory_total.set(profile.total_bytes)
         self.metrics.memory_free.set(profile.free_bytes)

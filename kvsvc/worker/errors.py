@@ -21,12 +21,14 @@ class AllocationError(KvsvcError, ValueError):
 
 
 class WorkerAgentError(KvsvcError):
-    """The agent stopped for good: the server rejected it, planning failed, or it timed out.
+    """The agent stopped for good: its memory budget does not fit, the server rejected it,
+    planning failed, or it timed out.
 
     Attributes:
         code: the gRPC status code name that ended the agent (``"INVALID_ARGUMENT"``,
-            ``"NOT_FOUND"``, ...), or a local reason: ``"PLAN_FAILED"``, ``"ALLOCATION"``,
-            ``"TIMEOUT"``, ``"UNREACHABLE"``, ``"REPLANNED"``.
+            ``"NOT_FOUND"``, ...), or a local reason: ``"MEMORY"`` (the budget does not
+            fit), ``"DEVICE"`` (CUDA asked for and missing), ``"PLAN_FAILED"``,
+            ``"ALLOCATION"``, ``"TIMEOUT"``, ``"UNREACHABLE"``, ``"REPLANNED"``.
     """
 
     def __init__(self, code: str, message: str) -> None:

@@ -32,6 +32,33 @@ from kvsvc.units import format_gib
 
 
 @dataclass(frozen=True, slots=True)
+class SettingNames:
+    """How a memory message names the settings to change: the caller's own spelling.
+
+    The same budget errors reach a Python caller (``WorkerAgentConfig`` fields) and a
+    ``kvsvc worker`` user (flags); telling either to use the other's knob is no help.
+    """
+
+    kv_cache_memory: str
+    gpu_memory_utilization: str
+    example_budget: str
+
+
+# A Python caller's spelling (the default): the fields of WorkerAgentConfig.
+PYTHON_NAMES = SettingNames(
+    kv_cache_memory="kv_cache_memory (WorkerAgentConfig)",
+    gpu_memory_utilization="gpu_memory_utilization (WorkerAgentConfig)",
+    example_budget="4 << 30 for 4 GiB",
+)
+# ``kvsvc worker``'s spelling: its flags.
+FLAG_NAMES = SettingNames(
+    kv_cache_memory="--kv-cache-memory",
+    gpu_memory_utilization="--gpu-memory-utilization",
+    example_budget="4GiB",
+)
+
+
+@dataclass(frozen=True, slots=True)
 class MemoryProfile:
     """What a worker reports at registration (bytes).
 
@@ -87,6 +114,7 @@ def cuda_kv_cache_budget(
     baseline: CudaMemorySnapshot | None = None,
     gpu_memory_utilization: float = 0.9,
     kv_cache_memory: int | None = None,
+    names: SettingNames = PYTHON_NAMES,
 ) -> MemoryProfile:
     """The KV cache budget of a CUDA device, vLLM's way (see the module docstring).
 
@@ -96,9 +124,10 @@ def cuda_kv_cache_budget(
             standalone agent with nothing else on the device).
         gpu_memory_utilization: fraction of the device this engine may use, in (0, 1].
         kv_cache_memory: a fixed budget instead of the utilisation arithmetic.
+        names: how messages name the settings (fields, or ``kvsvc worker``'s flags).
 
     Raises:
-        InvalidArgument: naming the flag to change when nothing is left for the KV cache,
+        InvalidArgument: naming the setting to change when nothing is left for the KV cache,
             the device had less free than requested at the baseline, or a fixed budget
             exceeds the free memory.
     """
@@ -114,7 +143,7 @@ def cuda_kv_cache_budget(
             raise InvalidArgument(
                 "kv_cache_memory",
                 f"{format_gib(kv_cache_memory)} GiB exceeds the free device memory "
-                f"{format_gib(current.free_bytes)} GiB; lower --kv-cache-memory",
+                f"{format_gib(current.free_bytes)} GiB; lower {names.kv_cache_memory}",
             )
         kv = kv_cache_memory
     else:
@@ -125,7 +154,7 @@ def cuda_kv_cache_budget(
                 f"free memory on the device at startup ({format_gib(baseline.free_bytes)}/"
                 f"{format_gib(baseline.total_bytes)} GiB) is less than the desired "
                 f"utilisation ({gpu_memory_utilization}, {format_gib(requested)} GiB); lower "
-                "--gpu-memory-utilization or free memory used by other processes",
+                f"{names.gpu_memory_utilization} or free memory used by other processes",
             )
         kv = requested - non_kv
         if kv <= 0:
@@ -133,8 +162,8 @@ def cuda_kv_cache_budget(
                 "gpu_memory_utilization",
                 f"no memory left for the KV cache: {gpu_memory_utilization} of the device is "
                 f"{format_gib(requested)} GiB but the engine already needs "
-                f"{format_gib(non_kv)} GiB; raise --gpu-memory-utilization or set "
-                "--kv-cache-memory",
+                f"{format_gib(non_kv)} GiB; raise {names.gpu_memory_utilization} or set "
+                f"{names.kv_cache_memory}",
             )
     return MemoryProfile(
         total_bytes=current.total_bytes,
@@ -150,6 +179,7 @@ def cpu_kv_cache_budget(
     mem_available: int,
     process_rss: int,
     kv_cache_memory: int | None,
+    names: SettingNames = PYTHON_NAMES,
 ) -> MemoryProfile:
     """The KV cache budget of a host: a fixed budget that must fit in available memory.
 
@@ -160,7 +190,8 @@ def cpu_kv_cache_budget(
     if kv_cache_memory is None:
         raise InvalidArgument(
             "kv_cache_memory",
-            "required on cpu (there is no profiler): give --kv-cache-memory, e.g. 4GiB",
+            f"required on cpu (there is no profiler): give {names.kv_cache_memory}, e.g. "
+            f"{names.example_budget}",
         )
     if kv_cache_memory <= 0:
         raise InvalidArgument("kv_cache_memory", f"must be positive, got {kv_cache_memory}")
@@ -169,7 +200,7 @@ def cpu_kv_cache_budget(
             "kv_cache_memory",
             f"{format_gib(kv_cache_memory)} GiB exceeds the host's available memory "
             f"{format_gib(mem_available)} GiB (MemAvailable in /proc/meminfo); lower "
-            "--kv-cache-memory",
+            f"{names.kv_cache_memory}",
         )
     return MemoryProfile(
         total_bytes=mem_total,
@@ -231,14 +262,37 @@ def _torch() -> Any:
     return torch
 
 
+def _require_cuda(torch: Any, what: str) -> None:
+    """Raise a kvsvc error instead of torch's bare ``AssertionError: Torch not compiled
+    with CUDA enabled`` (or a driver error) when CUDA cannot be used."""
+    if torch.cuda.is_available():
+        return
+    why = (
+        f"this torch ({torch.__version__}) is a CPU-only build"
+        if torch.version.cuda is None
+        else f"this torch ({torch.__version__}) sees no CUDA device"
+    )
+    raise InvalidArgument(
+        "device",
+        f"{what} needs CUDA, and {why}. On a CPU-only machine run the agent with "
+        "device='cpu' and a fixed kv_cache_memory, and no CUDA snapshot "
+        "(memory_baseline=None).",
+    )
+
+
 def take_cuda_snapshot(device: Any = None) -> CudaMemorySnapshot:
     """The current figures of a CUDA device (``None``: the current device).
 
     Take one before the engine loads weights and pass it as ``baseline`` to
     :func:`profile_memory`; reset the peak (``torch.cuda.reset_peak_memory_stats``) first
     so the peak increase is this engine's.
+
+    Raises:
+        InvalidArgument: naming ``device`` when CUDA cannot be used (a CPU-only torch, or
+            no device): the message says what to do on a CPU-only machine.
     """
     torch = _torch()
+    _require_cuda(torch, "take_cuda_snapshot()")
     free, total = torch.cuda.mem_get_info(device)
     return CudaMemorySnapshot(
         total_bytes=int(total),
@@ -263,6 +317,7 @@ def profile_memory(
     kv_cache_memory: int | None = None,
     gpu_memory_utilization: float = 0.9,
     baseline: CudaMemorySnapshot | None = None,
+    names: SettingNames = PYTHON_NAMES,
 ) -> MemoryProfile:
     """Measure ``device`` and decide the KV cache budget.
 
@@ -271,14 +326,14 @@ def profile_memory(
         kv_cache_memory: fixed budget in bytes (required on CPU).
         gpu_memory_utilization: CUDA only; see :func:`cuda_kv_cache_budget`.
         baseline: CUDA only; the snapshot taken before the engine loaded anything.
+        names: how messages name the settings (fields, or ``kvsvc worker``'s flags).
 
     Raises:
         InvalidArgument: when the budget does not fit, or CUDA is asked for and missing.
     """
     if device.startswith("cuda"):
         torch = _torch()
-        if not torch.cuda.is_available():
-            raise InvalidArgument("device", f"{device} asked for but CUDA is not available")
+        _require_cuda(torch, f"device {device!r}")
         dev = torch.device(device)
         torch.cuda.synchronize(dev)
         current = take_cuda_snapshot(dev)
@@ -287,6 +342,7 @@ def profile_memory(
             baseline=baseline,
             gpu_memory_utilization=gpu_memory_utilization,
             kv_cache_memory=kv_cache_memory,
+            names=names,
         )
     info = read_meminfo()
     return cpu_kv_cache_budget(
@@ -294,4 +350,5 @@ def profile_memory(
         mem_available=info.get("MemAvailable", 0),
         process_rss=process_rss_bytes(),
         kv_cache_memory=kv_cache_memory,
+        names=names,
     )

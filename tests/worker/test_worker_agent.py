@@ -316,9 +316,17 @@ def test_bad_agent_arguments_name_the_field() -> None:
             SPECS,
             attn_layouts={"nope": "flash"},
         )
+    # A budget that does not fit is the documented WorkerAgentError, worded for the
+    # Python caller (the config's field, not kvsvc worker's --kv-cache-memory).
     agent = make_agent("127.0.0.1:1", kv_cache_memory=None)
-    with pytest.raises(InvalidArgument, match=r"kv_cache_memory: required on cpu"):
+    with pytest.raises(WorkerAgentError) as raised:
         agent.start(timeout=1)
+    assert raised.value.code == "MEMORY"
+    assert str(raised.value) == (
+        "kv_cache_memory: required on cpu (there is no profiler): give kv_cache_memory "
+        "(WorkerAgentConfig), e.g. 4 << 30 for 4 GiB"
+    )
+    assert agent.wait(timeout=0)  # stopped: nothing left running
 
 
 def test_backoff_doubles_up_to_the_cap_with_jitter() -> None:

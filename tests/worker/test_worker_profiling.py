@@ -11,12 +11,14 @@ pytest.importorskip("torch")  # kvsvc.worker (the package) imports torch
 
 from kvsvc.errors import InvalidArgument
 from kvsvc.worker.profiling import (
+    FLAG_NAMES,
     CudaMemorySnapshot,
     MemoryProfile,
     cpu_kv_cache_budget,
     cuda_kv_cache_budget,
     profile_memory,
     read_meminfo,
+    take_cuda_snapshot,
 )
 
 pytestmark = pytest.mark.torch
@@ -58,8 +60,19 @@ def test_cuda_budget_refuses_more_than_was_free_at_startup() -> None:
 def test_cuda_budget_says_what_to_change_when_nothing_is_left() -> None:
     baseline = CudaMemorySnapshot(total_bytes=24 * GiB, free_bytes=24 * GiB)
     current = CudaMemorySnapshot(24 * GiB, 2 * GiB, torch_peak_bytes=22 * GiB)
-    with pytest.raises(InvalidArgument, match=r"no memory left.*raise --gpu-memory-utilization"):
+    with pytest.raises(
+        InvalidArgument,
+        match=r"no memory left.*raise gpu_memory_utilization \(WorkerAgentConfig\) or set "
+        r"kv_cache_memory \(WorkerAgentConfig\)$",
+    ):
         cuda_kv_cache_budget(current, baseline=baseline, gpu_memory_utilization=0.9)
+    # kvsvc worker's spelling: its flags.
+    with pytest.raises(
+        InvalidArgument, match=r"raise --gpu-memory-utilization or set --kv-cache-memory$"
+    ):
+        cuda_kv_cache_budget(
+            current, baseline=baseline, gpu_memory_utilization=0.9, names=FLAG_NAMES
+        )
 
 
 def test_cuda_fixed_budget_must_fit_in_free_memory() -> None:
@@ -112,3 +125,39 @@ def test_profile_memory_on_this_host_reads_real_figures() -> None:
     assert profile.non_kv_bytes > 0  # this process's resident memory
     with pytest.raises(InvalidArgument, match=r"exceeds the host's available memory"):
         profile_memory("cpu", kv_cache_memory=info["MemTotal"] * 4)
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="this host has CUDA: no error to see"
+)
+def test_cuda_snapshot_and_profile_without_cuda_raise_a_kvsvc_error() -> None:
+    # Not torch's bare "AssertionError: Torch not compiled with CUDA enabled": a kvsvc
+    # error naming the device and what to do on a CPU-only machine.
+    import torch
+
+    build = "is a CPU-only build" if torch.version.cuda is None else "sees no CUDA device"
+    with pytest.raises(InvalidArgument) as raised:
+        take_cuda_snapshot()
+    message = str(raised.value)
+    assert message.startswith(
+        f"device: take_cuda_snapshot() needs CUDA, and this torch ({torch.__version__}) {build}"
+    )
+    assert "device='cpu' and a fixed kv_cache_memory" in message
+    assert "memory_baseline=None" in message
+    with pytest.raises(InvalidArgument, match=r"^device: device 'cuda:0' needs CUDA"):
+        profile_memory("cuda:0", kv_cache_memory=1 << 20)
+
+
+def test_importing_the_worker_warns_about_nothing() -> None:
+    # torch warns "Failed to initialize NumPy" at import when NumPy is missing: the worker
+    # extra installs it, so an engine importing the agent sees no warning.
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-c", "import kvsvc.worker"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and done.stderr == "", done.stderr
