@@ -1,0 +1,76 @@
+"""The Makefile's venv setup: torch's CPU build from an explicit, overridable index, and a
+first run that says what it installs (``make -n``: the commands, nothing run)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.tooling import require_tool
+
+REPO = Path(__file__).resolve().parents[1]
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def dry_run(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> list[str]:
+    """The shell lines ``make -n venv`` would run for a venv that does not exist yet."""
+    make = require_tool("make", "the Makefile tests run `make -n` (apt-get install make)")
+    base = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    done = subprocess.run(
+        [make, "-n", "-C", str(REPO), "venv", f"VENV={tmp_path / 'venv'}", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**base, **(env or {})},
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def torch_line(lines: list[str]) -> str:
+    (line,) = [line for line in lines if "torch==" in line and "pip install" in line]
+    return line
+
+
+def test_torch_comes_from_the_cpu_index_unless_pip_finds_a_local_wheel(tmp_path: Path) -> None:
+    line = torch_line(dry_run(tmp_path))
+    # First: is there a wheel pip finds without any index (find-links)? Then that one, and
+    # TORCH_INDEX_URL is never contacted (it may be unreachable: pip would retry it).
+    probe, _, rest = line.partition("then")
+    assert "--dry-run --no-index --no-deps" in probe and "torch==2.13.0" in probe
+    local, _, fallback = rest.partition("else")
+    assert "pip install --progress-bar off torch==2.13.0" in local
+    assert "--extra-index-url" not in local and "--index-url" not in local
+    # Otherwise the CPU build's index is added (its +cpu is a higher version than PyPI's
+    # plain 2.13.0, a CUDA build, so pip takes it).
+    assert f"--extra-index-url {CPU_INDEX} torch==2.13.0" in fallback
+
+
+@pytest.mark.parametrize("how", ["command line", "environment"])
+def test_a_given_torch_index_is_used_as_given(tmp_path: Path, how: str) -> None:
+    cuda = "https://download.pytorch.org/whl/cu128"
+    if how == "command line":
+        lines = dry_run(tmp_path, f"TORCH_INDEX_URL={cuda}")
+    else:
+        lines = dry_run(tmp_path, env={"TORCH_INDEX_URL": cuda})
+    line = torch_line(lines)
+    # Asked for explicitly (a GPU machine): no local-wheel shortcut, that index.
+    assert line.startswith('if [ "no" = yes ]')
+    assert f"--extra-index-url {cuda} torch==2.13.0" in line
+    assert CPU_INDEX not in line
+
+
+def test_the_first_run_says_what_it_installs(tmp_path: Path) -> None:
+    lines = dry_run(tmp_path)
+    echoed = [line for line in lines if line.startswith("echo ")]
+    assert any(re.search(r"setting up .*~1-3 min.*1 GiB", line) for line in echoed), echoed
+    assert any("kvsvc (editable)" in line for line in echoed), echoed
+    # The long steps are not silenced: pip shows what it downloads and installs.
+    for line in lines:
+        if "pip install" in line and ("torch==" in line or "-e " in line):
+            for command in line.split(";"):
+                if "pip install" in command and "--dry-run" not in command:
+                    assert " -q" not in command, command
