@@ -23,7 +23,16 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 TORCH_LOCAL_FIRST := $(if $(filter file,$(origin TORCH_INDEX_URL)),yes,no)
 
-.PHONY: demo test test-vllm lint proto proto-check bench bench-vllm venv venv-vllm clean
+# Tools that check the wire contract from outside Python: buf (lint, breaking) and the Node
+# contract test's @grpc/grpc-js, pinned in tools/node/package-lock.json. Without node and
+# npm they are skipped with a notice (the Node test skips too); with CI=true that fails.
+NODE_DIR := tools/node
+NODE_STAMP := $(NODE_DIR)/node_modules/.installed
+BUF := $(NODE_DIR)/node_modules/.bin/buf
+# What `buf breaking` compares protos/ with: the previous commit (of main, in CI).
+BUF_AGAINST ?= HEAD~1
+
+.PHONY: demo test test-vllm lint lint-protos node-tools proto proto-check bench bench-vllm venv venv-vllm clean
 
 # install_torch PYTHON: torch==$(TORCH_VERSION) first, so the worker extra's range (torch>=2.4)
 # installs nothing more. A wheel pip finds with --no-index (find-links) is installed as it is
@@ -69,20 +78,59 @@ $(VLLM_STAMP): pyproject.toml
 
 venv-vllm: $(VLLM_STAMP)
 
+$(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
+	@if command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1; then \
+		echo "== $(NODE_DIR): npm ci: $$(node -p 'Object.entries(require("./$(NODE_DIR)/package.json").dependencies).map(([n, v]) => n + "@" + v).join(", ")') (buf lint/breaking, the Node contract test; 35 packages, ~110 MB)"; \
+		npm ci --prefix $(NODE_DIR) --prefer-offline --no-audit --no-fund && touch $@; \
+	elif [ "$$CI" = true ]; then \
+		echo "error: node and npm are required with CI=true (buf lint/breaking, the Node contract test); .ci/run installs them (apt-get install nodejs npm)" >&2; \
+		exit 1; \
+	else \
+		echo "notice: node/npm not found: buf lint/breaking and the Node contract test are skipped (apt-get install nodejs npm, then make node-tools)"; \
+	fi
+
+node-tools: $(NODE_STAMP)
+
 demo: venv
 	$(VENV)/bin/kvsvc demo
 
-test: venv lint venv-vllm
+test: venv node-tools lint venv-vllm
 	$(PY) -m pytest $(PYTEST_ARGS)
 	$(VLLM_TEST_ENV) $(VLLM_PY) -m pytest tests/vllm $(PYTEST_ARGS)
 
 test-vllm: venv-vllm
 	$(VLLM_TEST_ENV) $(VLLM_PY) -m pytest tests/vllm $(PYTEST_ARGS)
 
-lint: venv
+lint: venv node-tools
 	$(VENV)/bin/ruff check kvsvc clients tests benchmarks deploy
 	$(VENV)/bin/ruff format --check kvsvc clients tests benchmarks deploy
 	$(VENV)/bin/mypy
+	@$(MAKE) --no-print-directory lint-protos
+
+# buf lint and buf breaking with protos/buf.yaml (breaking: against BUF_AGAINST). A clone
+# without that commit (a shallow one: `git fetch --deepen=1`) skips the breaking check
+# with a notice, or fails with CI=true; a first commit has nothing to compare with.
+lint-protos: node-tools
+	@if [ ! -x $(BUF) ]; then \
+		if [ "$$CI" = true ]; then echo "error: $(BUF) is missing (make node-tools)" >&2; exit 1; fi; \
+		echo "notice: $(BUF) is not installed: buf lint and buf breaking skipped"; \
+		exit 0; \
+	fi; \
+	echo "$(BUF) lint protos"; \
+	$(BUF) lint protos || exit 1; \
+	if git rev-parse -q --verify "$(BUF_AGAINST)^{commit}" >/dev/null; then \
+		echo "$(BUF) breaking protos --against '.git#ref=$(BUF_AGAINST),subdir=protos'"; \
+		$(BUF) breaking protos --against ".git#ref=$(BUF_AGAINST),subdir=protos" || exit 1; \
+	elif [ "$$(git rev-parse --is-shallow-repository 2>/dev/null)" = true ]; then \
+		msg="buf breaking needs $(BUF_AGAINST), which this shallow clone lacks (git fetch --deepen=1)"; \
+		if [ "$$CI" = true ]; then echo "error: $$msg" >&2; exit 1; fi; \
+		echo "notice: $$msg: skipped"; \
+	elif [ "$(BUF_AGAINST)" = HEAD~1 ] && git rev-parse -q --verify HEAD >/dev/null; then \
+		echo "notice: HEAD is the first commit: buf breaking has nothing to compare with"; \
+	else \
+		echo "error: buf breaking: no commit $(BUF_AGAINST) here (set BUF_AGAINST=<commit>)" >&2; \
+		exit 1; \
+	fi
 
 # Regenerate the one copy of the protobuf/gRPC stubs (kvsvc/v1) from protos/.
 proto: venv
