@@ -46,5 +46,10 @@ class ResourceExhausted(KvsvcError):
     the bound and the setting that raises it."""
 
 
+class Unavailable(KvsvcError):
+    """Transient: the target cannot serve right now but will (a pool restored from its
+    state waits for its ranks; its state could not be written). Retry with backoff."""
+
+
 class PlanningError(KvsvcError, ValueError):
     """The memory plan cannot be made (specs disagree, memory too small, ...)."""

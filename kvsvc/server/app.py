@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -53,8 +54,17 @@ def pool_health_name(pool: str) -> str:
 class KvsvcServer:
     """A running (or startable) kvsvc server. Use :func:`create_server`."""
 
-    def __init__(self, config: ServerConfig, *, metrics_registry: Any | None = None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        metrics_registry: Any | None = None,
+        restore: Sequence[str] = (),
+    ) -> None:
+        """Raises StateError (a ConfigFileError) when a pool's saved state, or a
+        ``restore`` file, cannot be used: nothing is served then."""
         from kvsvc.server.metrics import ServerMetrics
+        from kvsvc.server.restore import load_states
 
         self.config = config
         self.credentials = load_credentials(config)  # ConfigError before anything starts
@@ -78,6 +88,10 @@ class KvsvcServer:
                 max_lag_bytes=p.subscriber_max_lag_bytes,
                 write_timeout_s=config.subscriber_write_timeout_s,
             )
+        # Saved states first: the vLLM-format publisher below must not see their replay.
+        self.restored = load_states(self.pools.by_name, config, restore)
+        for line in self.restored:
+            log.info("%s", line)
         # vLLM-format events: imported only when asked for (pyzmq and msgspec are optional;
         # the ImportError says to install kvsvc[vllm]).
         self.kv_events: ZmqKVEvents | None = None
@@ -122,6 +136,8 @@ class KvsvcServer:
                 await self.health.set(service, status)
 
     async def start(self) -> None:
+        for pool in self.pools.by_name.values():
+            pool.start_state()
         if self.kv_events is not None:
             self.kv_events.start()  # first: a port in use stops the start before serving
         try:
@@ -231,6 +247,9 @@ class KvsvcServer:
             task.cancel()
         if self._server is not None:
             await self._server.stop(grace)
+        # After the last call: each persisted pool ends with a snapshot (no replay next time).
+        for pool in self.pools.by_name.values():
+            await pool.close_state()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()  # release the port now, not at collection

@@ -41,6 +41,7 @@ DEFAULT_EVENT_BUFFER_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_SUBSCRIBERS = 64
 DEFAULT_SUBSCRIBER_MAX_LAG_BYTES = 4 * 1024 * 1024
 DEFAULT_SUBSCRIBER_WRITE_TIMEOUT_S = 30.0
+STATE_SYNCHRONOUS = ("normal", "full")
 
 
 class ConfigError(ValueError):
@@ -206,6 +207,17 @@ class ServerConfig:
             the files change (see :mod:`kvsvc.tls`).
         tls_client_ca: PEM CA bundle; when set, both listeners require a client
             certificate signed by it (mTLS). Needs tls_cert.
+        state_dir: keep every pool's state (plan, hash seed, block pool, prefix index, live
+            requests, event sequence) in this directory, so a restart loses nothing
+            acknowledged (see :mod:`kvsvc.server.state`). None: in memory only.
+        state_synchronous: ``normal`` (a commit writes SQLite's WAL without a disk sync: a
+            crash of the process loses nothing acknowledged, a power loss the changes
+            since the last checkpoint) or ``full`` (every commit is synced to disk).
+        state_snapshot_every: journal rows after which a snapshot replaces them (a
+            restart replays at most about this many calls).
+        state_snapshot_min_interval_s: seconds between two snapshots at least.
+        state_checkpoint_interval_s: seconds between two checkpoints (disk syncs of the
+            WAL): in ``normal`` mode, how much a power loss can take back.
     """
 
     pools: tuple[PoolConfig, ...]
@@ -236,6 +248,11 @@ class ServerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
+    state_dir: str | None = None
+    state_synchronous: str = "normal"
+    state_snapshot_every: int = 5000
+    state_snapshot_min_interval_s: float = 10.0
+    state_checkpoint_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.pools:
@@ -265,6 +282,24 @@ class ServerConfig:
             raise ConfigError("max_step_operations must be in [1, 1000000]")
         self._check_kv_events()
         self._check_tls()
+        self._check_state()
+
+    def _check_state(self) -> None:
+        if self.state_dir is not None and (
+            not isinstance(self.state_dir, str) or not self.state_dir
+        ):
+            raise ConfigError(f"state_dir must be a directory path, got {self.state_dir!r}")
+        if self.state_synchronous not in STATE_SYNCHRONOUS:
+            raise ConfigError(
+                f"state_synchronous must be one of {', '.join(STATE_SYNCHRONOUS)}, "
+                f"got {self.state_synchronous!r}"
+            )
+        if not isinstance(self.state_snapshot_every, int) or self.state_snapshot_every < 1:
+            raise ConfigError("state_snapshot_every must be an integer >= 1")
+        if self.state_snapshot_min_interval_s < 0:
+            raise ConfigError("state_snapshot_min_interval_s must be >= 0")
+        if self.state_checkpoint_interval_s <= 0:
+            raise ConfigError("state_checkpoint_interval_s must be positive")
 
     def _check_tls(self) -> None:
         """Cert and key together, a client CA only with them, every file usable now."""

@@ -28,6 +28,7 @@ from kvsvc.errors import (
     PlanningError,
     ResourceExhausted,
     Unauthenticated,
+    Unavailable,
 )
 from kvsvc.server.namespace import unscope_message
 from kvsvc.server.seclog import RateLimitedLog
@@ -45,6 +46,7 @@ STATUS_FOR: dict[type[KvsvcError], grpc.StatusCode] = {
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
 }
 
 

@@ -27,26 +27,51 @@ so a pool always has one writer at a time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
+import hashlib
 import hmac
+import json
 import logging
 import secrets
+import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from enum import IntEnum
+from pathlib import Path
 from typing import Any
 
+from kvsvc import __version__
+from kvsvc.core.state import encode_state
 from kvsvc.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
+    KvsvcError,
     NotFound,
     PlanningError,
+    Unavailable,
 )
+from kvsvc.server.calls import CallLog, parse_journaled, replay_call
 from kvsvc.server.config import PoolConfig
 from kvsvc.server.events import EventLog
 from kvsvc.server.seclog import security_log
+from kvsvc.server.state import (
+    JournalKind,
+    JournalRecord,
+    PoolPersistence,
+    PoolStore,
+    RankRecord,
+    Snapshot,
+    SnapshotCapture,
+    StateError,
+    new_store_id,
+    reply_digest,
+    write_snapshot,
+)
 from kvsvc.specs import AttentionSpec, KVCacheSpec, iter_layer_specs
+from kvsvc.specs.serde import spec_from_dict, spec_to_dict
 
 log = logging.getLogger("kvsvc.server")
 
@@ -54,6 +79,13 @@ log = logging.getLogger("kvsvc.server")
 # device or host, far below what would overflow the planner's arithmetic into nonsense.
 MAX_MEMORY_BYTES = 2**48
 _MEMORY_FIELDS = ("total_bytes", "free_bytes", "non_kv_bytes", "kv_cache_bytes")
+
+
+def plan_digest(plan: Any) -> str:
+    """A digest of a plan (its ``kvsvc plan --json`` form): a saved state is loaded only
+    into the plan it was made for."""
+    text = json.dumps(plan.to_dict(), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _same_secret(expected: str, given: str) -> bool:
@@ -94,6 +126,76 @@ class Registration:
     max_num_encoder_input_tokens: int = 0
     model: str = ""
     total_num_kv_heads: int = 0
+    # The identity of the KV tensors the agent holds from an earlier session ("" if none).
+    allocation_id: str = ""
+
+
+def registration_to_dict(reg: Registration, available_bytes: int) -> dict[str, Any]:
+    """A registration (and the bytes it offered the plan) as JSON-ready values."""
+    return {
+        "rank": reg.rank,
+        "world_size": reg.world_size,
+        "device": reg.device,
+        "hostname": reg.hostname,
+        "specs": {name: spec_to_dict(spec) for name, spec in sorted(reg.specs.items())},
+        "memory": {name: getattr(reg.memory, name) for name in _MEMORY_FIELDS},
+        "tensor_parallel_size": reg.tensor_parallel_size,
+        "pipeline_parallel_size": reg.pipeline_parallel_size,
+        "max_model_len": reg.max_model_len,
+        "max_num_encoder_input_tokens": reg.max_num_encoder_input_tokens,
+        "model": reg.model,
+        "total_num_kv_heads": reg.total_num_kv_heads,
+        "available_bytes": available_bytes,
+    }
+
+
+def registration_from_dict(data: dict[str, Any]) -> tuple[Registration, int]:
+    """The registration :func:`registration_to_dict` wrote, and its offered bytes."""
+    return (
+        Registration(
+            rank=data["rank"],
+            world_size=data["world_size"],
+            device=data["device"],
+            hostname=data["hostname"],
+            specs={
+                name: spec_from_dict(spec, where=f"layer {name}")
+                for name, spec in data["specs"].items()
+            },
+            memory=MemoryReport(**data["memory"]),
+            tensor_parallel_size=data["tensor_parallel_size"],
+            pipeline_parallel_size=data["pipeline_parallel_size"],
+            max_model_len=data["max_model_len"],
+            max_num_encoder_input_tokens=data["max_num_encoder_input_tokens"],
+            model=data["model"],
+            total_num_kv_heads=data["total_num_kv_heads"],
+        ),
+        data["available_bytes"],
+    )
+
+
+# Pool settings a saved state was planned with: another value means another plan, so a
+# restart with it is refused (the others may change between restarts).
+PLAN_SETTINGS = (
+    "world_size",
+    "block_size",
+    "max_model_len",
+    "hash_algo",
+    "enable_prefix_caching",
+    "num_gpu_blocks_override",
+    "max_num_batched_tokens",
+    "disable_hybrid_kv_cache_manager",
+    "layout",
+)
+
+
+@dataclass(slots=True)
+class RankMemory:
+    """What the pool knows of a rank's KV tensors: whether it allocated its plan, and the
+    identity it reported for them ("" when it gave none: then a new agent cannot be told
+    from a reconnecting one, and is taken to be new)."""
+
+    allocated: bool = False
+    allocation_id: str = ""
 
 
 @dataclass(slots=True)
@@ -103,6 +205,7 @@ class RankSlot:
     registered_at: float
     last_seen: float
     available_bytes: int
+    allocation_id: str = ""
     open_streams: int = 0
     ever_streamed: bool = False
     allocated: bool = False
@@ -177,6 +280,22 @@ class Pool:
         self.counters = EngineCounters()
         # Called with each Step's operation count (the metrics module's histogram).
         self.step_size_observer: Callable[[int], None] | None = None
+        # Replies of recent calls by call_id (a retry answers the first attempt's reply).
+        self.calls = CallLog()
+        # What the pool's state is made for (set once planned or restored), and where it
+        # is kept (see configure_state).
+        self.identity: dict[str, Any] | None = None
+        self.state_dir: Path | None = None
+        self.state_options: dict[str, Any] = {}
+        self.persistence: PoolPersistence | None = None
+        # Restored from a saved state: engine calls wait (UNAVAILABLE) until every rank is
+        # back and has confirmed (or lost) its tensors.
+        self.restored = False
+        self._restored: dict[int, tuple[Registration, int]] = {}
+        self.rank_memory: dict[int, RankMemory] = {}
+        self._rank_records: dict[int, RankRecord] = {}
+        self._snapshot_task: asyncio.Task[bool] | None = None
+        self.num_invalidations = 0
 
     @property
     def model_name(self) -> str:
@@ -341,8 +460,11 @@ class Pool:
                     f"{existing.registration.hostname or '?'} ({existing.registration.device}); "
                     "stop it first"
                 )
-            if existing is not None and self.plan is not None:
-                self._check_replacement(existing, reg, available)
+            previous = existing.registration if existing is not None else None
+            if previous is None and reg.rank in self._restored:
+                previous = self._restored[reg.rank][0]
+            if previous is not None and self.plan is not None:
+                self._check_replacement(previous, reg, available)
             slot = RankSlot(
                 registration=reg,
                 # A secret: the rank's later calls must carry it (compared in constant time).
@@ -350,23 +472,35 @@ class Pool:
                 registered_at=now,
                 last_seen=now,
                 available_bytes=available,
+                allocation_id=reg.allocation_id,
             )
             self.slots[reg.rank] = slot
             self.num_registrations += 1
+            ticket = 0
             if self.plan is not None:
-                # A replaced rank comes back with fresh memory: cached blocks would be read
-                # from bytes it no longer has, so no future request may hit them.
-                if existing is not None:
+                memory = self.rank_memory.get(reg.rank, RankMemory())
+                # The rank's KV data survives only when the same tensors come back (an
+                # agent that reconnects, or a server restart); a new agent's memory is
+                # fresh: cached blocks would be read from bytes it no longer has.
+                lost = memory.allocated and (
+                    not reg.allocation_id or reg.allocation_id != memory.allocation_id
+                )
+                if existing is not None or reg.rank in self._restored:
                     security_log.warning(
-                        "pool %s: rank %d is back (%s on %s), replacing its lost agent%s",
+                        "pool %s: rank %d is back (%s on %s)%s",
                         self.name,
                         reg.rank,
                         reg.device,
                         reg.hostname or "?",
-                        "; its cached blocks are forgotten" if existing.allocated else "",
+                        "; it holds fresh tensors: its KV data is gone"
+                        if lost
+                        else (", with the tensors it had" if memory.allocated else ""),
                     )
-                if existing is not None and existing.allocated:
-                    self._forget_cached_blocks()
+                if lost:
+                    ticket = self.invalidate(f"rank {reg.rank} came back with fresh tensors")
+                    memory = RankMemory()
+                self.rank_memory[reg.rank] = memory
+                ticket = max(ticket, self._persist_rank(slot))
                 if self.state == PoolState.READY:
                     self._set_state(PoolState.DEGRADED)
                 self._notify()
@@ -375,14 +509,30 @@ class Pool:
             else:
                 self.error = ""
                 self._notify()
-            return slot
+        await self.durable(ticket)
+        return slot
 
-    def _check_replacement(self, old: RankSlot, reg: Registration, available: int) -> None:
-        if old.registration.specs != reg.specs:
+    def _check_replacement(self, old: Registration, reg: Registration, available: int) -> None:
+        if old.specs != reg.specs:
+            changed = sorted(
+                name
+                for name in old.specs.keys() | reg.specs.keys()
+                if old.specs.get(name) != reg.specs.get(name)
+            )
+            shown = ", ".join(changed[:3]) + (
+                f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+            )
+            where = (
+                f"; its saved state in {self.state_dir} holds live requests and cached blocks "
+                "of that plan: to plan anew, stop the server and move "
+                f"{PoolStore.path_for(self.state_dir, self.name)} away (they are lost then)"
+                if self.persistence is not None and self.state_dir is not None
+                else "; restart the pool to plan anew"
+            )
             raise InvalidArgument(
                 "layers",
                 f"rank {reg.rank} registered different layer specs than the ones pool "
-                f"{self.name!r} was planned for; restart the pool to plan anew",
+                f"{self.name!r} was planned for (layers {shown}){where}",
             )
         assert self.plan is not None
         needed = self.planned_bytes(reg.rank)
@@ -398,35 +548,45 @@ class Pool:
         packed = {t.size for t in config.kv_cache_tensors if t.block_stride}
         return sum(t.size for t in config.kv_cache_tensors if not t.block_stride) + sum(packed)
 
-    async def _plan_locked(self) -> None:
-        from kvsvc.planner import PlannerOptions, plan_kv_cache
+    def _planner_options(self, regs: list[Registration]) -> Any:
+        """The planner's options for these registrations (rank order).
 
-        regs = [self.slots[r].registration for r in range(self.config.world_size)]
+        Raises:
+            PlanningError: no max_model_len from the config or the agents.
+        """
+        from kvsvc.planner import PlannerOptions
+
         max_model_len = self.config.max_model_len
         if max_model_len is None:
             max_model_len = regs[0].max_model_len
-        try:
-            if not max_model_len:
-                raise PlanningError(
-                    f"pool {self.name!r} has no max_model_len: set it in the pool config "
-                    "(or -1 to fit memory), or have the agents report the model's length"
-                )
-            options = PlannerOptions(
-                max_model_len=max_model_len,
-                max_num_batched_tokens=self.config.max_num_batched_tokens,
-                max_num_encoder_input_tokens=regs[0].max_num_encoder_input_tokens,
-                num_gpu_blocks_override=self.config.num_gpu_blocks_override,
-                disable_hybrid_kv_cache_manager=self.config.disable_hybrid_kv_cache_manager,
-                enable_prefix_caching=self.config.enable_prefix_caching,
-                layout=self.config.layout,
-                tensor_parallel_size=max(1, regs[0].tensor_parallel_size),
-                # Auto-fit searches up to the model's own limit when the agents know it.
-                derived_max_model_len=regs[0].max_model_len or None,
-                total_num_kv_heads=regs[0].total_num_kv_heads or None,
+        if not max_model_len:
+            raise PlanningError(
+                f"pool {self.name!r} has no max_model_len: set it in the pool config "
+                "(or -1 to fit memory), or have the agents report the model's length"
             )
+        return PlannerOptions(
+            max_model_len=max_model_len,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_num_encoder_input_tokens=regs[0].max_num_encoder_input_tokens,
+            num_gpu_blocks_override=self.config.num_gpu_blocks_override,
+            disable_hybrid_kv_cache_manager=self.config.disable_hybrid_kv_cache_manager,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+            layout=self.config.layout,
+            tensor_parallel_size=max(1, regs[0].tensor_parallel_size),
+            # Auto-fit searches up to the model's own limit when the agents know it.
+            derived_max_model_len=regs[0].max_model_len or None,
+            total_num_kv_heads=regs[0].total_num_kv_heads or None,
+        )
+
+    async def _plan_locked(self) -> None:
+        from kvsvc.planner import plan_kv_cache
+
+        regs = [self.slots[r].registration for r in range(self.config.world_size)]
+        memory = [self.slots[r].available_bytes for r in range(self.config.world_size)]
+        loop = asyncio.get_running_loop()
+        try:
+            options = self._planner_options(regs)
             specs = [reg.specs for reg in regs]
-            memory = [self.slots[r].available_bytes for r in range(self.config.world_size)]
-            loop = asyncio.get_running_loop()
             self._planning = True
             try:
                 plan = await loop.run_in_executor(None, plan_kv_cache, specs, memory, options)
@@ -445,11 +605,91 @@ class Pool:
                 "num_gpu_blocks_override"
             )
             return
+        identity = self._new_identity(plan, regs, memory)
+        ranks = {
+            slot.rank: RankRecord(
+                slot.rank,
+                {
+                    **registration_to_dict(slot.registration, slot.available_bytes),
+                    "allocated": False,
+                },
+                "",
+            )
+            for slot in self.slots.values()
+        }
+        if self.state_dir is not None:
+            try:
+                store = await loop.run_in_executor(
+                    None, self._create_store, identity, cache, list(ranks.values())
+                )
+            except (OSError, sqlite3.Error, StateError) as exc:
+                log.error(
+                    "pool %r: cannot keep its state in %s: %s", self.name, self.state_dir, exc
+                )
+                self._plan_failed(
+                    f"pool {self.name!r} was planned but its state cannot be kept in "
+                    f"{self.state_dir}: {exc}"
+                )
+                return
+            self._start_persistence(store)
+        self.identity = identity
+        self._rank_records = ranks
         self.plan = plan
         self.cache = cache
         self.hash_seed = cache.hash_seed
         self.error = ""
         self._set_state(PoolState.PLANNED)
+
+    def _new_identity(
+        self, plan: Any, regs: list[Registration], memory: list[int]
+    ) -> dict[str, Any]:
+        """What a state of this pool is made for: its planning settings and inputs (each
+        rank's registration and offered bytes), the plan's digest and the event epoch."""
+        return {
+            "pool": self.name,
+            "store_id": new_store_id(),
+            "epoch": self.events.epoch,
+            "created_at": time.time(),
+            "kvsvc_version": __version__,
+            "settings": {name: getattr(self.config, name) for name in PLAN_SETTINGS},
+            "plan_ranks": [
+                registration_to_dict(reg, available)
+                for reg, available in zip(regs, memory, strict=True)
+            ],
+            "plan_digest": plan_digest(plan),
+        }
+
+    def _create_store(
+        self, identity: dict[str, Any], cache: Any, ranks: list[RankRecord]
+    ) -> PoolStore:
+        """The pool's new store, starting with a snapshot of its empty cache (a thread)."""
+        assert self.state_dir is not None
+        snapshot = Snapshot(
+            identity=identity,
+            generation=1,
+            journal_seq=0,
+            state=encode_state(cache.to_state()),
+            server_state={"calls": []},
+            ranks=ranks,
+        )
+        return PoolStore.create(
+            self.state_dir,
+            identity,
+            snapshot,
+            synchronous=self.state_options.get("synchronous", "normal"),
+        )
+
+    def _start_persistence(self, store: PoolStore) -> None:
+        options = self.state_options
+        self.persistence = PoolPersistence(
+            store,
+            synchronous=options.get("synchronous", "normal"),
+            snapshot_every=options.get("snapshot_every", 5000),
+            snapshot_min_interval_s=options.get("snapshot_min_interval_s", 10.0),
+            checkpoint_interval_s=options.get("checkpoint_interval_s", 1.0),
+        )
+        with contextlib.suppress(RuntimeError):  # no running loop yet: start_state does
+            self.persistence.start()
 
     def _plan_failed(self, error: str) -> None:
         """Drop every registration and tell every rank's plan stream why.
@@ -492,12 +732,6 @@ class Pool:
             max_requests=self.config.max_requests,
             recently_freed=self.config.recently_freed,
         )
-
-    def _forget_cached_blocks(self) -> None:
-        assert self.cache is not None
-        assert self.plan is not None
-        self.cache.evict_blocks(range(1, self.plan.num_blocks))
-        self.drain_events()
 
     def slot_for(self, rank: int, session_id: str) -> RankSlot:
         """The slot of ``rank`` if ``session_id`` is its current session.
@@ -567,7 +801,7 @@ class Pool:
                 )
             self._refresh_health()
 
-    def report_allocation(
+    async def report_allocation(
         self,
         rank: int,
         session_id: str,
@@ -576,7 +810,13 @@ class Pool:
         allocated_bytes: int,
         memory_free_bytes: int,
         views: list[Any],
+        allocation_id: str = "",
     ) -> PoolState:
+        """Record a rank's allocation; the pool is READY once every rank reported.
+
+        Tensors with another identity than the ones the rank last reported (reallocated,
+        or no identity given) hold none of the pool's KV data: the pool is invalidated.
+        """
         slot = self.slot_for(rank, session_id)
         if self.plan is None:
             raise FailedPrecondition(f"pool {self.name!r} has no plan yet; wait for it")
@@ -586,6 +826,19 @@ class Pool:
                 "num_blocks",
                 f"rank {rank} allocated {num_blocks} blocks but its plan has {planned}",
             )
+        if len(allocation_id) > 128:
+            raise InvalidArgument("allocation_id", "longer than 128 characters")
+        async with self.lock:  # an invalidation changes the core: one writer at a time
+            memory = self.rank_memory.get(rank, RankMemory())
+            ticket = 0
+            if memory.allocated and (not allocation_id or allocation_id != memory.allocation_id):
+                ticket = self.invalidate(f"rank {rank} reported other tensors than before")
+            self.rank_memory[rank] = RankMemory(True, allocation_id)
+            slot.allocation_id = allocation_id
+            ticket = max(ticket, self._persist_rank(slot))
+        await self.durable(ticket)
+        if self.slots.get(rank) is not slot:
+            raise NotFound(f"rank {rank} of pool {self.name!r} was replaced meanwhile")
         slot.allocated = True
         slot.allocated_bytes = allocated_bytes
         slot.memory_free_bytes = memory_free_bytes
@@ -639,6 +892,13 @@ class Pool:
             return self.cache
         if self.state == PoolState.PLANNED:
             reported = sum(1 for s in self.slots.values() if s.allocated)
+            if self.restored:
+                # A restart on a state directory: the gap engines retry through.
+                raise Unavailable(
+                    f"pool {self.name!r} was restored from its saved state and waits for its "
+                    f"ranks to come back ({reported} of {self.config.world_size} reported "
+                    "their tensors); retry"
+                )
             detail = f"{reported} of {self.config.world_size} ranks reported their allocation"
         else:
             detail = f"{len(self.slots)} of {self.config.world_size} ranks registered"
@@ -646,14 +906,366 @@ class Pool:
                 detail += f"; last planning error: {self.error}"
         raise FailedPrecondition(f"pool {self.name!r} is not ready ({self.state.name}: {detail})")
 
-    def drain_events(self) -> None:
-        """Move the core's pending KV events into the replay log (after every change)."""
+    def ensure_writable(self) -> Any:
+        """:meth:`ensure_serving` for calls that change the pool: also refused while its
+        state cannot be written (nothing is acknowledged that the disk does not hold).
+
+        Raises:
+            FailedPrecondition: the pool is not READY (or DEGRADED) yet.
+            Unavailable: restored and waiting for its ranks, or its state store failed.
+        """
+        cache = self.ensure_serving()
+        if self.persistence is not None:
+            self.persistence.check_writable()
+        return cache
+
+    def drain_events(self) -> Any:
+        """Move the core's pending KV events into the replay log (after every change).
+
+        Returns:
+            The batch (None when the change made no event).
+        """
         cache = self.cache
         if cache is None:
-            return
+            return None
         batch = cache.take_events()
         if batch is not None:
             self.events.append(batch)
+        return batch
+
+    # ---------------------------------------------------------------- state (persistence)
+
+    def configure_state(self, directory: Path | None, **options: Any) -> None:
+        """Keep the pool's state in ``directory`` from its planning on (None: in memory
+        only). ``options``: ``synchronous``, ``snapshot_every``,
+        ``snapshot_min_interval_s``, ``checkpoint_interval_s`` (see PoolPersistence)."""
+        self.state_dir = directory
+        self.state_options = options
+
+    def journal(self, kind: int, engine: str, payload: bytes, reply: bytes, batch: Any) -> int:
+        """Record a call that changed the pool (under the lock, right after the change and
+        the events drain); returns the ticket to wait on (0: nothing is persisted)."""
+        persistence = self.persistence
+        if persistence is None:
+            return 0
+        ticket = persistence.record(
+            kind,
+            engine,
+            payload,
+            batch.seq if batch is not None else 0,
+            batch.timestamp if batch is not None else 0.0,
+            reply_digest(reply),
+        )
+        if persistence.snapshot_due():
+            self.schedule_snapshot()
+        return ticket
+
+    async def durable(self, ticket: int) -> None:
+        """Wait until the change of ``ticket`` is on disk (at once when not persisted).
+
+        Raises:
+            Unavailable: writing the state failed; the change must not be acknowledged.
+        """
+        if ticket and self.persistence is not None:
+            await self.persistence.durable(ticket)
+
+    def invalidate(self, reason: str) -> int:
+        """The pool's KV data is gone: empty the prefix index and flag every live request
+        (see :meth:`PoolKVCache.invalidate`). Under the lock; returns the journal ticket.
+        """
+        assert self.cache is not None
+        flagged, dropped = self.cache.invalidate()
+        batch = self.drain_events()
+        self.num_invalidations += 1
+        security_log.warning(
+            "pool %s: %s: prefix index cleared (%d cached blocks), %d live requests must be "
+            "recomputed",
+            self.name,
+            reason,
+            dropped,
+            flagged,
+        )
+        return self.journal(JournalKind.INVALIDATE, "", reason.encode(), b"", batch)
+
+    def _persist_rank(self, slot: RankSlot) -> int:
+        """Record the rank's current registration and tensor identity; returns the ticket."""
+        memory = self.rank_memory.get(slot.rank, RankMemory())
+        record = RankRecord(
+            slot.rank,
+            {
+                **registration_to_dict(slot.registration, slot.available_bytes),
+                "allocated": memory.allocated,
+            },
+            memory.allocation_id,
+        )
+        self._rank_records[slot.rank] = record
+        if self.persistence is None:
+            return 0
+        return self.persistence.update_rank(record)
+
+    def capture(self) -> SnapshotCapture:
+        """The pool's state now, copied (under the lock, between two calls)."""
+        assert self.cache is not None
+        # Copying makes ~10 objects per request and block list: a collection in the middle
+        # would walk them all, for nothing (none is garbage).
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            core_state = self.cache.to_state()
+        finally:
+            if enabled:
+                gc.enable()
+        return SnapshotCapture(
+            core_state=core_state,
+            server_state={"calls": self.calls.to_state()},
+            ranks=[self._rank_records[rank] for rank in sorted(self._rank_records)],
+            journal_seq=self.persistence.last_seq if self.persistence is not None else 0,
+        )
+
+    def schedule_snapshot(self) -> None:
+        """Take a snapshot soon (a task: it waits for the lock)."""
+        if self._snapshot_task is None or self._snapshot_task.done():
+            self._snapshot_task = asyncio.get_running_loop().create_task(self.snapshot())
+
+    async def snapshot(self) -> bool:
+        """Replace the journal with a snapshot now (the next restart replays nothing).
+
+        Returns:
+            Whether one was written (False: not persisted, busy, or it failed: logged,
+            and the journal stays as it was).
+        """
+        persistence = self.persistence
+        if persistence is None or persistence.snapshotting or persistence.failed:
+            return False
+        persistence.snapshotting = True
+        try:
+            async with self.lock:
+                capture = self.capture()
+            await persistence.install_snapshot(capture)
+        except Unavailable:
+            return False
+        except (OSError, sqlite3.Error, ValueError) as exc:
+            log.error("pool %r: writing a snapshot failed (the journal stays): %s", self.name, exc)
+            return False
+        finally:
+            persistence.snapshotting = False
+        return True
+
+    async def export_snapshot(self, path: Path) -> None:
+        """Write the pool's whole state now to a new snapshot file at ``path`` (for
+        ``kvsvc serve --restore``), whether or not it is kept in a state directory.
+
+        Raises:
+            FailedPrecondition: the pool is not planned yet.
+            OSError, sqlite3.Error: the file could not be written.
+        """
+        if self.cache is None or self.identity is None:
+            raise FailedPrecondition(f"pool {self.name!r} has no state yet: it is not planned")
+        async with self.lock:
+            capture = self.capture()
+        identity = self.identity
+        generation = (
+            self.persistence.store.snapshot_generation + 1 if self.persistence is not None else 1
+        )
+
+        def write() -> None:
+            write_snapshot(
+                path,
+                Snapshot(
+                    identity=identity,
+                    generation=generation,
+                    journal_seq=capture.journal_seq,
+                    state=encode_state(capture.core_state),
+                    server_state=capture.server_state,
+                    ranks=capture.ranks,
+                ),
+            )
+
+        await asyncio.get_running_loop().run_in_executor(None, write)
+
+    def restore(
+        self,
+        snapshot: Snapshot,
+        journal: Iterable[JournalRecord] = (),
+        ranks: list[RankRecord] | None = None,
+        store: PoolStore | None = None,
+    ) -> int:
+        """Become the pool a saved state describes: its plan (planned anew from the saved
+        inputs, and checked against the saved plan's digest), its core state, its event
+        epoch and sequence, and its journal replayed on top. The pool is then PLANNED and
+        restored: engine calls wait (UNAVAILABLE) until every rank is back.
+
+        Nothing is taken over before everything loaded and replayed: a failure leaves
+        the pool as it was.
+
+        Args:
+            snapshot: the state to start from.
+            journal: the rows after the snapshot, in order.
+            ranks: the ranks as last persisted (default: the snapshot's).
+            store: where the state goes on from (None: in memory only).
+
+        Returns:
+            The journal rows replayed.
+
+        Raises:
+            StateError: the state was made for another pool or plan, is damaged, or its
+                replay does not give the replies that were acknowledged.
+        """
+        from kvsvc.core import PoolKVCache
+        from kvsvc.core.state import StateFormatError, decode_state
+        from kvsvc.planner import plan_kv_cache
+
+        identity = snapshot.identity
+        where = f"the saved state of pool {self.name!r}"
+        if identity.get("pool") != self.name:
+            raise StateError(f"{where} is pool {identity.get('pool')!r}'s state, not this pool's")
+        settings = identity.get("settings", {})
+        changed = [
+            f"{name} {settings.get(name)!r} -> {getattr(self.config, name)!r}"
+            for name in PLAN_SETTINGS
+            if settings.get(name) != getattr(self.config, name)
+        ]
+        if changed:
+            raise StateError(
+                f"{where} was planned with other settings than the config has now "
+                f"({'; '.join(changed)}): restore the settings, or move the pool's state "
+                "files away to plan it afresh (its live requests and cached blocks are lost)"
+            )
+        enabled = gc.isenabled()
+        gc.disable()  # millions of objects are made: collections would only walk them
+        try:
+            try:
+                saved = [registration_from_dict(data) for data in identity["plan_ranks"]]
+                regs = [reg for reg, _ in saved]
+                plan = plan_kv_cache(
+                    [reg.specs for reg in regs],
+                    [available for _, available in saved],
+                    self._planner_options(regs),
+                )
+            except (KeyError, TypeError, ValueError, PlanningError) as exc:
+                raise StateError(f"{where}: its plan cannot be made again: {exc}") from None
+            if plan_digest(plan) != identity.get("plan_digest"):
+                raise StateError(
+                    f"{where} was made for another plan than this kvsvc makes from the same "
+                    f"inputs (made by kvsvc {identity.get('kvsvc_version')}, this is "
+                    f"{__version__}): run that version, or move the pool's state files away"
+                )
+            try:
+                cache = PoolKVCache.from_state(plan.scheduler_config, decode_state(snapshot.state))
+            except (StateFormatError, ValueError, KeyError, TypeError) as exc:
+                raise StateError(f"{where} does not load: {exc}") from None
+            if self.config.hash_seed is not None and self.config.hash_seed != cache.hash_seed:
+                raise StateError(
+                    f"{where} was hashed with another hash_seed than the config gives now; "
+                    "restore the seed (every cached block's hash depends on it)"
+                )
+            base_seq = cache.manager.events.last_seq if cache.manager.events is not None else 0
+            calls = CallLog(self.calls.capacity)
+            try:
+                calls.load_state(snapshot.server_state.get("calls", []))
+            except (ValueError, TypeError) as exc:
+                raise StateError(f"{where}: damaged saved replies: {exc}") from None
+            batches: list[Any] = []
+            num_replayed, num_invalidations = self._replay(cache, batches, calls, journal, where)
+        finally:
+            if enabled:
+                gc.enable()
+        cache.set_limits(
+            max_requests=self.config.max_requests, recently_freed=self.config.recently_freed
+        )
+        # Everything loaded: take it over.
+        self.events.restore(identity["epoch"], base_seq)
+        for batch in batches:
+            self.events.append(batch)
+        self.calls = calls
+        self.plan = plan
+        self.cache = cache
+        self.hash_seed = cache.hash_seed
+        self.identity = identity
+        self.num_invalidations += num_invalidations
+        rank_records = ranks if ranks is not None else snapshot.ranks
+        self._rank_records = {r.rank: r for r in rank_records}
+        self._restored = {}
+        self.rank_memory = {}
+        for record in rank_records:
+            self._restored[record.rank] = registration_from_dict(record.registration)
+            self.rank_memory[record.rank] = RankMemory(
+                bool(record.registration.get("allocated")), record.allocation_id
+            )
+        self.restored = True
+        self.error = ""
+        self.state = PoolState.PLANNED
+        if store is not None:
+            self._start_persistence(store)
+        return num_replayed
+
+    @staticmethod
+    def _replay(
+        cache: Any,
+        batches: list[Any],
+        calls: CallLog,
+        journal: Iterable[JournalRecord],
+        where: str,
+    ) -> tuple[int, int]:
+        """Apply the journal's rows again; each must give the reply and event batch it gave
+        when served. Returns the rows replayed and the invalidations among them."""
+        count = invalidations = 0
+        for record in journal:
+            request = None
+            try:
+                if record.kind == JournalKind.RESET:
+                    reply = b"\x01" if cache.reset_prefix_cache() else b"\x00"
+                elif record.kind == JournalKind.INVALIDATE:
+                    cache.invalidate()
+                    reply = b""
+                    invalidations += 1
+                else:
+                    request = parse_journaled(record.kind, record.payload)
+                    response, _ = replay_call(cache, record.kind, request, record.engine)
+                    reply = response.SerializeToString()
+            except (KvsvcError, ValueError) as exc:
+                raise StateError(
+                    f"{where}: replaying journal row {record.seq} failed: {exc}"
+                ) from None
+            batch = cache.take_events()
+            got = batch.seq if batch is not None else 0
+            if reply_digest(reply) != record.reply_digest or got != record.event_seq:
+                raise StateError(
+                    f"{where}: journal row {record.seq} ({JournalKind(record.kind).name}) "
+                    "replays to another reply than the one acknowledged (event batch "
+                    f"{got}, acknowledged {record.event_seq}): refusing to serve a state "
+                    "that differs from the one before the restart"
+                )
+            if batch is not None:
+                batch.timestamp = record.event_ts
+                batches.append(batch)
+            if request is not None and request.call_id:
+                calls.put(record.engine, request.call_id, record.kind, response, 0)
+            count += 1
+        return count, invalidations
+
+    def attach_store(self, store: PoolStore) -> None:
+        """Go on persisting the (restored) pool's state in ``store``."""
+        self._start_persistence(store)
+
+    def start_state(self) -> None:
+        """Start the background work of a persisted pool (on the server's loop)."""
+        if self.persistence is not None:
+            self.persistence.start()
+
+    async def close_state(self, *, final_snapshot: bool = True) -> None:
+        """Stop persisting: with ``final_snapshot``, replace the journal by a snapshot
+        first (a graceful stop: the next start, perhaps of a newer kvsvc, replays nothing).
+        """
+        persistence = self.persistence
+        if persistence is None:
+            return
+        if self._snapshot_task is not None:
+            await asyncio.gather(self._snapshot_task, return_exceptions=True)
+        if final_snapshot and persistence.records_since_snapshot and not persistence.failed:
+            await self.snapshot()
+        await persistence.close()
+        self.persistence = None
 
     # ---------------------------------------------------------------- accounting
 

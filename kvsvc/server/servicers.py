@@ -10,22 +10,32 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
+import tempfile
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any, cast
 
 from kvsvc.convert import config_to_pb, layer_specs_from_pb
-from kvsvc.errors import InvalidArgument, NotFound
+from kvsvc.errors import InvalidArgument, NotFound, Unavailable
+from kvsvc.server.calls import (
+    AllocateCall,
+    apply_allocate,
+    apply_free,
+    apply_step_call,
+    check_call_id,
+    decode_allocate,
+    decode_free,
+    decode_step,
+)
 from kvsvc.server.errors import CallObserver, rpc_handler, rpc_stream_handler
-from kvsvc.server.namespace import current_engine, scoped_request_id, unscope_message
+from kvsvc.server.namespace import current_engine, scoped_request_id
 from kvsvc.server.pool import MemoryReport, Pool, PoolState, Registration
-from kvsvc.server.step import apply_step
+from kvsvc.server.state import JournalKind
 from kvsvc.server.wire import (
     StepColumns,
-    StepResults,
-    allocate_response,
     check_request_id,
     hashing_from_pb,
-    start_from_pb,
     token_ids_of,
 )
 from kvsvc.v1 import (
@@ -39,14 +49,16 @@ from kvsvc.v1 import (
 )
 
 TOKEN_ID_LIMIT = 2**31
+# Trailing metadata of every reply of a call that names a pool: the pool's state epoch.
+EPOCH_METADATA = "kvsvc-epoch"
+# Pieces of a streamed snapshot file (far below the message size bound).
+SNAPSHOT_CHUNK_BYTES = 1 << 20
 # Above this much work (tokens + 64 per operation) a call runs in a worker thread so the
 # event loop keeps serving other pools, health checks and streams meanwhile.
 OFFLOAD_WORK_THRESHOLD = 200_000
 # A Lookup hashes its prompt outside the pool's lock; above this many tokens in a thread
 # (a few milliseconds of hashing), so the loop keeps serving the pool's writers meanwhile.
 LOOKUP_OFFLOAD_TOKENS = 16_384
-_FREE_REASONS = frozenset(kvcache_pb2.FreeReason.values())
-
 _ALLOCATE = kvcache_pb2.STEP_OPERATION_TYPE_ALLOCATE
 _FREE = kvcache_pb2.STEP_OPERATION_TYPE_FREE
 _PREEMPT = kvcache_pb2.STEP_OPERATION_TYPE_PREEMPT
@@ -96,6 +108,63 @@ async def _run(pool: Pool, work: int, fn: Any, *args: Any) -> Any:
         return result
 
 
+def _epoch(context: Any, pool: Pool) -> None:
+    """Every reply of a call that names a pool carries the pool's state epoch: an engine
+    retrying through a restart can tell a server that kept its state (same epoch) from
+    one that lost it."""
+    context.set_trailing_metadata(((EPOCH_METADATA, pool.events.epoch),))
+
+
+async def _mutate(pool: Pool, kind: int, request: Any, work: int, fn: Any, *args: Any) -> Any:
+    """Apply an engine call that may change the pool, as its one writer, and reply once
+    the change is durable.
+
+    ``fn(*args)`` returns the reply and whether the pool changed. A change is journaled
+    (the request as it came, the reply's digest, the event batch it made) in the same
+    critical section, so the journal's order is the order of the changes, and the reply
+    waits for the commit (:meth:`Pool.durable`). A call whose ``call_id`` was seen is
+    answered with the first attempt's reply, applied nothing again.
+    """
+    engine = current_engine.get()
+    call_id = request.call_id
+    if call_id:
+        check_call_id(call_id)
+    cancelled = False
+    async with pool.lock:
+        known = pool.calls.get(engine, call_id, kind) if call_id else None
+        if known is not None:
+            response, ticket = known
+        else:
+            if work > OFFLOAD_WORK_THRESHOLD:
+                # The thread applies the change whatever happens to this call: a caller
+                # that goes away (deadline, cancel) must neither release the lock nor skip
+                # the journal while it runs.
+                future = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+                while True:
+                    try:
+                        response, changed = await asyncio.shield(future)
+                        break
+                    except asyncio.CancelledError:
+                        cancelled = True
+                        if future.done():
+                            response, changed = future.result()
+                            break
+            else:
+                response, changed = fn(*args)
+            batch = pool.drain_events()
+            ticket = 0
+            if changed and pool.persistence is not None:
+                ticket = pool.journal(
+                    kind, engine, request.SerializeToString(), response.SerializeToString(), batch
+                )
+            if call_id:
+                pool.calls.put(engine, call_id, kind, response, ticket)
+    if cancelled:
+        raise asyncio.CancelledError
+    await pool.durable(ticket)
+    return response
+
+
 async def _off_loop(work: int, fn: Any, *args: Any) -> Any:
     """Run ``fn`` (which touches no pool state) inline when small, in a thread when large."""
     if work > LOOKUP_OFFLOAD_TOKENS:
@@ -122,100 +191,54 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
     @rpc_handler("Allocate")
     async def Allocate(self, request: Any, context: Any) -> kvcache_pb2.AllocateResponse:
         pool = self._pools.get(request.pool)
-        pool.ensure_serving()
-        check_request_id(request.request_id)
-        start = start_from_pb(request.start, "start") if request.HasField("start") else None
-        packed: bytes | None = request.packed_new_token_ids or None
-        tokens = token_ids_of(
-            request.new_token_ids,
-            request.packed_new_token_ids,
-            "new_token_ids",
-            "packed_new_token_ids",
+        _epoch(context, pool)
+        pool.ensure_writable()
+        call = decode_allocate(request, current_engine.get())
+        response: kvcache_pb2.AllocateResponse = await _mutate(
+            pool, JournalKind.ALLOCATE, request, len(call.tokens), self._allocate_one, pool, call
         )
-        outcome = await _run(
-            pool,
-            len(tokens),
-            self._allocate_one,
-            pool,
-            scoped_request_id(request.request_id),
-            tokens,
-            request.num_new_tokens,
-            request.num_lookahead_tokens,
-            start,
-            request.num_rejected_tokens,
-            packed,
-        )
-        pool.stats_allocate(outcome)
-        return allocate_response(outcome)
+        return response
 
     @staticmethod
-    def _allocate_one(
-        pool: Pool,
-        request_id: str,
-        tokens: list[int],
-        num_new_tokens: int,
-        num_lookahead_tokens: int,
-        start: Any,
-        num_rejected_tokens: int,
-        packed: bytes | None,
-    ) -> Any:
-        cache = pool.ensure_serving()
-        return cache.allocate(
-            request_id,
-            tokens,
-            num_new_tokens,
-            num_lookahead_tokens,
-            start,
-            num_rejected_tokens=num_rejected_tokens,
-            packed_token_ids=packed,
-        )
+    def _allocate_one(pool: Pool, call: AllocateCall) -> tuple[Any, bool]:
+        response, changed, outcome = apply_allocate(pool.ensure_writable(), call)
+        pool.stats_allocate(outcome)
+        return response, changed
 
     @rpc_handler("Free")
     async def Free(self, request: Any, context: Any) -> kvcache_pb2.FreeResponse:
         pool = self._pools.get(request.pool)
-        pool.ensure_serving()
-        ids = list(request.request_ids)
-        for i, request_id in enumerate(ids):
-            check_request_id(request_id, f"request_ids[{i}]")
-        if len(set(ids)) != len(ids):
-            raise InvalidArgument("request_ids", "lists a request more than once")
-        if current_engine.get():
-            ids = [scoped_request_id(request_id) for request_id in ids]
-        if request.reason not in _FREE_REASONS:
-            raise InvalidArgument(
-                "reason",
-                f"unknown FreeReason {request.reason}; valid: "
-                + ", ".join(f"{name}={value}" for name, value in kvcache_pb2.FreeReason.items()),
-            )
-        preempted = request.reason == kvcache_pb2.FREE_REASON_PREEMPTED
-        freed = await _run(pool, len(ids), self._free, pool, ids, preempted)
-        return kvcache_pb2.FreeResponse(num_freed_blocks=freed)
+        _epoch(context, pool)
+        pool.ensure_writable()
+        ids, preempted = decode_free(request, current_engine.get())
+        response: kvcache_pb2.FreeResponse = await _mutate(
+            pool, JournalKind.FREE, request, len(ids), self._free, pool, ids, preempted
+        )
+        return response
 
     @staticmethod
-    def _free(pool: Pool, ids: list[str], preempted: bool) -> int:
-        freed: int = pool.ensure_serving().free(ids, preempted=preempted)
+    def _free(pool: Pool, ids: list[str], preempted: bool) -> tuple[Any, bool]:
+        response, changed, freed = apply_free(pool.ensure_writable(), ids, preempted)
         pool.stats_free(len(ids), freed, preempted)
-        return freed
+        return response, changed
 
     @rpc_handler("Step")
     async def Step(self, request: Any, context: Any) -> kvcache_pb2.StepResponse:
         pool = self._pools.get(request.pool)
-        pool.ensure_serving()
-        columns = StepColumns(request, self._max_step_operations)
+        _epoch(context, pool)
+        pool.ensure_writable()
         engine = current_engine.get()
-        if engine:
-            columns.request_ids = [scoped_request_id(r, engine) for r in columns.sent_request_ids]
+        columns = decode_step(request, engine, self._max_step_operations)
         work = len(columns.token_ids) + 64 * len(columns.types)
-        results: StepResults = await _run(pool, work, self._apply_step, pool, columns)
+        response: kvcache_pb2.StepResponse = await _mutate(
+            pool, JournalKind.STEP, request, work, self._apply_step, pool, columns, engine
+        )
         pool.stats_step(len(columns.types))
-        if engine and results.errors:
-            for error in results.errors.values():
-                error.message = unscope_message(error.message, engine)
-        return results.to_pb()
+        return response
 
     @staticmethod
-    def _apply_step(pool: Pool, columns: StepColumns) -> StepResults:
-        return apply_step(pool.ensure_serving(), columns, pool.counters)
+    def _apply_step(pool: Pool, columns: StepColumns, engine: str) -> tuple[Any, bool]:
+        return apply_step_call(pool.ensure_writable(), columns, engine, pool.counters)
 
     @rpc_handler("Lookup")
     async def Lookup(self, request: Any, context: Any) -> kvcache_pb2.LookupResponse:
@@ -224,6 +247,7 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
         a thread when long), and only the brief index probe runs between writers. The
         answer is the one ``PoolKVCache.lookup`` gives at the moment of the probe."""
         pool = self._pools.get(request.pool)
+        _epoch(context, pool)
         cache = pool.ensure_serving()
         if request.packed_token_ids:
             cache.check_lookup_length(len(request.packed_token_ids) // 4, "packed_token_ids")
@@ -253,6 +277,7 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
     @rpc_handler("GetBlockTable")
     async def GetBlockTable(self, request: Any, context: Any) -> kvcache_pb2.GetBlockTableResponse:
         pool = self._pools.get(request.pool)
+        _epoch(context, pool)
         cache = pool.ensure_serving()
         check_request_id(request.request_id)
         view = cache.block_table(scoped_request_id(request.request_id))
@@ -260,6 +285,7 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
             groups=[kvcache_pb2.BlockTable(block_ids=ids) for ids in view.groups],
             num_computed_tokens=view.num_computed_tokens,
             num_tokens=view.num_tokens,
+            needs_recompute=view.needs_recompute,
         )
 
     @rpc_stream_handler("WatchEvents")
@@ -278,6 +304,7 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
     @rpc_handler("GetUsage")
     async def GetUsage(self, request: Any, context: Any) -> kvcache_pb2.GetUsageResponse:
         pool = self._pools.get(request.pool)
+        _epoch(context, pool)
         cache = pool.ensure_serving()
         usage = cache.usage()
         assert pool.plan is not None
@@ -307,8 +334,13 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
         self, request: Any, context: Any
     ) -> kvcache_pb2.ResetPrefixCacheResponse:
         pool = self._pools.get(request.pool)
-        cache = pool.ensure_serving()
-        reset = await _run(pool, 0, cache.reset_prefix_cache)
+        _epoch(context, pool)
+        pool.ensure_writable()
+        async with pool.lock:
+            reset = pool.ensure_writable().reset_prefix_cache()
+            batch = pool.drain_events()
+            ticket = pool.journal(JournalKind.RESET, "", b"", b"\x01", batch) if reset else 0
+        await pool.durable(ticket)
         return kvcache_pb2.ResetPrefixCacheResponse(reset=reset)
 
 
@@ -344,6 +376,7 @@ class WorkerServicer(_Base, worker_pb2_grpc.WorkerServiceServicer):
             max_num_encoder_input_tokens=request.max_num_encoder_input_tokens,
             model=request.model,
             total_num_kv_heads=max(0, request.total_num_kv_heads),
+            allocation_id=request.allocation_id,
         )
         slot = await pool.register(registration)
         return worker_pb2.RegisterResponse(
@@ -372,13 +405,14 @@ class WorkerServicer(_Base, worker_pb2_grpc.WorkerServiceServicer):
         self, request: Any, context: Any
     ) -> worker_pb2.ReportAllocationResponse:
         pool = self._pools.get(request.pool)
-        state = pool.report_allocation(
+        state = await pool.report_allocation(
             request.rank,
             request.session_id,
             num_blocks=request.num_blocks,
             allocated_bytes=request.allocated_bytes,
             memory_free_bytes=request.memory_free_bytes,
             views=list(request.views),
+            allocation_id=request.allocation_id,
         )
         return worker_pb2.ReportAllocationResponse(state=_pb_state(state))
 
@@ -426,6 +460,8 @@ def pool_summary(pool: Pool, now: float) -> admin_pb2.PoolSummary:
         error=pool.error,
         workers=workers,
         max_model_len=plan.max_model_len if plan is not None else 0,
+        epoch=pool.events.epoch,
+        persistent=pool.persistence is not None,
     )
 
 
@@ -460,6 +496,49 @@ class AdminServicer(_Base, admin_pb2_grpc.AdminServiceServicer):
         if pool.plan is not None:
             response.worker_configs.extend(config_to_pb(c) for c in pool.plan.worker_configs)
         return response
+
+    @rpc_handler("ForceResetPrefixCache")
+    async def ForceResetPrefixCache(
+        self, request: Any, context: Any
+    ) -> admin_pb2.ForceResetPrefixCacheResponse:
+        """Invalidate the pool: its prefix index goes at once, held blocks included, and
+        its live requests answer RECOMPUTE until their engine frees and re-admits them."""
+        pool = self._pools.get(request.pool)
+        pool.ensure_writable()
+        async with pool.lock:
+            pool.ensure_writable()
+            assert pool.cache is not None
+            flagged = pool.cache.num_requests
+            dropped = pool.cache.usage().num_cached_blocks
+            ticket = pool.invalidate("an operator reset the prefix cache by force")
+        await pool.durable(ticket)
+        return admin_pb2.ForceResetPrefixCacheResponse(
+            num_requests_flagged=flagged, num_cached_blocks_dropped=dropped
+        )
+
+    @rpc_stream_handler("SnapshotPool")
+    async def SnapshotPool(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        """The pool's state as a snapshot file, streamed in pieces (written to a private
+        temporary directory first, removed after)."""
+        pool = self._pools.get(request.pool)
+        loop = asyncio.get_running_loop()
+        with tempfile.TemporaryDirectory(prefix="kvsvc-snapshot-") as tmp:
+            path = Path(tmp) / f"{pool.name}.snapshot.db"
+            try:
+                await pool.export_snapshot(path)
+            except (OSError, sqlite3.Error) as exc:
+                raise Unavailable(
+                    f"writing the snapshot of pool {pool.name!r} failed: {exc}"
+                ) from None
+            total = path.stat().st_size
+            with path.open("rb") as handle:
+                sent = 0
+                while True:
+                    data = await loop.run_in_executor(None, handle.read, SNAPSHOT_CHUNK_BYTES)
+                    yield admin_pb2.SnapshotPoolChunk(data=data, total_bytes=0 if sent else total)
+                    sent += len(data)
+                    if sent >= total:
+                        return
 
 
 __all__ = [

@@ -24,10 +24,12 @@ from kvsvc.server.errors import status_for
 from kvsvc.server.wire import (
     STATUS_NO_SPACE,
     STATUS_OK,
+    STATUS_RECOMPUTE,
     STATUS_REJECTED,
     StepColumns,
     StepResults,
     check_request_id,
+    outcome_status,
     start_from_pb,
 )
 from kvsvc.v1 import kvcache_pb2
@@ -151,7 +153,7 @@ def _apply_general(cache: Any, columns: StepColumns, counters: Any) -> StepResul
             results.add_free(outcome)
             continue
         ok = outcome.ok
-        statuses.append(STATUS_OK if ok else STATUS_NO_SPACE)
+        statuses.append(outcome_status(outcome))
         results.scheduled.append(outcome.num_scheduled_tokens if ok else 0)
         results.computed.append(outcome.num_computed_tokens)
         results.cached.append(outcome.num_cached_tokens)
@@ -218,6 +220,8 @@ def _apply_plain(cache: Any, columns: StepColumns, counters: Any) -> StepResults
         else:
             scheduled_of[i] = outcome.num_scheduled_tokens if outcome.ok else 0
             cached_of[i] = outcome.num_cached_tokens
+            if outcome.recompute:
+                out.recompute.append(i)
             out.ok.append(outcome.ok)
             out.num_computed_tokens.append(outcome.num_computed_tokens)
             out.new_block_ids.append(outcome.new_block_ids[0])
@@ -243,6 +247,8 @@ def _apply_plain(cache: Any, columns: StepColumns, counters: Any) -> StepResults
     for index, value in freed_of.items():
         freed[index] = value
         scheduled[index] = 0
+    for index in out.recompute:
+        statuses[index] = STATUS_RECOMPUTE
     for index, error in out.errors.items():
         statuses[index] = STATUS_REJECTED
         scheduled[index] = 0

@@ -28,6 +28,7 @@ from kvsvc.v1 import kvcache_pb2 as pb
 MAX_REQUEST_ID_BYTES = 256
 STATUS_OK: int = pb.ALLOCATE_STATUS_OK
 STATUS_NO_SPACE: int = pb.ALLOCATE_STATUS_NO_SPACE
+STATUS_RECOMPUTE: int = pb.ALLOCATE_STATUS_RECOMPUTE
 STATUS_REJECTED: int = pb.ALLOCATE_STATUS_UNSPECIFIED
 
 
@@ -104,9 +105,16 @@ def start_from_pb(msg: pb.RequestStart, where: str) -> RequestStart:
     )
 
 
+def outcome_status(outcome: AllocateOutcome) -> int:
+    """The wire status of an allocation's outcome."""
+    if outcome.ok:
+        return STATUS_OK
+    return STATUS_RECOMPUTE if outcome.recompute else STATUS_NO_SPACE
+
+
 def allocate_response(outcome: AllocateOutcome) -> pb.AllocateResponse:
     return pb.AllocateResponse(
-        status=pb.ALLOCATE_STATUS_OK if outcome.ok else pb.ALLOCATE_STATUS_NO_SPACE,
+        status=cast(pb.AllocateStatus, outcome_status(outcome)),
         new_blocks=[
             pb.GroupBlocks(block_ids=ids, num_null_blocks=nulls)
             for ids, nulls in zip(outcome.new_block_ids, outcome.num_null_blocks, strict=True)

@@ -38,7 +38,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., registered: _Optional[bool] = ..., allocated: _Optional[bool] = ..., heartbeat_age_seconds: _Optional[float] = ..., kv_cache_bytes: _Optional[int] = ..., memory_free_bytes: _Optional[int] = ..., allocated_bytes: _Optional[int] = ..., views: _Optional[_Iterable[_Union[_worker_pb2.AllocatedView, _Mapping]]] = ...) -> None: ...
 
 class PoolSummary(_message.Message):
-    __slots__ = ("name", "state", "world_size", "num_registered", "block_size", "num_blocks", "hash_algo", "enable_prefix_caching", "error", "workers", "max_model_len")
+    __slots__ = ("name", "state", "world_size", "num_registered", "block_size", "num_blocks", "hash_algo", "enable_prefix_caching", "error", "workers", "max_model_len", "epoch", "persistent")
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,8 @@ class PoolSummary(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PERSISTENT_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: _pools_pb2.PoolState
     world_size: int
@@ -61,7 +63,9 @@ class PoolSummary(_message.Message):
     error: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     max_model_len: int
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[_pools_pb2.PoolState, str]] = ..., world_size: _Optional[int] = ..., num_registered: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., hash_algo: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., error: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    epoch: str
+    persistent: bool
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[_pools_pb2.PoolState, str]] = ..., world_size: _Optional[int] = ..., num_registered: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., hash_algo: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., error: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., max_model_len: _Optional[int] = ..., epoch: _Optional[str] = ..., persistent: _Optional[bool] = ...) -> None: ...
 
 class ListPoolsResponse(_message.Message):
     __slots__ = ("pools",)
@@ -84,3 +88,31 @@ class GetPlanResponse(_message.Message):
     plan_json: str
     worker_configs: _containers.RepeatedCompositeFieldContainer[_specs_pb2.KVCacheConfig]
     def __init__(self, pool: _Optional[_Union[PoolSummary, _Mapping]] = ..., plan_json: _Optional[str] = ..., worker_configs: _Optional[_Iterable[_Union[_specs_pb2.KVCacheConfig, _Mapping]]] = ...) -> None: ...
+
+class ForceResetPrefixCacheRequest(_message.Message):
+    __slots__ = ("pool",)
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    def __init__(self, pool: _Optional[str] = ...) -> None: ...
+
+class ForceResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("num_requests_flagged", "num_cached_blocks_dropped")
+    NUM_REQUESTS_FLAGGED_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    num_requests_flagged: int
+    num_cached_blocks_dropped: int
+    def __init__(self, num_requests_flagged: _Optional[int] = ..., num_cached_blocks_dropped: _Optional[int] = ...) -> None: ...
+
+class SnapshotPoolRequest(_message.Message):
+    __slots__ = ("pool",)
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    def __init__(self, pool: _Optional[str] = ...) -> None: ...
+
+class SnapshotPoolChunk(_message.Message):
+    __slots__ = ("data", "total_bytes")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    total_bytes: int
+    def __init__(self, data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ...) -> None: ...

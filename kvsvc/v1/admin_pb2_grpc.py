@@ -45,6 +45,16 @@ class AdminServiceStub:
                 request_serializer=kvsvc_dot_v1_dot_admin__pb2.GetPlanRequest.SerializeToString,
                 response_deserializer=kvsvc_dot_v1_dot_admin__pb2.GetPlanResponse.FromString,
                 _registered_method=True)
+        self.ForceResetPrefixCache = channel.unary_unary(
+                '/kvsvc.v1.AdminService/ForceResetPrefixCache',
+                request_serializer=kvsvc_dot_v1_dot_admin__pb2.ForceResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=kvsvc_dot_v1_dot_admin__pb2.ForceResetPrefixCacheResponse.FromString,
+                _registered_method=True)
+        self.SnapshotPool = channel.unary_stream(
+                '/kvsvc.v1.AdminService/SnapshotPool',
+                request_serializer=kvsvc_dot_v1_dot_admin__pb2.SnapshotPoolRequest.SerializeToString,
+                response_deserializer=kvsvc_dot_v1_dot_admin__pb2.SnapshotPoolChunk.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -65,6 +75,23 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForceResetPrefixCache(self, request, context):
+        """Drop every cached hash of a pool now, even while requests hold blocks (`kvsvc ctl
+        reset-prefix-cache POOL --force`): the live requests are flagged and their next
+        allocation answers ALLOCATE_STATUS_RECOMPUTE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SnapshotPool(self, request, context):
+        """A pool's whole state as a snapshot file (`kvsvc ctl snapshot POOL --out FILE`), for
+        `kvsvc serve --restore FILE` on another host. The file holds the pool's hash seed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +104,16 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.GetPlan,
                     request_deserializer=kvsvc_dot_v1_dot_admin__pb2.GetPlanRequest.FromString,
                     response_serializer=kvsvc_dot_v1_dot_admin__pb2.GetPlanResponse.SerializeToString,
+            ),
+            'ForceResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForceResetPrefixCache,
+                    request_deserializer=kvsvc_dot_v1_dot_admin__pb2.ForceResetPrefixCacheRequest.FromString,
+                    response_serializer=kvsvc_dot_v1_dot_admin__pb2.ForceResetPrefixCacheResponse.SerializeToString,
+            ),
+            'SnapshotPool': grpc.unary_stream_rpc_method_handler(
+                    servicer.SnapshotPool,
+                    request_deserializer=kvsvc_dot_v1_dot_admin__pb2.SnapshotPoolRequest.FromString,
+                    response_serializer=kvsvc_dot_v1_dot_admin__pb2.SnapshotPoolChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +171,60 @@ class AdminService:
             '/kvsvc.v1.AdminService/GetPlan',
             kvsvc_dot_v1_dot_admin__pb2.GetPlanRequest.SerializeToString,
             kvsvc_dot_v1_dot_admin__pb2.GetPlanResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForceResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsvc.v1.AdminService/ForceResetPrefixCache',
+            kvsvc_dot_v1_dot_admin__pb2.ForceResetPrefixCacheRequest.SerializeToString,
+            kvsvc_dot_v1_dot_admin__pb2.ForceResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SnapshotPool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvsvc.v1.AdminService/SnapshotPool',
+            kvsvc_dot_v1_dot_admin__pb2.SnapshotPoolRequest.SerializeToString,
+            kvsvc_dot_v1_dot_admin__pb2.SnapshotPoolChunk.FromString,
             options,
             channel_credentials,
             insecure,

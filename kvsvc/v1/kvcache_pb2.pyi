@@ -12,6 +12,7 @@ class AllocateStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ALLOCATE_STATUS_UNSPECIFIED: _ClassVar[AllocateStatus]
     ALLOCATE_STATUS_OK: _ClassVar[AllocateStatus]
     ALLOCATE_STATUS_NO_SPACE: _ClassVar[AllocateStatus]
+    ALLOCATE_STATUS_RECOMPUTE: _ClassVar[AllocateStatus]
 
 class FreeReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -29,6 +30,7 @@ class StepOperationType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 ALLOCATE_STATUS_UNSPECIFIED: AllocateStatus
 ALLOCATE_STATUS_OK: AllocateStatus
 ALLOCATE_STATUS_NO_SPACE: AllocateStatus
+ALLOCATE_STATUS_RECOMPUTE: AllocateStatus
 FREE_REASON_UNSPECIFIED: FreeReason
 FREE_REASON_FINISHED: FreeReason
 FREE_REASON_PREEMPTED: FreeReason
@@ -75,7 +77,7 @@ class RequestStart(_message.Message):
     def __init__(self, hashing: _Optional[_Union[HashingContext, _Mapping]] = ..., skip_prefix_cache_read: _Optional[bool] = ..., resumed: _Optional[bool] = ..., num_encoder_tokens: _Optional[int] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("pool", "request_id", "new_token_ids", "packed_new_token_ids", "num_new_tokens", "num_lookahead_tokens", "start", "num_rejected_tokens")
+    __slots__ = ("pool", "request_id", "new_token_ids", "packed_new_token_ids", "num_new_tokens", "num_lookahead_tokens", "start", "num_rejected_tokens", "call_id")
     POOL_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +86,7 @@ class AllocateRequest(_message.Message):
     NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     NUM_REJECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
     pool: str
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -92,7 +95,8 @@ class AllocateRequest(_message.Message):
     num_lookahead_tokens: int
     start: RequestStart
     num_rejected_tokens: int
-    def __init__(self, pool: _Optional[str] = ..., request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., packed_new_token_ids: _Optional[bytes] = ..., num_new_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., start: _Optional[_Union[RequestStart, _Mapping]] = ..., num_rejected_tokens: _Optional[int] = ...) -> None: ...
+    call_id: str
+    def __init__(self, pool: _Optional[str] = ..., request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., packed_new_token_ids: _Optional[bytes] = ..., num_new_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., start: _Optional[_Union[RequestStart, _Mapping]] = ..., num_rejected_tokens: _Optional[int] = ..., call_id: _Optional[str] = ...) -> None: ...
 
 class GroupBlocks(_message.Message):
     __slots__ = ("block_ids", "num_null_blocks")
@@ -117,14 +121,16 @@ class AllocateResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[AllocateStatus, str]] = ..., new_blocks: _Optional[_Iterable[_Union[GroupBlocks, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
 
 class FreeRequest(_message.Message):
-    __slots__ = ("pool", "request_ids", "reason")
+    __slots__ = ("pool", "request_ids", "reason", "call_id")
     POOL_FIELD_NUMBER: _ClassVar[int]
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
     pool: str
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     reason: FreeReason
-    def __init__(self, pool: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ..., reason: _Optional[_Union[FreeReason, str]] = ...) -> None: ...
+    call_id: str
+    def __init__(self, pool: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ..., reason: _Optional[_Union[FreeReason, str]] = ..., call_id: _Optional[str] = ...) -> None: ...
 
 class FreeResponse(_message.Message):
     __slots__ = ("num_freed_blocks",)
@@ -133,7 +139,7 @@ class FreeResponse(_message.Message):
     def __init__(self, num_freed_blocks: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("pool", "types", "request_ids", "num_token_ids", "token_ids", "num_new_tokens", "num_lookahead_tokens", "starts", "num_rejected_tokens", "packed_token_ids", "free_queue_head_limit")
+    __slots__ = ("pool", "types", "request_ids", "num_token_ids", "token_ids", "num_new_tokens", "num_lookahead_tokens", "starts", "num_rejected_tokens", "packed_token_ids", "free_queue_head_limit", "call_id")
     class StartsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +158,7 @@ class StepRequest(_message.Message):
     NUM_REJECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PACKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FREE_QUEUE_HEAD_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
     pool: str
     types: _containers.RepeatedScalarFieldContainer[StepOperationType]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -163,7 +170,8 @@ class StepRequest(_message.Message):
     num_rejected_tokens: _containers.RepeatedScalarFieldContainer[int]
     packed_token_ids: bytes
     free_queue_head_limit: int
-    def __init__(self, pool: _Optional[str] = ..., types: _Optional[_Iterable[_Union[StepOperationType, str]]] = ..., request_ids: _Optional[_Iterable[str]] = ..., num_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., num_lookahead_tokens: _Optional[_Iterable[int]] = ..., starts: _Optional[_Mapping[int, RequestStart]] = ..., num_rejected_tokens: _Optional[_Iterable[int]] = ..., packed_token_ids: _Optional[bytes] = ..., free_queue_head_limit: _Optional[int] = ...) -> None: ...
+    call_id: str
+    def __init__(self, pool: _Optional[str] = ..., types: _Optional[_Iterable[_Union[StepOperationType, str]]] = ..., request_ids: _Optional[_Iterable[str]] = ..., num_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., num_lookahead_tokens: _Optional[_Iterable[int]] = ..., starts: _Optional[_Mapping[int, RequestStart]] = ..., num_rejected_tokens: _Optional[_Iterable[int]] = ..., packed_token_ids: _Optional[bytes] = ..., free_queue_head_limit: _Optional[int] = ..., call_id: _Optional[str] = ...) -> None: ...
 
 class StepError(_message.Message):
     __slots__ = ("code", "message")
@@ -241,14 +249,16 @@ class BlockTable(_message.Message):
     def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetBlockTableResponse(_message.Message):
-    __slots__ = ("groups", "num_computed_tokens", "num_tokens")
+    __slots__ = ("groups", "num_computed_tokens", "num_tokens", "needs_recompute")
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
     groups: _containers.RepeatedCompositeFieldContainer[BlockTable]
     num_computed_tokens: int
     num_tokens: int
-    def __init__(self, groups: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., num_computed_tokens: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    needs_recompute: bool
+    def __init__(self, groups: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., num_computed_tokens: _Optional[int] = ..., num_tokens: _Optional[int] = ..., needs_recompute: _Optional[bool] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("pool", "from_sequence", "epoch")

@@ -131,7 +131,8 @@ class KVCacheServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ResetPrefixCache(self, request, context):
-        """Drop every cached hash (refused while any block is held by a request).
+        """Drop every cached hash (refused while any block is held by a request; an operator
+        forces it with AdminService.ForceResetPrefixCache).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -21,7 +21,7 @@ class MemoryProfile(_message.Message):
     def __init__(self, total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., non_kv_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("pool", "rank", "world_size", "device", "hostname", "layers", "memory", "tensor_parallel_size", "pipeline_parallel_size", "max_model_len", "max_num_encoder_input_tokens", "model", "total_num_kv_heads")
+    __slots__ = ("pool", "rank", "world_size", "device", "hostname", "layers", "memory", "tensor_parallel_size", "pipeline_parallel_size", "max_model_len", "max_num_encoder_input_tokens", "model", "total_num_kv_heads", "allocation_id")
     POOL_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class RegisterRequest(_message.Message):
     MAX_NUM_ENCODER_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
     pool: str
     rank: int
     world_size: int
@@ -48,7 +49,8 @@ class RegisterRequest(_message.Message):
     max_num_encoder_input_tokens: int
     model: str
     total_num_kv_heads: int
-    def __init__(self, pool: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[_specs_pb2.LayerSpec, _Mapping]]] = ..., memory: _Optional[_Union[MemoryProfile, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_encoder_input_tokens: _Optional[int] = ..., model: _Optional[str] = ..., total_num_kv_heads: _Optional[int] = ...) -> None: ...
+    allocation_id: str
+    def __init__(self, pool: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[_specs_pb2.LayerSpec, _Mapping]]] = ..., memory: _Optional[_Union[MemoryProfile, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_encoder_input_tokens: _Optional[int] = ..., model: _Optional[str] = ..., total_num_kv_heads: _Optional[int] = ..., allocation_id: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("session_id", "state", "num_registered")
@@ -95,7 +97,7 @@ class AllocatedView(_message.Message):
     def __init__(self, layer_name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class ReportAllocationRequest(_message.Message):
-    __slots__ = ("pool", "rank", "session_id", "num_blocks", "allocated_bytes", "memory_free_bytes", "views")
+    __slots__ = ("pool", "rank", "session_id", "num_blocks", "allocated_bytes", "memory_free_bytes", "views", "allocation_id")
     POOL_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +105,7 @@ class ReportAllocationRequest(_message.Message):
     ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     VIEWS_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
     pool: str
     rank: int
     session_id: str
@@ -110,7 +113,8 @@ class ReportAllocationRequest(_message.Message):
     allocated_bytes: int
     memory_free_bytes: int
     views: _containers.RepeatedCompositeFieldContainer[AllocatedView]
-    def __init__(self, pool: _Optional[str] = ..., rank: _Optional[int] = ..., session_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., allocated_bytes: _Optional[int] = ..., memory_free_bytes: _Optional[int] = ..., views: _Optional[_Iterable[_Union[AllocatedView, _Mapping]]] = ...) -> None: ...
+    allocation_id: str
+    def __init__(self, pool: _Optional[str] = ..., rank: _Optional[int] = ..., session_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., allocated_bytes: _Optional[int] = ..., memory_free_bytes: _Optional[int] = ..., views: _Optional[_Iterable[_Union[AllocatedView, _Mapping]]] = ..., allocation_id: _Optional[str] = ...) -> None: ...
 
 class ReportAllocationResponse(_message.Message):
     __slots__ = ("state",)

@@ -40,6 +40,7 @@ import random
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -317,6 +318,10 @@ class WorkerAgent:
         self._raw: dict[str, Any] | None = None
         self._views: dict[str, KVCacheView] | None = None
         self._allocated = 0
+        # Identifies the tensors this process allocated (new with every allocation, the
+        # same across sessions): a server that kept its state tells by it whether this
+        # rank's KV data survived (a reconnect, a server restart) or is gone (a new agent).
+        self._allocation_id = ""
 
     # ------------------------------------------------------------------ public API
 
@@ -675,6 +680,7 @@ class WorkerAgent:
         )
         with self._lock:
             self._reregister_reason = None
+            request.allocation_id = self._allocation_id
         try:
             response = self._unary(self._stub.Register, request)
         except grpc.RpcError as err:
@@ -791,6 +797,7 @@ class WorkerAgent:
         total = allocated_bytes(raw)
         with self._lock:
             self._config, self._raw, self._views, self._allocated = config, raw, views, total
+            self._allocation_id = uuid.uuid4().hex
         self.metrics.tensor_bytes.set(total)
         self.metrics.num_blocks.set(config.num_blocks)
         logger.info(
@@ -807,6 +814,7 @@ class WorkerAgent:
     def _report(self, session_id: str) -> None:
         with self._lock:
             config, views, total = self._config, self._views, self._allocated
+            allocation_id = self._allocation_id
         assert config is not None and views is not None
         free = self._free_bytes()
         request = worker_pb2.ReportAllocationRequest(
@@ -816,6 +824,7 @@ class WorkerAgent:
             num_blocks=config.num_blocks,
             allocated_bytes=total,
             memory_free_bytes=free,
+            allocation_id=allocation_id,
             views=[
                 worker_pb2.AllocatedView(
                     layer_name=info.layer_name,

@@ -25,9 +25,9 @@ from kvsvc.v1 import worker_pb2, worker_pb2_grpc
 class ServerThread:
     """Runs a KvsvcServer on its own event loop in a daemon thread."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, **kwargs: Any) -> None:
         self.loop = asyncio.new_event_loop()
-        self.server = KvsvcServer(config)
+        self.server = KvsvcServer(config, **kwargs)  # restore=[...] for a snapshot file
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
         self.call(self.server.start())
@@ -104,6 +104,7 @@ class FakeRank:
         *,
         max_model_len: int = 0,
         token: str | None = None,
+        allocation_id: str = "",
     ) -> None:
         self.channel = grpc.insecure_channel(address)
         self.stub = worker_pb2_grpc.WorkerServiceStub(self.channel)
@@ -114,6 +115,8 @@ class FakeRank:
         self.kv_cache_bytes = kv_cache_bytes
         self.max_model_len = max_model_len
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
+        # The identity of the "tensors" this rank holds ("" as an agent that gives none).
+        self.allocation_id = allocation_id
         self.session_id = ""
         self.stream: Any = None
         self.config: Any = None
@@ -132,6 +135,7 @@ class FakeRank:
                 ),
                 max_model_len=self.max_model_len,
                 model="test-model",
+                allocation_id=self.allocation_id,
             ),
             timeout=10,
             metadata=self.metadata,
@@ -165,6 +169,7 @@ class FakeRank:
                 num_blocks=self.config.num_blocks if num_blocks is None else num_blocks,
                 allocated_bytes=self.kv_cache_bytes,
                 memory_free_bytes=self.kv_cache_bytes,
+                allocation_id=self.allocation_id,
             ),
             timeout=10,
             metadata=self.metadata,
@@ -190,8 +195,11 @@ def bring_up(
     specs: dict[str, KVCacheSpec] | None = None,
     kv_cache_bytes: int = 1 << 20,
     token: str | None = None,
+    allocation_id: str = "",
 ) -> list[FakeRank]:
-    """Register every rank, wait for the plans, report allocations: the pool is READY."""
+    """Register every rank, wait for the plans, report allocations: the pool is READY.
+
+    ``allocation_id``: rank r reports tensors ``f"{allocation_id}-{r}"`` (none when "")."""
     ranks = [
         FakeRank(
             server.address,
@@ -201,6 +209,7 @@ def bring_up(
             specs or llama_like_specs(),
             kv_cache_bytes,
             token=token,
+            allocation_id=f"{allocation_id}-{r}" if allocation_id else "",
         )
         for r in range(world_size)
     ]

@@ -1,0 +1,275 @@
+"""The engine calls that change a pool, as plain functions the servicers and the journal
+replay share.
+
+A call is decoded (shape checked, ids put in the engine's namespace) and then applied to
+the pool's core under its lock. A restarting server replays its journal through exactly
+these functions, from the requests as they came over the wire, so a replayed call does
+what the served one did; its reply is rebuilt too, and must match the digest the journal
+kept of the reply the caller got (see :mod:`kvsvc.server.state`).
+
+Also here: the :class:`CallLog` of recent replies by ``call_id``, which answers a retried
+call (its reply was lost, e.g. in a restart) without applying it twice.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf.message import DecodeError, Message
+
+from kvsvc.core import AllocateOutcome, RequestStart
+from kvsvc.errors import InvalidArgument
+from kvsvc.server.namespace import scoped_request_id, unscope_message
+from kvsvc.server.state import JournalKind
+from kvsvc.server.step import apply_step
+from kvsvc.server.wire import (
+    STATUS_OK,
+    StepColumns,
+    allocate_response,
+    check_request_id,
+    start_from_pb,
+    token_ids_of,
+)
+from kvsvc.v1 import kvcache_pb2
+
+# Replies remembered per pool for retries by call_id (the last ones; a retry comes soon).
+CALL_LOG_CAPACITY = 1024
+MAX_CALL_ID_BYTES = 128
+_FREE_REASONS = frozenset(kvcache_pb2.FreeReason.values())
+_LOOKUP = kvcache_pb2.STEP_OPERATION_TYPE_LOOKUP
+
+
+def check_call_id(call_id: str) -> None:
+    if len(call_id) > MAX_CALL_ID_BYTES // 4 and len(call_id.encode()) > MAX_CALL_ID_BYTES:
+        raise InvalidArgument("call_id", f"longer than {MAX_CALL_ID_BYTES} bytes (UTF-8)")
+
+
+@dataclass(slots=True)
+class AllocateCall:
+    """A decoded Allocate."""
+
+    request_id: str
+    tokens: Sequence[int]
+    num_new_tokens: int
+    num_lookahead_tokens: int
+    start: RequestStart | None
+    num_rejected_tokens: int
+    packed: bytes | None
+
+
+def decode_allocate(request: Any, engine: str) -> AllocateCall:
+    """Raises InvalidArgument (nothing applied)."""
+    check_request_id(request.request_id)
+    return AllocateCall(
+        request_id=scoped_request_id(request.request_id, engine),
+        tokens=token_ids_of(
+            request.new_token_ids,
+            request.packed_new_token_ids,
+            "new_token_ids",
+            "packed_new_token_ids",
+        ),
+        num_new_tokens=request.num_new_tokens,
+        num_lookahead_tokens=request.num_lookahead_tokens,
+        start=start_from_pb(request.start, "start") if request.HasField("start") else None,
+        num_rejected_tokens=request.num_rejected_tokens,
+        packed=request.packed_new_token_ids or None,
+    )
+
+
+def apply_allocate(cache: Any, call: AllocateCall) -> tuple[Any, bool, AllocateOutcome]:
+    """Returns the reply, whether the pool changed, and the outcome."""
+    outcome: AllocateOutcome = cache.allocate(
+        call.request_id,
+        call.tokens,
+        call.num_new_tokens,
+        call.num_lookahead_tokens,
+        call.start,
+        num_rejected_tokens=call.num_rejected_tokens,
+        packed_token_ids=call.packed,
+    )
+    return allocate_response(outcome), outcome.ok, outcome
+
+
+def decode_free(request: Any, engine: str) -> tuple[list[str], bool]:
+    """The ids (in the engine's namespace) and whether they were preempted.
+
+    Raises:
+        InvalidArgument: a bad id, an id listed twice, an unknown reason.
+    """
+    ids = list(request.request_ids)
+    for i, request_id in enumerate(ids):
+        check_request_id(request_id, f"request_ids[{i}]")
+    if len(set(ids)) != len(ids):
+        raise InvalidArgument("request_ids", "lists a request more than once")
+    if engine:
+        ids = [scoped_request_id(request_id, engine) for request_id in ids]
+    if request.reason not in _FREE_REASONS:
+        raise InvalidArgument(
+            "reason",
+            f"unknown FreeReason {request.reason}; valid: "
+            + ", ".join(f"{name}={value}" for name, value in kvcache_pb2.FreeReason.items()),
+        )
+    return ids, request.reason == kvcache_pb2.FREE_REASON_PREEMPTED
+
+
+def apply_free(cache: Any, ids: list[str], preempted: bool) -> tuple[Any, bool, int]:
+    """Returns the reply, whether the pool changed (a live request was freed), and the
+    blocks freed."""
+    live_before = cache.num_requests
+    freed: int = cache.free(ids, preempted=preempted)
+    return (
+        kvcache_pb2.FreeResponse(num_freed_blocks=freed),
+        cache.num_requests != live_before,
+        freed,
+    )
+
+
+def decode_step(request: Any, engine: str, max_operations: int) -> StepColumns:
+    """Raises InvalidArgument (the whole Step is refused)."""
+    columns = StepColumns(request, max_operations)
+    if engine:
+        columns.request_ids = [scoped_request_id(r, engine) for r in columns.sent_request_ids]
+    return columns
+
+
+def apply_step_call(
+    cache: Any, columns: StepColumns, engine: str, counters: Any
+) -> tuple[Any, bool]:
+    """Returns the reply and whether the pool changed (an operation other than a lookup
+    succeeded)."""
+    results = apply_step(cache, columns, counters)
+    if engine and results.errors:
+        for error in results.errors.values():
+            error.message = unscope_message(error.message, engine)
+    statuses = results.statuses
+    types = columns.types
+    if _LOOKUP in types:
+        changed = any(
+            status == STATUS_OK and kind != _LOOKUP
+            for status, kind in zip(statuses, types, strict=True)
+        )
+    else:
+        changed = STATUS_OK in statuses
+    return results.to_pb(), changed
+
+
+class _Counters:
+    """Where a replayed call's outcome counts go: nowhere (metrics count served calls)."""
+
+    def __getattr__(self, name: str) -> int:
+        return 0
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        pass
+
+
+_REQUEST_TYPES: dict[int, type[Message]] = {
+    JournalKind.ALLOCATE: kvcache_pb2.AllocateRequest,
+    JournalKind.FREE: kvcache_pb2.FreeRequest,
+    JournalKind.STEP: kvcache_pb2.StepRequest,
+}
+
+
+def parse_journaled(kind: int, payload: bytes) -> Any:
+    """The request a journal row holds.
+
+    Raises:
+        ValueError: an unknown kind or a payload that does not parse.
+    """
+    cls = _REQUEST_TYPES.get(kind)
+    if cls is None:
+        raise ValueError(f"journal row of unknown kind {kind}")
+    try:
+        return cls.FromString(payload)
+    except DecodeError as exc:
+        raise ValueError(f"journal row of kind {kind} does not parse: {exc}") from None
+
+
+def replay_call(cache: Any, kind: int, request: Any, engine: str) -> tuple[Any, bool]:
+    """Apply a journaled engine call again (no bounds of the current config: it was
+    accepted once). Returns the rebuilt reply and whether the pool changed."""
+    if kind == JournalKind.ALLOCATE:
+        response, changed, _ = apply_allocate(cache, decode_allocate(request, engine))
+        return response, changed
+    if kind == JournalKind.FREE:
+        ids, preempted = decode_free(request, engine)
+        response, changed, _ = apply_free(cache, ids, preempted)
+        return response, changed
+    if kind == JournalKind.STEP:
+        columns = decode_step(request, engine, 1 << 30)
+        return apply_step_call(cache, columns, engine, _Counters())
+    raise ValueError(f"journal row of kind {kind} is no engine call")
+
+
+class CallLog:
+    """Replies of the last calls that carried a ``call_id``, by (engine, call id).
+
+    Each entry keeps the journal position of its call (0 when it changed nothing), so a
+    retry is answered only once that position is durable, like the first attempt.
+    """
+
+    def __init__(self, capacity: int = CALL_LOG_CAPACITY) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[tuple[str, str], tuple[int, Any, int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, engine: str, call_id: str, kind: int) -> tuple[Any, int] | None:
+        """The reply of that call and its journal ticket, or None.
+
+        Raises:
+            InvalidArgument: the call id was used by a call of another kind.
+        """
+        entry = self._entries.get((engine, call_id))
+        if entry is None:
+            return None
+        if entry[0] != kind:
+            raise InvalidArgument(
+                "call_id", f"{call_id!r} was used by another kind of call; use a fresh id"
+            )
+        return entry[1], entry[2]
+
+    def put(self, engine: str, call_id: str, kind: int, response: Any, ticket: int) -> None:
+        entries = self._entries
+        entries[(engine, call_id)] = (kind, response, ticket)
+        entries.move_to_end((engine, call_id))
+        if len(entries) > self.capacity:
+            entries.popitem(last=False)
+
+    def to_state(self) -> list[list[Any]]:
+        """Plain values: ``[engine, call id, kind, serialized reply]`` oldest first."""
+        return [
+            [engine, call_id, kind, response.SerializeToString()]
+            for (engine, call_id), (kind, response, _) in self._entries.items()
+        ]
+
+    def load_state(self, state: list[list[Any]]) -> None:
+        """Take over :meth:`to_state` (replies durable already: ticket 0).
+
+        Raises:
+            ValueError: an entry of an unknown kind or a reply that does not parse.
+        """
+        self._entries.clear()
+        for engine, call_id, kind, data in state:
+            self.put(engine, call_id, kind, _parse_reply(kind, data), 0)
+
+
+_REPLY_TYPES: dict[int, type[Message]] = {
+    JournalKind.ALLOCATE: kvcache_pb2.AllocateResponse,
+    JournalKind.FREE: kvcache_pb2.FreeResponse,
+    JournalKind.STEP: kvcache_pb2.StepResponse,
+}
+
+
+def _parse_reply(kind: int, data: bytes) -> Any:
+    cls = _REPLY_TYPES.get(kind)
+    if cls is None:
+        raise ValueError(f"a saved reply of unknown kind {kind}")
+    try:
+        return cls.FromString(data)
+    except DecodeError as exc:
+        raise ValueError(f"a saved reply of kind {kind} does not parse: {exc}") from None

@@ -1,0 +1,161 @@
+"""Loading every pool's saved state when the server starts (``--state-dir``, ``--restore``).
+
+For each configured pool: with a state in the state directory, load its snapshot, replay
+its journal and go on persisting there; with a ``--restore FILE`` for it, load that
+snapshot and (with a state directory) make it the pool's new state there; else start
+empty. Every pool's state is loaded and checked before the server serves anything: one
+that cannot be used stops the start (:class:`StateError`, ``kvsvc serve`` exits 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import stat
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvsvc.server.config import ServerConfig
+from kvsvc.server.pool import Pool
+from kvsvc.server.state import (
+    PoolStore,
+    Snapshot,
+    StateError,
+    new_store_id,
+    read_snapshot,
+    snapshot_name,
+)
+
+log = logging.getLogger("kvsvc.server")
+
+
+def prepare_state_dir(path: Path) -> None:
+    """Create the directory (mode 0700) or check an existing one is a writable directory.
+
+    Raises:
+        StateError: it cannot be used.
+    """
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = path.stat()
+    except OSError as exc:
+        raise StateError(f"state_dir {path}: {exc.strerror}") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise StateError(f"state_dir {path} is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise StateError(f"state_dir {path} is not writable by this user")
+    if info.st_mode & 0o077:
+        log.warning(
+            "state_dir %s is readable by others (mode %o): it holds the pools' hash seeds; "
+            "chmod 700 it",
+            path,
+            stat.S_IMODE(info.st_mode),
+        )
+
+
+def _remove_leftovers(directory: Path, store: PoolStore) -> None:
+    """Snapshots of other generations and half-written files a crash left behind."""
+    current = snapshot_name(store.pool, store.snapshot_generation)
+    for path in directory.glob(f"{store.pool}.snapshot-*.db*"):
+        if path.name != current:
+            path.unlink(missing_ok=True)
+    for path in directory.glob(f"{store.pool}.db.tmp*"):
+        path.unlink(missing_ok=True)
+
+
+def load_states(
+    pools: dict[str, Pool], config: ServerConfig, restore: Sequence[str] = ()
+) -> list[str]:
+    """Configure every pool's persistence and load its saved state (see the module).
+
+    Returns:
+        One line per pool that was restored, for the log.
+
+    Raises:
+        StateError: a state or a restore file that cannot be used.
+    """
+    directory = Path(config.state_dir) if config.state_dir else None
+    if directory is not None:
+        prepare_state_dir(directory)
+    files: dict[str, tuple[str, Snapshot]] = {}
+    for name in restore:
+        snapshot = read_snapshot(Path(name))
+        pool = snapshot.identity.get("pool")
+        if pool not in pools:
+            raise StateError(
+                f"--restore {name}: the file holds pool {pool!r}, which is not configured "
+                f"(pools: {', '.join(sorted(pools))})"
+            )
+        if pool in files:
+            raise StateError(f"--restore {name} and {files[pool][0]} are both pool {pool!r}")
+        files[pool] = (name, snapshot)
+    lines = []
+    for name, pool in pools.items():
+        if directory is not None:
+            pool.configure_state(
+                directory,
+                synchronous=config.state_synchronous,
+                snapshot_every=config.state_snapshot_every,
+                snapshot_min_interval_s=config.state_snapshot_min_interval_s,
+                checkpoint_interval_s=config.state_checkpoint_interval_s,
+            )
+        started = time.perf_counter()
+        store = (
+            PoolStore.open(directory, name, synchronous=config.state_synchronous)
+            if directory is not None
+            else None
+        )
+        if name in files:
+            source, snapshot = files[name]
+            if store is not None:
+                store.close()
+                raise StateError(
+                    f"--restore {source}: {store.path} holds a state "
+                    f"of pool {name!r} already; move it away to restore over it"
+                )
+            # Same epoch (the state goes on), a new store: its journal starts afresh.
+            identity = {**snapshot.identity, "store_id": new_store_id()}
+            snapshot = dataclasses.replace(snapshot, identity=identity, generation=1)
+            replayed = pool.restore(snapshot)
+            if directory is not None:
+                try:
+                    store = PoolStore.create(
+                        directory, identity, snapshot, synchronous=config.state_synchronous
+                    )
+                except OSError as exc:
+                    raise StateError(f"state_dir {directory}: {exc}") from None
+                pool.attach_store(store)
+            how = f"from {source}"
+        elif store is not None:
+            try:
+                snapshot = store.load_snapshot()
+                replayed = pool.restore(
+                    snapshot, store.journal(snapshot.journal_seq), store.ranks(), store
+                )
+            except BaseException:
+                store.close()
+                raise
+            _remove_leftovers(store.directory, store)
+            how = f"from {directory}"
+        else:
+            continue
+        assert pool.cache is not None
+        usage = pool.cache.usage()
+        lines.append(
+            f"pool {name}: state restored {how} in {time.perf_counter() - started:.2f} s "
+            f"({usage.num_requests} live requests, {usage.num_cached_blocks} cached blocks, "
+            f"{replayed} journal rows replayed, event sequence {pool.events.last_sequence}); "
+            "waiting for its ranks"
+        )
+    if directory is not None:
+        for path in sorted(directory.glob("*.db")):
+            if ".snapshot-" not in path.name and path.stem not in pools:
+                log.warning(
+                    "state_dir %s holds %s, the state of a pool that is not configured: "
+                    "left as it is",
+                    directory,
+                    path.name,
+                )
+    return lines
