@@ -42,6 +42,22 @@ _STATE_NAMES = {
 # varint field costs ~50 ns per id on each side, packing a few ns.
 PACK_THRESHOLD = 16
 
+# Operations or results a repr shows before "... N more": a step of hundreds of decodes
+# printed in a REPL or a log line should stay one readable line.
+REPR_ITEMS = 8
+
+_OPERATION_NAMES: dict[int, str] = {
+    kvcache_pb2.STEP_OPERATION_TYPE_ALLOCATE: "allocate",
+    kvcache_pb2.STEP_OPERATION_TYPE_LOOKUP: "lookup",
+    kvcache_pb2.STEP_OPERATION_TYPE_FREE: "free",
+    kvcache_pb2.STEP_OPERATION_TYPE_PREEMPT: "preempt",
+}
+
+
+def _bounded(items: list[str], total: int) -> str:
+    more = total - len(items)
+    return ", ".join(items + ([f"... {more} more"] if more > 0 else []))
+
 
 def pack_token_ids(token_ids: Sequence[int]) -> bytes | None:
     """Little-endian 32-bit packing of the ids, or None when short or not packable.
@@ -194,6 +210,16 @@ class StepBuilder:
     def __len__(self) -> int:
         return len(self._types)
 
+    def __repr__(self) -> str:
+        ops = [
+            _OPERATION_NAMES.get(kind, str(kind))
+            + (f" {request_id!r}" if request_id else f" {count} tokens")
+            for kind, request_id, count in zip(
+                self._types[:REPR_ITEMS], self._ids, self._counts, strict=False
+            )
+        ]
+        return f"{type(self).__name__}(pool={self._pool!r}, [{_bounded(ops, len(self))}])"
+
     def allocate(
         self,
         request_id: str,
@@ -303,6 +329,13 @@ class StepResultList(Sequence[StepOutcome]):
 
     def __len__(self) -> int:
         return len(self._types)
+
+    def __repr__(self) -> str:
+        shown = [repr(self[i]) for i in range(min(len(self), REPR_ITEMS))]
+        return (
+            f"StepResultList([{_bounded(shown, len(self))}], "
+            f"num_free_blocks={self.num_free_blocks})"
+        )
 
     @property
     def response(self) -> kvcache_pb2.StepResponse:

@@ -48,11 +48,15 @@ class AsyncKVCacheClient:
 
     def __init__(self, target: str, pool: str, *, options: ClientOptions | None = None) -> None:
         self.pool = pool
+        self.target = target
         self.options = options or ClientOptions()
         self._channel = self.options.aio_channel(target)
         self._stub = kvcache_pb2_grpc.KVCacheServiceStub(self._channel)
         self._admin = admin_pb2_grpc.AdminServiceStub(self._channel)
         self._metadata = self.options.metadata()
+
+    def __repr__(self) -> str:
+        return f"AsyncKVCacheClient({self.target!r}, pool={self.pool!r})"
 
     async def close(self) -> None:
         await self._channel.close()

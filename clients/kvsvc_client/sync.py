@@ -60,6 +60,9 @@ class StepFuture:
     def done(self) -> bool:
         return self._future.done()
 
+    def __repr__(self) -> str:
+        return f"StepFuture({len(self._step)} operations, {'done' if self.done() else 'pending'})"
+
     def result(self) -> _wire.StepResultList:
         """The results, once the server applied the Step.
 
@@ -96,6 +99,7 @@ class KVCacheClient:
         channel: grpc.Channel | None = None,
     ) -> None:
         self.pool = pool
+        self.target = target
         self.options = options or ClientOptions()
         self._own_channel = channel is None
         self._channel = channel or self.options.channel(target)
@@ -104,10 +108,19 @@ class KVCacheClient:
         self._metadata = self.options.metadata()
         self._sender_lock = threading.Lock()
         self._step_sender: concurrent.futures.ThreadPoolExecutor | None = None
+        self._closed = False
+        self._watches: set[Any] = set()  # open WatchEvents streams, cancelled by close()
+
+    def __repr__(self) -> str:
+        return f"KVCacheClient({self.target!r}, pool={self.pool!r})"
 
     def close(self) -> None:
         with self._sender_lock:
+            self._closed = True  # watch_events then ends quietly, even on a shared channel
+            watches, self._watches = self._watches, set()
             sender, self._step_sender = self._step_sender, None
+        for stream in watches:
+            stream.cancel()
         if sender is not None:
             sender.shutdown(wait=True)
         if self._own_channel:
@@ -231,7 +244,12 @@ class KVCacheClient:
     def watch_events(
         self, from_sequence: int | None = None, *, reconnect: bool = True, epoch: str = ""
     ) -> Iterator[EventBatch]:
-        """Follow the pool's prefix-index events (blocks until cancelled by ``close``).
+        """Follow the pool's prefix-index events; the iteration never ends by itself.
+
+        Each ``next()`` blocks until the pool's next batch (without ``from_sequence``: only
+        batches made after the call; ``from_sequence=1``: everything still held first). To
+        stop, ``break`` out of the loop (the stream is cancelled), or call :meth:`close`
+        from another thread: the iteration then ends without an error.
 
         After a disconnect the iterator reconnects with backoff and resumes after the last
         batch it yielded, so nothing is missed while the server holds it; a batch with
@@ -243,7 +261,11 @@ class KVCacheClient:
             request = kvcache_pb2.WatchEventsRequest(pool=self.pool, epoch=epoch)
             if next_seq is not None:
                 request.from_sequence = next_seq
-            stream = self._stub.WatchEvents(request, metadata=self._metadata)
+            with self._sender_lock:
+                if self._closed:
+                    return
+                stream = self._stub.WatchEvents(request, metadata=self._metadata)
+                self._watches.add(stream)
             try:
                 for message in stream:
                     attempt = 0
@@ -253,12 +275,16 @@ class KVCacheClient:
                     yield batch
                 return
             except grpc.RpcError as exc:
+                if self._closed:
+                    return  # close() from another thread: the caller asked it to end
                 if not reconnect or exc.code() not in RETRYABLE:  # type: ignore[attr-defined]
                     raise error_from_rpc(exc) from None
                 time.sleep(self.options.delay(attempt))
                 attempt += 1
             finally:
                 stream.cancel()
+                with self._sender_lock:
+                    self._watches.discard(stream)
 
     # ------------------------------------------------------------------ admin
 
