@@ -175,6 +175,16 @@ class EventBatch:
 
 @dataclass(frozen=True, slots=True)
 class WorkerInfo:
+    """One rank of a pool as the server sees it.
+
+    Attributes:
+        registered / allocated: an agent registered the rank / reported its tensors. Both
+            stay set after the agent goes away (until it comes back or is replaced).
+        connected: the agent holds its plan stream open now.
+        live: connected and heartbeating within the pool's heartbeat timeout; a pool is
+            READY only while every rank is live.
+    """
+
     rank: int
     device: str
     hostname: str
@@ -183,6 +193,8 @@ class WorkerInfo:
     heartbeat_age_seconds: float
     kv_cache_bytes: int
     memory_free_bytes: int
+    connected: bool = False
+    live: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -489,6 +489,8 @@ def pool_info(summary: admin_pb2.PoolSummary) -> PoolInfo:
                 heartbeat_age_seconds=w.heartbeat_age_seconds,
                 kv_cache_bytes=w.kv_cache_bytes,
                 memory_free_bytes=w.memory_free_bytes,
+                connected=w.connected,
+                live=w.live,
             )
             for w in summary.workers
         ),

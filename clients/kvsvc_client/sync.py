@@ -22,7 +22,13 @@ from kvsvc_client._types import (
     RequestStart,
     Usage,
 )
-from kvsvc_client.errors import error_from_rpc
+from kvsvc_client.errors import (
+    KVCacheError,
+    NotFoundError,
+    PermissionDeniedError,
+    UnauthenticatedError,
+    error_from_rpc,
+)
 
 _T = TypeVar("_T")
 
@@ -301,17 +307,47 @@ class KVCacheClient:
         return self._call(self._admin.GetPlan, request, timeout, retry=True)
 
     def wait_until_ready(self, timeout: float = 60.0, poll: float = 0.1) -> PoolInfo:
-        """Poll the admin view until the pool is READY (or DEGRADED); raise on timeout."""
+        """Poll the admin view until the pool is READY (or DEGRADED); raise on timeout.
+
+        A server that is not up yet is waited for; what waiting cannot fix raises at once:
+        a token the server refuses, or a server that has no such pool.
+
+        Raises:
+            TimeoutError: not ready in time; the message has the last state seen (ranks
+                registered, the planning error) or why the server was unreachable.
+            UnauthenticatedError / PermissionDeniedError: the token.
+            NotFoundError: the server has no pool of this name (the message lists its pools).
+        """
         deadline = time.monotonic() + timeout
         info: PoolInfo | None = None
-        while time.monotonic() < deadline:
+        unreachable = ""
+        while True:
             try:
-                info = next((p for p in self.list_pools() if p.name == self.pool), None)
-            except Exception:
-                info = None
-            if info is not None and info.state in ("READY", "DEGRADED"):
-                return info
+                pools = self.list_pools()
+            except (UnauthenticatedError, PermissionDeniedError):
+                raise
+            except KVCacheError as exc:
+                info, unreachable = None, str(exc)
+            else:
+                info = next((p for p in pools if p.name == self.pool), None)
+                if info is None:
+                    names = ", ".join(p.name for p in pools) or "none"
+                    raise NotFoundError(
+                        grpc.StatusCode.NOT_FOUND,
+                        f"the server has no pool {self.pool!r} (its pools: {names})",
+                    )
+                if info.state in ("READY", "DEGRADED"):
+                    return info
+            if time.monotonic() + poll > deadline:
+                break
             time.sleep(poll)
-        state = info.state if info is not None else "unreachable"
-        detail = f" ({info.error})" if info is not None and info.error else ""
-        raise TimeoutError(f"pool {self.pool!r} not ready after {timeout:.0f}s: {state}{detail}")
+        if info is None:
+            raise TimeoutError(
+                f"pool {self.pool!r} not ready after {timeout:g}s: the server is unreachable "
+                f"({unreachable})"
+            )
+        detail = f"; last error: {info.error}" if info.error else ""
+        raise TimeoutError(
+            f"pool {self.pool!r} not ready after {timeout:g}s: {info.state}, "
+            f"{info.num_registered}/{info.world_size} ranks registered{detail}"
+        )

@@ -31,24 +31,93 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--timeout", type=float, default=10.0, help="deadline per call, seconds")
     add_client_tls_flags(parser)
     commands = parser.add_subparsers(dest="ctl_command", metavar="COMMAND", required=True)
-    pools = commands.add_parser("pools", help="list pools with their state and ranks")
-    pools.add_argument("--json", action="store_true")
-    plan = commands.add_parser("plan", help="a pool's memory plan (as `kvsvc plan` prints it)")
+    pools = commands.add_parser(
+        "pools",
+        help="list pools with their state and ranks",
+        description="Every pool of the server: its state (WAITING_FOR_WORKERS, PLANNED, "
+        "READY, DEGRADED), ranks registered, blocks, block size, max model length and hash, "
+        "then each rank: device, host, allocation, liveness (plan stream and heartbeat age) "
+        "and KV cache size. A pool that is not READY gets a line saying what it waits for.",
+    )
+    pools.add_argument("--json", action="store_true", help="print the pools as JSON")
+    wait = commands.add_parser(
+        "wait-ready",
+        help="wait until a pool is READY (for scripts)",
+        description="Poll the server until POOL is READY (or DEGRADED: serving, with a rank "
+        "silent), then print one line and exit 0. Exit 1 after --timeout seconds (the line "
+        "says what the pool still waits for), at once for a pool the server does not have "
+        "or a refused token; a server that is not up yet is waited for.",
+    )
+    wait.add_argument("pool")
+    wait.add_argument(
+        "--timeout",
+        dest="wait_timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds to wait (default 60)",
+    )
+    plan = commands.add_parser(
+        "plan",
+        help="a pool's memory plan (as `kvsvc plan` prints it)",
+        description="The pool's memory plan as `kvsvc plan` prints it (groups, ranks, "
+        "blocks, tokens, concurrency), with the pool's state and its last planning error; "
+        "'not planned yet' before every rank registered.",
+    )
     plan.add_argument("pool")
-    plan.add_argument("--json", action="store_true")
-    usage = commands.add_parser("usage", help="a pool's block usage and prefix-cache counters")
+    plan.add_argument("--json", action="store_true", help="print the plan as `kvsvc plan --json`")
+    usage = commands.add_parser(
+        "usage",
+        help="a pool's block usage and prefix-cache counters",
+        description="Blocks used and free, live requests, cached blocks, the prefix-cache "
+        "hit rate (tokens served from cache / tokens asked for), evictions and capacity.",
+    )
     usage.add_argument("pool")
-    usage.add_argument("--json", action="store_true")
-    events = commands.add_parser("events", help="follow a pool's KV events as JSON lines")
+    usage.add_argument("--json", action="store_true", help="print the counters as JSON")
+    events = commands.add_parser(
+        "events",
+        help="print a pool's KV events as JSON lines",
+        description="A pool's prefix-index events (BlockStored, BlockRemoved, "
+        "AllBlocksCleared), one JSON line per batch. Without --from only batches made from "
+        "now on are shown (a line on stderr says so); --from 1 starts with every batch the "
+        "server still holds. Without --count it follows until Ctrl-C; with --count N it "
+        "stops after N batches or once it has caught up (no batch for --idle seconds), "
+        "unless --follow keeps it waiting for the Nth.",
+    )
     events.add_argument("pool")
-    events.add_argument("--from", dest="from_sequence", type=int, help="first sequence number")
-    events.add_argument("--count", type=int, help="stop after this many batches")
-    reset = commands.add_parser("reset-prefix-cache", help="drop every cached hash of a pool")
+    events.add_argument(
+        "--from",
+        dest="from_sequence",
+        type=int,
+        metavar="N",
+        help="first sequence number (1: the oldest batch held)",
+    )
+    events.add_argument(
+        "--count", type=int, metavar="N", help="stop after N batches or when caught up"
+    )
+    events.add_argument(
+        "--follow",
+        action="store_true",
+        help="with --count: wait for the Nth batch instead of stopping when caught up",
+    )
+    events.add_argument(
+        "--idle",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="with --count: seconds without a batch that count as caught up (default 1)",
+    )
+    reset = commands.add_parser(
+        "reset-prefix-cache",
+        help="drop every cached hash of a pool",
+        description="Drop every cached block hash of the pool (vLLM's reset_prefix_cache); "
+        "refused (exit 1) while requests still hold blocks, unless --force.",
+    )
     reset.add_argument("pool")
     parser.set_defaults(func=run)
 
 
-def _pools(client: Any, as_json: bool) -> int:
+def _pools(client: Any, as_json: bool, server: str) -> int:
     from dataclasses import asdict
 
     pools = client.list_pools()
@@ -56,24 +125,82 @@ def _pools(client: Any, as_json: bool) -> int:
         print(json.dumps([asdict(p) for p in pools], indent=2))
         return 0
     print(
-        f"{'POOL':<20} {'STATE':<20} {'RANKS':>7} {'BLOCKS':>10} {'BLOCK':>6} {'MAXLEN':>8}  HASH"
+        f"{'POOL':<20} {'STATE':<20} {'RANKS':>7} {'LIVE':>5} {'BLOCKS':>10} {'BLOCK':>6} "
+        f"{'MAXLEN':>8}  HASH"
     )
     for p in pools:
         ranks = f"{p.num_registered}/{p.world_size}"
+        live = f"{sum(w.live for w in p.workers)}/{p.world_size}"
+        planned = p.num_blocks > 0  # block size and length are the plan's: '-' before it
         print(
-            f"{p.name:<20} {p.state:<20} {ranks:>7} {p.num_blocks:>10} {p.block_size:>6} "
-            f"{p.max_model_len:>8}  {p.hash_algo}"
+            f"{p.name:<20} {p.state:<20} {ranks:>7} {live:>5} "
+            f"{p.num_blocks if planned else '-':>10} {p.block_size if planned else '-':>6} "
+            f"{p.max_model_len if planned else '-':>8}  {p.hash_algo}"
         )
         if p.error:
             print(f"  error: {p.error}")
         for w in p.workers:
             if w.registered:
-                print(
-                    f"  rank {w.rank}: {w.device} on {w.hostname or '?'}, "
-                    f"{'allocated' if w.allocated else 'not allocated'}, "
-                    f"heartbeat {w.heartbeat_age_seconds:.1f}s ago, "
-                    f"KV {w.kv_cache_bytes / 2**30:.2f} GiB"
-                )
+                print(f"  rank {w.rank}: {_rank_line(w)}")
+        hint = _waiting_hint(p, server)
+        if hint:
+            print(f"  {hint}")
+    return 0
+
+
+def _rank_line(w: Any) -> str:
+    """One registered rank: where, allocated or not, and whether its agent is alive."""
+    if w.live:
+        liveness = f"live (heartbeat {w.heartbeat_age_seconds:.1f}s ago)"
+    elif w.connected:
+        liveness = f"NOT LIVE: silent, heartbeat {w.heartbeat_age_seconds:.1f}s ago"
+    else:
+        liveness = (
+            f"NOT LIVE: agent disconnected (plan stream closed), heartbeat "
+            f"{w.heartbeat_age_seconds:.1f}s ago"
+        )
+    return (
+        f"{w.device} on {w.hostname or '?'}, "
+        f"{'allocated' if w.allocated else 'not allocated'}, {liveness}, "
+        f"KV {w.kv_cache_bytes / 2**30:.2f} GiB"
+    )
+
+
+def _waiting_hint(p: Any, server: str) -> str:
+    """What a pool that is not READY waits for, and the command that waits with it."""
+    wait = f"`kvsvc ctl --server {server} wait-ready {p.name} --timeout 60` waits for READY"
+    if p.state == "WAITING_FOR_WORKERS":
+        missing = [w.rank for w in p.workers if not w.registered]
+        ranks = ", ".join(map(str, missing)) or "?"
+        return f"waiting for agents of rank {ranks} (kvsvc worker --rank N); {wait}"
+    if p.state == "PLANNED":
+        pending = [w.rank for w in p.workers if not w.allocated]
+        ranks = ", ".join(map(str, pending)) or "?"
+        return f"planned; waiting for rank {ranks} to report its allocation; {wait}"
+    if p.state == "DEGRADED":
+        gone = ", ".join(str(w.rank) for w in p.workers if not w.live) or "?"
+        return (
+            f"serving, but rank {gone} is not live: restart its agent (same --rank; it "
+            "gets the same plan back)"
+        )
+    return ""
+
+
+def _wait_ready(client: Any, pool: str, timeout: float) -> int:
+    from kvsvc_client import NotFoundError
+
+    try:
+        info = client.wait_until_ready(timeout=timeout)
+    except TimeoutError as exc:
+        print(f"kvsvc ctl: {exc}", file=sys.stderr)
+        return 1
+    except NotFoundError as exc:
+        print(f"kvsvc ctl: {exc.details}", file=sys.stderr)
+        return 1
+    print(
+        f"pool {pool!r} is {info.state}: {info.num_registered}/{info.world_size} ranks, "
+        f"{info.num_blocks} blocks of {info.block_size} tokens"
+    )
     return 0
 
 
@@ -121,21 +248,71 @@ def _usage(client: Any, as_json: bool) -> int:
     return 0
 
 
-def _events(client: Any, from_sequence: int | None, count: int | None) -> int:
-    for seen, batch in enumerate(client.watch_events(from_sequence), start=1):
+def _events(
+    client: Any,
+    from_sequence: int | None,
+    count: int | None,
+    *,
+    follow: bool,
+    idle: float,
+) -> int:
+    """Print batches as JSON lines; see the ``events`` subcommand's description.
+
+    The stream never says "that was the last held batch", so "caught up" is the stream
+    staying quiet for ``idle`` seconds: the server sends what it holds back to back. A
+    reader thread feeds a queue so the wait for the next batch can time out.
+    """
+    import queue
+    import threading
+
+    from kvsvc_client import KVCacheError
+
+    if from_sequence is None:
+        print(
+            f"kvsvc ctl: waiting for new events of pool {client.pool!r} (--from 1 starts "
+            "with the held ones; Ctrl-C stops)",
+            file=sys.stderr,
+            flush=True,
+        )
+    batches: queue.Queue[Any] = queue.Queue()
+
+    def read() -> None:
+        try:
+            for batch in client.watch_events(from_sequence):
+                batches.put(batch)
+        except KVCacheError as exc:
+            batches.put(exc)
+        batches.put(None)  # the stream ended (the client was closed)
+
+    threading.Thread(target=read, name="kvsvc-ctl-events", daemon=True).start()
+    stop_when_idle = count is not None and not follow
+    seen = 0
+    while count is None or seen < count:
+        try:
+            item = batches.get(timeout=idle if stop_when_idle else None)
+        except queue.Empty:
+            print(
+                f"kvsvc ctl: caught up after {seen} of {count} batches (none for {idle:g}s; "
+                "--follow waits for the rest)",
+                file=sys.stderr,
+            )
+            return 0
+        if item is None:
+            return 0
+        if isinstance(item, KVCacheError):
+            raise item
+        seen += 1
         print(
             json.dumps(
                 {
-                    "sequence": batch.sequence,
-                    "timestamp": batch.timestamp,
-                    "gap": batch.gap,
-                    "events": [_event_json(e) for e in batch.events],
+                    "sequence": item.sequence,
+                    "timestamp": item.timestamp,
+                    "gap": item.gap,
+                    "events": [_event_json(e) for e in item.events],
                 }
             ),
             flush=True,
         )
-        if count is not None and seen >= count:
-            return 0
     return 0
 
 
@@ -152,7 +329,14 @@ def _event_json(event: Any) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvsvc_client import ClientOptions, KVCacheClient, KVCacheError, UnavailableError
+    from kvsvc_client import (
+        ClientOptions,
+        KVCacheClient,
+        KVCacheError,
+        PermissionDeniedError,
+        UnauthenticatedError,
+        UnavailableError,
+    )
 
     pool = getattr(args, "pool", "")
     try:
@@ -176,24 +360,38 @@ def run(args: argparse.Namespace) -> int:
     try:
         with KVCacheClient(args.server, pool=pool, options=options) as client:
             if args.ctl_command == "pools":
-                return _pools(client, args.json)
+                return _pools(client, args.json, args.server)
+            if args.ctl_command == "wait-ready":
+                return _wait_ready(client, args.pool, args.wait_timeout)
             if args.ctl_command == "plan":
                 return _plan(client, args.pool, args.json)
             if args.ctl_command == "usage":
                 return _usage(client, args.json)
             if args.ctl_command == "events":
-                return _events(client, args.from_sequence, args.count)
+                return _events(
+                    client,
+                    args.from_sequence,
+                    args.count,
+                    follow=args.follow,
+                    idle=args.idle,
+                )
             if args.ctl_command == "reset-prefix-cache":
                 reset = client.reset_prefix_cache()
                 print("reset" if reset else "refused: blocks are still held by requests")
                 return 0 if reset else 1
     except KVCacheError as exc:
-        # A TLS server drops a plaintext client's connection without a word: say so.
-        hint = (
-            "; if the server uses TLS, give --tls-ca (or KVSVC_TLS_CA)"
-            if isinstance(exc, UnavailableError) and tls is None
-            else ""
-        )
+        hint = ""
+        if isinstance(exc, UnavailableError) and tls is None:
+            # A TLS server drops a plaintext client's connection without a word: say so.
+            hint = "; if the server uses TLS, give --tls-ca (or KVSVC_TLS_CA)"
+        elif isinstance(exc, UnauthenticatedError | PermissionDeniedError) and (
+            "--token-file" not in exc.details  # the server's message may say it already
+        ):
+            hint = (
+                "; kvsvc ctl sends the operator's (admin) token: --token-file FILE, or "
+                "KVSVC_ADMIN_TOKEN / KVSVC_ADMIN_TOKEN_FILE (KVSVC_AUTH_TOKEN[_FILE] for a "
+                "token of every role)"
+            )
         print(f"kvsvc ctl: {exc}{hint}", file=sys.stderr)
         return 1
     except ValueError as exc:  # an unreadable or empty token file

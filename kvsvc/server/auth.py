@@ -243,10 +243,13 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         credential = self._credentials.lookup(header) if header is not None else None
         handler = await continuation(handler_call_details)
         if credential is None:
+            # Where kvsvc's own clients read a token of a role this method takes.
+            env = " or ".join(sorted(f"KVSVC_{r.value.upper()}_TOKEN" for r in allowed))
             reason = (
-                "missing authorization metadata (expected 'Bearer <token>')"
+                f"missing authorization metadata (expected 'Bearer <token>'; kvsvc clients "
+                f"read it from --token-file or {env})"
                 if header is None
-                else "unknown token in the authorization metadata"
+                else f"unknown token in the authorization metadata (check --token-file / {env})"
             )
             return self._deny(handler, method, grpc.StatusCode.UNAUTHENTICATED, reason)
         if not credential.roles & allowed:

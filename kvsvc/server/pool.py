@@ -862,6 +862,11 @@ class Pool:
     def _rank_healthy(self, slot: RankSlot, now: float) -> bool:
         return slot.open_streams > 0 and now - slot.last_seen < self.heartbeat_timeout_s
 
+    def rank_live(self, slot: RankSlot, now: float) -> bool:
+        """Whether a rank counts as alive (plan stream open, heartbeat in time): the admin
+        view shows it, so an operator sees which rank made the pool DEGRADED."""
+        return self._rank_healthy(slot, now)
+
     def _refresh_health(self) -> None:
         """Move between PLANNED, READY and DEGRADED from the ranks' liveness."""
         if self.plan is None:

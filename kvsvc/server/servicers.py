@@ -446,6 +446,8 @@ def pool_summary(pool: Pool, now: float) -> admin_pb2.PoolSummary:
                 memory_free_bytes=slot.memory_free_bytes or reg.memory.free_bytes,
                 allocated_bytes=slot.allocated_bytes,
                 views=slot.views,
+                connected=slot.open_streams > 0,
+                live=pool.rank_live(slot, now),
             )
         )
     return admin_pb2.PoolSummary(
