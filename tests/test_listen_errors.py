@@ -20,6 +20,7 @@ import pytest
 from kvsvc.ports import ListenError, check_bindable
 
 REPO = Path(__file__).resolve().parents[1]
+LOOPBACK_ANY_PORTS = ("--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0")
 
 
 @pytest.fixture
@@ -152,3 +153,29 @@ def test_check_bindable_passes_free_ports_and_port_zero(busy_port: int) -> None:
     assert raised.value.flag == "--x" and raised.value.address == "here"
     with pytest.raises(ListenError, match="no such address on this machine"):
         check_bindable("192.0.2.1", 5000, address="192.0.2.1:5000", what="x", flag="--x")
+
+
+def test_serve_announces_itself_once() -> None:
+    # One start-up line (stdout, the one tools wait for); the server's own log line of the
+    # same news is DEBUG, where at INFO it printed next to it.
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvsvc", "serve", "--pool", "p", *LOOPBACK_ANY_PORTS],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        assert first.startswith("kvsvc serving on port ") and ", metrics on port " in first
+        time.sleep(0.5)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert (first + out + err).count("serving on port") == 1, (first, out, err)
