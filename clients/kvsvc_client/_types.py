@@ -159,10 +159,13 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 @dataclass(frozen=True, slots=True)
 class EventBatch:
-    """A batch of prefix-index events.
+    """A batch of prefix-index events, or a marker.
 
-    ``gap`` is set on a batch that carries no events but says events before
-    ``oldest_available_sequence`` were lost to this subscriber.
+    Batches have ``sequence`` >= 1. Markers have ``sequence`` 0, no events, and
+    ``oldest_available_sequence``, the sequence of the next batch: ``gap`` says the events
+    before it were lost to this subscriber (rebuild what you derived from them),
+    ``caught_up`` (only with ``watch_events(caught_up=True)``) that the replay reached the
+    newest batch and what follows is new.
     """
 
     sequence: int
@@ -171,6 +174,7 @@ class EventBatch:
     epoch: str
     gap: bool = False
     oldest_available_sequence: int = 0
+    caught_up: bool = False
 
 
 @dataclass(frozen=True, slots=True)

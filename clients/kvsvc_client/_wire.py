@@ -464,7 +464,16 @@ def event_batch(response: kvcache_pb2.WatchEventsResponse) -> EventBatch:
         epoch=response.epoch,
         gap=response.gap,
         oldest_available_sequence=response.oldest_available_sequence,
+        caught_up=response.caught_up,
     )
+
+
+def resume_sequence(batch: EventBatch) -> int:
+    """Where a stream that ended after ``batch`` resumes: after a batch, the next one; after
+    a marker (gap or caught_up: sequence 0), the batch it names."""
+    if batch.gap or batch.caught_up:
+        return batch.oldest_available_sequence
+    return batch.sequence + 1
 
 
 def pool_info(summary: admin_pb2.PoolSummary) -> PoolInfo:

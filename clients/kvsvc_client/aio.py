@@ -149,13 +149,22 @@ class AsyncKVCacheClient:
         return (await self._call(self._stub.ResetPrefixCache, request, timeout, retry=True)).reset
 
     async def watch_events(
-        self, from_sequence: int | None = None, *, reconnect: bool = True, epoch: str = ""
+        self,
+        from_sequence: int | None = None,
+        *,
+        reconnect: bool = True,
+        epoch: str = "",
+        caught_up: bool = False,
     ) -> AsyncIterator[EventBatch]:
-        """Follow the pool's events; resumes after the last batch after a reconnect."""
+        """Follow the pool's events; resumes after the last batch after a reconnect.
+        ``caught_up=True`` also yields the caught-up marker after each replay (see the
+        sync client's ``watch_events``)."""
         next_seq = from_sequence
         attempt = 0
         while True:
-            request = kvcache_pb2.WatchEventsRequest(pool=self.pool, epoch=epoch)
+            request = kvcache_pb2.WatchEventsRequest(
+                pool=self.pool, epoch=epoch, send_caught_up=caught_up
+            )
             if next_seq is not None:
                 request.from_sequence = next_seq
             call = self._stub.WatchEvents(request, metadata=self._metadata)
@@ -164,7 +173,7 @@ class AsyncKVCacheClient:
                     attempt = 0
                     batch = _wire.event_batch(message)
                     epoch = batch.epoch or epoch
-                    next_seq = batch.oldest_available_sequence if batch.gap else batch.sequence + 1
+                    next_seq = _wire.resume_sequence(batch)
                     yield batch
                 return
             except grpc.aio.AioRpcError as exc:

@@ -248,7 +248,12 @@ class KVCacheClient:
         return self._call(self._stub.ResetPrefixCache, request, timeout, retry=True).reset
 
     def watch_events(
-        self, from_sequence: int | None = None, *, reconnect: bool = True, epoch: str = ""
+        self,
+        from_sequence: int | None = None,
+        *,
+        reconnect: bool = True,
+        epoch: str = "",
+        caught_up: bool = False,
     ) -> Iterator[EventBatch]:
         """Follow the pool's prefix-index events; the iteration never ends by itself.
 
@@ -257,6 +262,11 @@ class KVCacheClient:
         stop, ``break`` out of the loop (the stream is cancelled), or call :meth:`close`
         from another thread: the iteration then ends without an error.
 
+        With ``caught_up=True`` the stream also yields a marker with ``caught_up=True`` (no
+        events, sequence 0) once it has replayed up to the newest batch (at once when
+        there is nothing to replay), and again after each reconnect's replay: from there
+        on it is live.
+
         After a disconnect the iterator reconnects with backoff and resumes after the last
         batch it yielded, so nothing is missed while the server holds it; a batch with
         ``gap=True`` says what could not be replayed.
@@ -264,7 +274,9 @@ class KVCacheClient:
         next_seq = from_sequence
         attempt = 0
         while True:
-            request = kvcache_pb2.WatchEventsRequest(pool=self.pool, epoch=epoch)
+            request = kvcache_pb2.WatchEventsRequest(
+                pool=self.pool, epoch=epoch, send_caught_up=caught_up
+            )
             if next_seq is not None:
                 request.from_sequence = next_seq
             with self._sender_lock:
@@ -277,7 +289,7 @@ class KVCacheClient:
                     attempt = 0
                     batch = _wire.event_batch(message)
                     epoch = batch.epoch or epoch
-                    next_seq = batch.oldest_available_sequence if batch.gap else batch.sequence + 1
+                    next_seq = _wire.resume_sequence(batch)
                     yield batch
                 return
             except grpc.RpcError as exc:

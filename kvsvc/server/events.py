@@ -9,7 +9,10 @@ every subscriber (the ``WatchEvents`` handler passes them through unchanged, see
 watched one serializes each batch once, not once per subscriber.
 
 A subscriber asks for a start sequence: it gets what is still held, a ``gap`` marker
-first when its start was already dropped, then new batches as they arrive.
+first when its start was already dropped, then new batches as they arrive. One that asks
+for it (``send_caught_up``) gets a ``caught_up`` marker once, when it has been sent the
+newest batch: the replay is over. Markers carry sequence 0 (batches start at 1) and the
+sequence of the next batch the stream sends.
 
 What a subscriber costs, and the bounds that keep it from slowing the pool (measured on a
 2-core machine: the server's time goes to sending, about 25 us of gRPC work per message
@@ -393,6 +396,11 @@ class EventLog:
             gap=True, oldest_available_sequence=resume, epoch=self.epoch
         ).SerializeToString()
 
+    def _caught_up(self, next_seq: int) -> bytes:
+        return pb.WatchEventsResponse(
+            caught_up=True, oldest_available_sequence=next_seq, epoch=self.epoch
+        ).SerializeToString()
+
     def _resume_point(self) -> int:
         """The oldest held sequence within half the lag bound of the newest batch (the
         newest itself when that alone is bigger): where a subscriber skipped ahead resumes,
@@ -482,10 +490,18 @@ class EventLog:
             self._sweep = None
 
     async def serve(
-        self, write: Write, from_sequence: int | None, epoch: str = "", peer: str = ""
+        self,
+        write: Write,
+        from_sequence: int | None,
+        epoch: str = "",
+        peer: str = "",
+        *,
+        caught_up: bool = False,
     ) -> None:
         """Send batches from ``from_sequence`` (None: only new ones) through ``write``
-        (serialized WatchEventsResponse messages) until cancelled.
+        (serialized WatchEventsResponse messages) until cancelled; with ``caught_up``, a
+        caught_up marker the first time the subscriber has been sent the newest batch
+        (at once when there was nothing to replay), so it knows the replay is over.
 
         Raises:
             InvalidArgument: ``from_sequence`` is beyond the next sequence of this epoch.
@@ -518,7 +534,15 @@ class EventLog:
                 await gate.turn()
                 await self._write(subscriber, write, self._gap(next_seq), loop)
             best: int | None = None
+            owe_caught_up = caught_up
             while True:
+                if next_seq > self._last_seq and owe_caught_up:
+                    owe_caught_up = False
+                    await gate.turn()
+                    # Still right if batches came during the turn: they are new, and the
+                    # marker names next_seq, the first of them.
+                    await self._write(subscriber, write, self._caught_up(next_seq), loop)
+                    continue
                 if next_seq > self._last_seq:
                     # Woken by the gate when a batch arrives: that is this write's turn.
                     waiter = loop.create_future()

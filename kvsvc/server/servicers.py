@@ -297,7 +297,13 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
         out (see :meth:`EventLog.serve`). Nothing is yielded."""
         pool = self._pools.get(request.pool)
         start = request.from_sequence if request.HasField("from_sequence") else None
-        await pool.events.serve(context.write, start, request.epoch, peer=context.peer())
+        await pool.events.serve(
+            context.write,
+            start,
+            request.epoch,
+            peer=context.peer(),
+            caught_up=request.send_caught_up,
+        )
         return
         yield  # an async generator, as rpc_stream_handler wraps one
 

@@ -261,14 +261,16 @@ class GetBlockTableResponse(_message.Message):
     def __init__(self, groups: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., num_computed_tokens: _Optional[int] = ..., num_tokens: _Optional[int] = ..., needs_recompute: _Optional[bool] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
-    __slots__ = ("pool", "from_sequence", "epoch")
+    __slots__ = ("pool", "from_sequence", "epoch", "send_caught_up")
     POOL_FIELD_NUMBER: _ClassVar[int]
     FROM_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEND_CAUGHT_UP_FIELD_NUMBER: _ClassVar[int]
     pool: str
     from_sequence: int
     epoch: str
-    def __init__(self, pool: _Optional[str] = ..., from_sequence: _Optional[int] = ..., epoch: _Optional[str] = ...) -> None: ...
+    send_caught_up: bool
+    def __init__(self, pool: _Optional[str] = ..., from_sequence: _Optional[int] = ..., epoch: _Optional[str] = ..., send_caught_up: _Optional[bool] = ...) -> None: ...
 
 class BlockStored(_message.Message):
     __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_name", "medium", "group_index", "group_kind")
@@ -315,20 +317,22 @@ class KVEvent(_message.Message):
     def __init__(self, stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
 
 class WatchEventsResponse(_message.Message):
-    __slots__ = ("sequence", "timestamp", "events", "gap", "oldest_available_sequence", "epoch")
+    __slots__ = ("sequence", "timestamp", "events", "gap", "oldest_available_sequence", "epoch", "caught_up")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     GAP_FIELD_NUMBER: _ClassVar[int]
     OLDEST_AVAILABLE_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CAUGHT_UP_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     timestamp: float
     events: _containers.RepeatedCompositeFieldContainer[KVEvent]
     gap: bool
     oldest_available_sequence: int
     epoch: str
-    def __init__(self, sequence: _Optional[int] = ..., timestamp: _Optional[float] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., gap: _Optional[bool] = ..., oldest_available_sequence: _Optional[int] = ..., epoch: _Optional[str] = ...) -> None: ...
+    caught_up: bool
+    def __init__(self, sequence: _Optional[int] = ..., timestamp: _Optional[float] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., gap: _Optional[bool] = ..., oldest_available_sequence: _Optional[int] = ..., epoch: _Optional[str] = ..., caught_up: _Optional[bool] = ...) -> None: ...
 
 class GetUsageRequest(_message.Message):
     __slots__ = ("pool",)
