@@ -87,6 +87,10 @@ class AdminServiceServicer:
     def SnapshotPool(self, request, context):
         """A pool's whole state as a snapshot file (`kvsvc ctl snapshot POOL --out FILE`), for
         `kvsvc serve --restore FILE` on another host. The file holds the pool's hash seed.
+
+        Each message of the stream is one chunk of the file, hence the response's name
+        (renaming it now would be a breaking change to buf, RPC_SAME_RESPONSE_TYPE):
+        buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
