@@ -2,10 +2,25 @@
 
 Domain code (specs, planner, core) raises these; the server maps each class to one gRPC
 status code in exactly one place (``kvsvc.server.errors``). Messages are written for the
-person who sent the bad input: they name the field and say what would be accepted.
+person who sent the bad input: they name the field and say what would be accepted. Values
+the caller sent (request ids, pool names, ...) are quoted with :func:`quoted`, the same in
+every client language.
 """
 
 from __future__ import annotations
+
+import json
+
+
+def quoted(value: str) -> str:
+    """``value`` as a double-quoted string with JSON's escaping, for messages clients read.
+
+    Python's ``repr`` picks single or double quotes by content and escapes as Python does
+    (``'r\\x00'``); an engine in Go or JavaScript reads ``"r1"`` as a string literal of its
+    own. Non-ASCII text stays as it is; quotes, backslashes and control characters (NUL
+    among them: ``\\u0000``) are escaped, so the message stays one unambiguous line.
+    """
+    return json.dumps(value, ensure_ascii=False)
 
 
 class KvsvcError(Exception):

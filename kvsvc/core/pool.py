@@ -49,7 +49,14 @@ from kvsvc.core.hashing import (
 from kvsvc.core.manager import KVCacheManager
 from kvsvc.core.request import RequestState
 from kvsvc.core.stats import UsageSnapshot
-from kvsvc.errors import AlreadyExists, InvalidArgument, KvsvcError, NotFound, ResourceExhausted
+from kvsvc.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    KvsvcError,
+    NotFound,
+    ResourceExhausted,
+    quoted,
+)
 from kvsvc.specs import KVCacheConfig
 
 
@@ -365,7 +372,7 @@ class PoolKVCache:
         request = self._requests.get(request_id)
         if request is None:
             raise NotFound(
-                f"request {request_id!r} is not live in this pool (a request's first call "
+                f"request {quoted(request_id)} is not live in this pool (a request's first call "
                 "needs start; a freed or preempted request is admitted again with start)"
             )
         if self._recompute and request_id in self._recompute:
@@ -379,7 +386,7 @@ class PoolKVCache:
             if num_tokens_before + len(new_token_ids) > self.max_model_len:
                 raise InvalidArgument(
                     "new_token_ids",
-                    f"request {request_id!r} would reach "
+                    f"request {quoted(request_id)} would reach "
                     f"{num_tokens_before + len(new_token_ids)} tokens, past max_model_len="
                     f"{self.max_model_len}",
                 )
@@ -466,7 +473,7 @@ class PoolKVCache:
         check_mm_items(start.hashing, len(prompt), "start.hashing")
         if self.max_requests is not None and len(self._requests) >= self.max_requests:
             raise ResourceExhausted(
-                f"request {request_id!r} not admitted: the pool holds {len(self._requests)} "
+                f"request {quoted(request_id)} not admitted: the pool holds {len(self._requests)} "
                 f"live requests, its limit (max_requests={self.max_requests}); free finished "
                 "requests or raise the pool's max_requests"
             )
@@ -552,7 +559,7 @@ class PoolKVCache:
                 else "this call differs from its admission (prompt, start or counts)"
             )
             raise AlreadyExists(
-                f"request {request_id!r} is already live and {reason}; only a request's "
+                f"request {quoted(request_id)} is already live and {reason}; only a request's "
                 "first call carries start (free it first to admit it anew)"
             )
         null_counts = self._null_counts
@@ -691,7 +698,7 @@ class PoolKVCache:
                 if num_tokens_before + 1 > max_model_len:
                     errors[i] = InvalidArgument(
                         "new_token_ids",
-                        f"request {request_id!r} would reach {num_tokens_before + 1} tokens, "
+                        f"request {quoted(request_id)} would reach {num_tokens_before + 1} tokens, "
                         f"past max_model_len={max_model_len}",
                     )
                     ok_out.append(False)
@@ -807,7 +814,7 @@ class PoolKVCache:
             if request_id in requests:
                 live.append(request_id)
             elif request_id not in recent:
-                raise NotFound(f"request {request_id!r} is not live in this pool")
+                raise NotFound(f"request {quoted(request_id)} is not live in this pool")
         if len(set(ids)) != len(ids):
             raise InvalidArgument("request_ids", "lists a request more than once")
         pool = self.manager.block_pool
@@ -926,7 +933,7 @@ class PoolKVCache:
         """
         request = self._requests.get(request_id)
         if request is None:
-            raise NotFound(f"request {request_id!r} is not live in this pool")
+            raise NotFound(f"request {quoted(request_id)} is not live in this pool")
         tables = self.manager.coordinator.get_blocks(request_id)
         return BlockTableView(
             groups=tuple(list(t) for t in tables),
@@ -958,7 +965,7 @@ class PoolKVCache:
             NotFound: the request is not live.
         """
         if request_id not in self._requests:
-            raise NotFound(f"request {request_id!r} is not live in this pool")
+            raise NotFound(f"request {quoted(request_id)} is not live in this pool")
         return self.manager.get_num_common_prefix_blocks(request_id)
 
     # -- pool-wide -----------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import Any
 from google.protobuf.message import DecodeError, Message
 
 from kvsvc.core import AllocateOutcome, RequestStart
-from kvsvc.errors import InvalidArgument
+from kvsvc.errors import InvalidArgument, quoted
 from kvsvc.server.namespace import scoped_request_id, unscope_message
 from kvsvc.server.state import JournalKind
 from kvsvc.server.step import apply_step
@@ -229,7 +229,7 @@ class CallLog:
             return None
         if entry[0] != kind:
             raise InvalidArgument(
-                "call_id", f"{call_id!r} was used by another kind of call; use a fresh id"
+                "call_id", f"{quoted(call_id)} was used by another kind of call; use a fresh id"
             )
         return entry[1], entry[2]
 

@@ -53,7 +53,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 
 from kvsvc.core import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvsvc.errors import InvalidArgument, ResourceExhausted
+from kvsvc.errors import InvalidArgument, ResourceExhausted, quoted
 from kvsvc.server.config import (
     DEFAULT_EVENT_BUFFER_BYTES,
     DEFAULT_MAX_SUBSCRIBERS,
@@ -463,7 +463,7 @@ class EventLog:
                 self.num_subscribers,
             )
             raise ResourceExhausted(
-                f"pool {self.pool!r} already has {self.num_subscribers} WatchEvents "
+                f"pool {quoted(self.pool)} already has {self.num_subscribers} WatchEvents "
                 f"subscribers, its cap (max_subscribers={self.max_subscribers} in the pool's "
                 "config); close a stream or raise the cap"
             )

@@ -16,8 +16,9 @@ from __future__ import annotations
 import contextvars
 
 NAMESPACE_SEPARATOR = "\x00"
-# How the separator looks inside a message that quotes an id with repr().
-_QUOTED_SEPARATOR = "\\x00"
+# How the separator looks inside a message that quotes an id: kvsvc.errors.quoted (JSON
+# escaping, what messages to clients use) writes \u0000; repr() writes \x00.
+_QUOTED_SEPARATORS = ("\\u0000", "\\x00")
 
 # The engine of the call being served ("" = the default namespace).
 current_engine: contextvars.ContextVar[str] = contextvars.ContextVar("kvsvc_engine", default="")
@@ -33,9 +34,13 @@ def scoped_request_id(request_id: str, engine: str | None = None) -> str:
 
 
 def unscope_message(message: str, engine: str | None = None) -> str:
-    """``message`` with the engine's namespace prefix removed from quoted request ids."""
+    """``message`` with the engine's namespace prefix removed from the request ids it
+    quotes, however they were quoted (engine names need no escaping, the separator does:
+    see ``_QUOTED_SEPARATORS``), so an engine reads back the id it sent."""
     if engine is None:
         engine = current_engine.get()
     if not engine:
         return message
-    return message.replace(engine + _QUOTED_SEPARATOR, "").replace(engine + NAMESPACE_SEPARATOR, "")
+    for separator in (*_QUOTED_SEPARATORS, NAMESPACE_SEPARATOR):
+        message = message.replace(engine + separator, "")
+    return message

@@ -52,6 +52,7 @@ from kvsvc.errors import (
     NotFound,
     PlanningError,
     Unavailable,
+    quoted,
 )
 from kvsvc.server.calls import CallLog, parse_journaled, replay_call
 from kvsvc.server.config import PoolConfig
@@ -388,13 +389,13 @@ class Pool:
         if reg.world_size != self.config.world_size:
             raise InvalidArgument(
                 "world_size",
-                f"pool {self.name!r} has world size {self.config.world_size}, "
+                f"pool {quoted(self.name)} has world size {self.config.world_size}, "
                 f"the agent says {reg.world_size}",
             )
         if not 0 <= reg.rank < self.config.world_size:
             raise InvalidArgument(
                 "rank",
-                f"{reg.rank} is outside [0, {self.config.world_size}) for pool {self.name!r}",
+                f"{reg.rank} is outside [0, {self.config.world_size}) for pool {quoted(self.name)}",
             )
         block_size = self.config.block_size
         if block_size is not None:
@@ -404,7 +405,7 @@ class Pool:
                         raise InvalidArgument(
                             "layers",
                             f"layer {name} has block size {inner.block_size}, not a multiple of "
-                            f"pool {self.name!r}'s block size {block_size}",
+                            f"pool {quoted(self.name)}'s block size {block_size}",
                         )
         for other in self.slots.values():
             if other.rank == reg.rank:
@@ -456,7 +457,7 @@ class Pool:
                     existing.registration.hostname or "?",
                 )
                 raise AlreadyExists(
-                    f"rank {reg.rank} of pool {self.name!r} is held by a live agent on "
+                    f"rank {reg.rank} of pool {quoted(self.name)} is held by a live agent on "
                     f"{existing.registration.hostname or '?'} ({existing.registration.device}); "
                     "stop it first"
                 )
@@ -532,7 +533,7 @@ class Pool:
             raise InvalidArgument(
                 "layers",
                 f"rank {reg.rank} registered different layer specs than the ones pool "
-                f"{self.name!r} was planned for (layers {shown}){where}",
+                f"{quoted(self.name)} was planned for (layers {shown}){where}",
             )
         assert self.plan is not None
         needed = self.planned_bytes(reg.rank)
@@ -561,7 +562,7 @@ class Pool:
             max_model_len = regs[0].max_model_len
         if not max_model_len:
             raise PlanningError(
-                f"pool {self.name!r} has no max_model_len: set it in the pool config "
+                f"pool {quoted(self.name)} has no max_model_len: set it in the pool config "
                 "(or -1 to fit memory), or have the agents report the model's length"
             )
         return PlannerOptions(
@@ -600,7 +601,7 @@ class Pool:
         except Exception as exc:  # MemoryError included: never leave the pool half-planned
             log.exception("planning pool %r failed unexpectedly", self.name)
             self._plan_failed(
-                f"planning pool {self.name!r} failed: {type(exc).__name__}: {exc} (see the "
+                f"planning pool {quoted(self.name)} failed: {type(exc).__name__}: {exc} (see the "
                 "server log); check the ranks' memory claims, max_num_blocks and "
                 "num_gpu_blocks_override"
             )
@@ -627,7 +628,7 @@ class Pool:
                     "pool %r: cannot keep its state in %s: %s", self.name, self.state_dir, exc
                 )
                 self._plan_failed(
-                    f"pool {self.name!r} was planned but its state cannot be kept in "
+                    f"pool {quoted(self.name)} was planned but its state cannot be kept in "
                     f"{self.state_dir}: {exc}"
                 )
                 return
@@ -713,7 +714,7 @@ class Pool:
         limit = self.config.max_num_blocks
         if plan.num_blocks > limit:
             raise PlanningError(
-                f"pool {self.name!r}: the plan has {plan.num_blocks} blocks per rank, above "
+                f"pool {quoted(self.name)}: the plan has {plan.num_blocks} blocks per rank, above "
                 f"max_num_blocks={limit}; raise max_num_blocks or set "
                 "num_gpu_blocks_override (or check the ranks' memory claims)"
             )
@@ -742,8 +743,8 @@ class Pool:
         slot = self.slots.get(rank)
         if slot is None or not _same_secret(slot.session_id, session_id):
             raise NotFound(
-                f"rank {rank} of pool {self.name!r} has no registration with session "
-                f"{session_id!r}; register again"
+                f"rank {rank} of pool {quoted(self.name)} has no registration with session "
+                f"{quoted(session_id)}; register again"
             )
         return slot
 
@@ -819,7 +820,7 @@ class Pool:
         """
         slot = self.slot_for(rank, session_id)
         if self.plan is None:
-            raise FailedPrecondition(f"pool {self.name!r} has no plan yet; wait for it")
+            raise FailedPrecondition(f"pool {quoted(self.name)} has no plan yet; wait for it")
         planned = self.plan.worker_configs[rank].num_blocks
         if num_blocks != planned:
             raise InvalidArgument(
@@ -838,7 +839,7 @@ class Pool:
             ticket = max(ticket, self._persist_rank(slot))
         await self.durable(ticket)
         if self.slots.get(rank) is not slot:
-            raise NotFound(f"rank {rank} of pool {self.name!r} was replaced meanwhile")
+            raise NotFound(f"rank {rank} of pool {quoted(self.name)} was replaced meanwhile")
         slot.allocated = True
         slot.allocated_bytes = allocated_bytes
         slot.memory_free_bytes = memory_free_bytes
@@ -900,7 +901,7 @@ class Pool:
             if self.restored:
                 # A restart on a state directory: the gap engines retry through.
                 raise Unavailable(
-                    f"pool {self.name!r} was restored from its saved state and waits for its "
+                    f"pool {quoted(self.name)} was restored from its saved state and waits for its "
                     f"ranks to come back ({reported} of {self.config.world_size} reported "
                     "their tensors); retry"
                 )
@@ -909,7 +910,9 @@ class Pool:
             detail = f"{len(self.slots)} of {self.config.world_size} ranks registered"
             if self.error:
                 detail += f"; last planning error: {self.error}"
-        raise FailedPrecondition(f"pool {self.name!r} is not ready ({self.state.name}: {detail})")
+        raise FailedPrecondition(
+            f"pool {quoted(self.name)} is not ready ({self.state.name}: {detail})"
+        )
 
     def ensure_writable(self) -> Any:
         """:meth:`ensure_serving` for calls that change the pool: also refused while its
@@ -1065,7 +1068,9 @@ class Pool:
             OSError, sqlite3.Error: the file could not be written.
         """
         if self.cache is None or self.identity is None:
-            raise FailedPrecondition(f"pool {self.name!r} has no state yet: it is not planned")
+            raise FailedPrecondition(
+                f"pool {quoted(self.name)} has no state yet: it is not planned"
+            )
         async with self.lock:
             capture = self.capture()
         identity = self.identity
@@ -1121,7 +1126,7 @@ class Pool:
         from kvsvc.planner import plan_kv_cache
 
         identity = snapshot.identity
-        where = f"the saved state of pool {self.name!r}"
+        where = f"the saved state of pool {quoted(self.name)}"
         if identity.get("pool") != self.name:
             raise StateError(f"{where} is pool {identity.get('pool')!r}'s state, not this pool's")
         settings = identity.get("settings", {})

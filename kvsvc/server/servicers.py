@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from kvsvc.convert import config_to_pb, layer_specs_from_pb
-from kvsvc.errors import InvalidArgument, NotFound, Unavailable
+from kvsvc.errors import InvalidArgument, NotFound, Unavailable, quoted
 from kvsvc.server.calls import (
     AllocateCall,
     apply_allocate,
@@ -81,7 +81,7 @@ class Pools:
             if not name:
                 raise InvalidArgument("pool", "must name a pool")
             known = ", ".join(sorted(self.by_name)) or "none"
-            raise NotFound(f"unknown pool {name!r} (pools: {known})")
+            raise NotFound(f"unknown pool {quoted(name)} (pools: {known})")
         return pool
 
 
@@ -536,7 +536,7 @@ class AdminServicer(_Base, admin_pb2_grpc.AdminServiceServicer):
                 await pool.export_snapshot(path)
             except (OSError, sqlite3.Error) as exc:
                 raise Unavailable(
-                    f"writing the snapshot of pool {pool.name!r} failed: {exc}"
+                    f"writing the snapshot of pool {quoted(pool.name)} failed: {exc}"
                 ) from None
             total = path.stat().st_size
             with path.open("rb") as handle:

@@ -62,7 +62,7 @@ import xxhash
 
 from kvsvc import __version__
 from kvsvc.core.state import encode_state
-from kvsvc.errors import Unavailable
+from kvsvc.errors import Unavailable, quoted
 from kvsvc.server.config import STATE_SYNCHRONOUS, ConfigFileError
 
 log = logging.getLogger("kvsvc.server")
@@ -868,7 +868,7 @@ class PoolPersistence:
 
     def _fail(self, error: BaseException) -> None:
         self.failed = (
-            f"pool {self.store.pool!r}: writing its state to {self.store.path} failed "
+            f"pool {quoted(self.store.pool)}: writing its state to {self.store.path} failed "
             f"({type(error).__name__}: {error}); the server acknowledges no more changes of "
             "the pool: fix the disk and restart it"
         )

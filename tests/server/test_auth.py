@@ -28,8 +28,10 @@ from kvsvc_client import (
     resolve_token,
 )
 
+from kvsvc.errors import quoted
 from kvsvc.server.auth import Credential, Role, load_credentials, read_token_file
 from kvsvc.server.config import ConfigError, PoolConfig, ServerConfig
+from kvsvc.server.namespace import scoped_request_id, unscope_message
 from kvsvc.v1 import admin_pb2, kvcache_pb2, worker_pb2
 from tests.server.harness import ServerThread, bring_up, running_server
 
@@ -176,9 +178,9 @@ def test_engines_have_their_own_request_namespaces(server: ServerThread) -> None
         first = a.allocate("r1", prompt, 40, start=RequestStart())
         assert first.ok
         # Engine B cannot see, extend or free engine A's r1 ...
-        with pytest.raises(NotFoundError, match="request 'r1' is not live") as info:
+        with pytest.raises(NotFoundError, match='request "r1" is not live') as info:
             b.block_table("r1")
-        assert "\\x00" not in info.value.details and "engine-a" not in info.value.details
+        assert "\\u0000" not in info.value.details and "engine-a" not in info.value.details
         with pytest.raises(NotFoundError):
             b.allocate("r1", [7], 1)
         with pytest.raises(NotFoundError):
@@ -186,8 +188,8 @@ def test_engines_have_their_own_request_namespaces(server: ServerThread) -> None
         step = b.step()
         step.free("r1")
         (outcome,) = step.send()
-        assert isinstance(outcome, OperationError) and "'r1'" in outcome.message
-        assert outcome.code == grpc.StatusCode.NOT_FOUND and "\\x00" not in outcome.message
+        assert isinstance(outcome, OperationError) and '"r1"' in outcome.message
+        assert outcome.code == grpc.StatusCode.NOT_FOUND and "\\u0000" not in outcome.message
         # ... and may use the same id for its own request: separate blocks.
         second = b.allocate("r1", prompt, 40, start=RequestStart())
         assert second.ok
@@ -204,6 +206,24 @@ def test_engines_have_their_own_request_namespaces(server: ServerThread) -> None
         assert anon.allocate("d1", prompt, 40, start=RequestStart()).ok
         assert shared.block_table("d1").num_tokens == 40
         assert shared.free("d1") > 0
+
+
+@pytest.mark.parametrize("request_id", ["r1", 'say "hi"\\now', "é-ü", "x" * 256])
+def test_the_namespace_prefix_leaves_quoted_ids_however_they_are_quoted(request_id: str) -> None:
+    """Messages quote ids with kvsvc.errors.quoted (JSON: NUL is \\u0000), repr (\\x00) or
+    not at all; each way the engine reads back the id it sent, quoted the same way."""
+    engine = "engine-a"
+    scoped = scoped_request_id(request_id, engine)
+    message = f"request {quoted(scoped)} is not live in this pool"
+    assert (
+        unscope_message(message, engine) == f"request {quoted(request_id)} is not live in this pool"
+    )
+    assert unscope_message(f"[{scoped!r}]", engine) == f"[{request_id!r}]"
+    assert unscope_message(scoped, engine) == request_id
+    # Another engine's ids (and the default namespace's messages) are left as they are.
+    other = quoted(scoped_request_id(request_id, "engine-b"))
+    assert unscope_message(other, engine) == other
+    assert unscope_message(message, "") == message
 
 
 def test_a_request_id_cannot_forge_a_namespace(server: ServerThread) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 
 from kvsvc.convert import config_to_pb, layer_specs_from_pb
-from kvsvc.errors import PlanningError
+from kvsvc.errors import PlanningError, quoted
 from kvsvc.planner import PlannerOptions, plan_kv_cache
 from kvsvc.specs import KVCacheConfig, KVCacheSpec
 from kvsvc.v1 import pools_pb2, worker_pb2, worker_pb2_grpc
@@ -102,16 +102,16 @@ class FakeWorkerService(worker_pb2_grpc.WorkerServiceServicer):
 
     def _session(self, request: Any, context: Any) -> None:
         if self.sessions.get(request.rank) != request.session_id:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no session {request.session_id!r}")
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no session {quoted(request.session_id)}")
 
     def Register(self, request: Any, context: Any) -> Any:
         self._check_auth(context)
         if request.pool != self.pool:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown pool {request.pool!r}")
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown pool {quoted(request.pool)}")
         if request.world_size != self.world_size:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"world_size: pool {self.pool!r} has {self.world_size} ranks",
+                f"world_size: pool {quoted(self.pool)} has {self.world_size} ranks",
             )
         with self.cond:
             if request.rank in self.sessions:

@@ -177,8 +177,8 @@ def test_a_heartbeat_answered_reregister_makes_the_agent_register_again() -> Non
 @pytest.mark.parametrize(
     ("service", "overrides", "code", "message"),
     [
-        (FakeWorkerService(pool="other"), {}, "NOT_FOUND", "unknown pool 'p'"),
-        (FakeWorkerService(world_size=3), {}, "INVALID_ARGUMENT", "world_size: pool 'p' has 3"),
+        (FakeWorkerService(pool="other"), {}, "NOT_FOUND", 'unknown pool "p"'),
+        (FakeWorkerService(world_size=3), {}, "INVALID_ARGUMENT", 'world_size: pool "p" has 3'),
         (FakeWorkerService(token="s3cret"), {}, "UNAUTHENTICATED", "bearer token"),
         (
             FakeWorkerService(max_model_len=8192),

@@ -164,7 +164,7 @@ def test_a_rejected_rank_exits_1(spec_file: str, capsys: pytest.CaptureFixture[s
     with FakeServer(FakeWorkerService(pool="other")) as server:
         args = [*base(server.address), "--device", "cpu", "--spec-file", spec_file]
         assert main([*args, "--kv-cache-memory", "4MiB"]) == 1
-    assert "kvsvc worker: error: Register: unknown pool 'p'" in capsys.readouterr().err
+    assert 'kvsvc worker: error: Register: unknown pool "p"' in capsys.readouterr().err
 
 
 def test_the_process_serves_metrics_and_exits_0_on_sigterm(spec_file: str) -> None:
