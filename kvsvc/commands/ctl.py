@@ -81,8 +81,9 @@ def add_parser(subparsers: Any) -> None:
         "AllBlocksCleared), one JSON line per batch. Without --from only batches made from "
         "now on are shown (a line on stderr says so); --from 1 starts with every batch the "
         "server still holds. Without --count it follows until Ctrl-C; with --count N it "
-        "stops after N batches or once it has caught up (no batch for --idle seconds), "
-        "unless --follow keeps it waiting for the Nth.",
+        "stops after N batches or once it has caught up (the server says when it has sent "
+        "every batch it holds; an older server's stream counts as caught up after --idle "
+        "seconds without a batch), unless --follow keeps it waiting for the Nth.",
     )
     events.add_argument("pool")
     events.add_argument(
@@ -105,7 +106,8 @@ def add_parser(subparsers: Any) -> None:
         type=float,
         default=1.0,
         metavar="S",
-        help="with --count: seconds without a batch that count as caught up (default 1)",
+        help="with --count, from a server that does not say it: seconds without a batch "
+        "that count as caught up (default 1)",
     )
     reset = commands.add_parser(
         "reset-prefix-cache",
@@ -258,9 +260,10 @@ def _events(
 ) -> int:
     """Print batches as JSON lines; see the ``events`` subcommand's description.
 
-    The stream never says "that was the last held batch", so "caught up" is the stream
-    staying quiet for ``idle`` seconds: the server sends what it holds back to back. A
-    reader thread feeds a queue so the wait for the next batch can time out.
+    "Caught up" is the server's caught_up marker (asked for, never printed): it has sent
+    every batch it holds. A server without markers never says so, so there it is the
+    stream staying quiet for ``idle`` seconds (the server sends what it holds back to
+    back); a reader thread feeds a queue so the wait for the next batch can time out.
     """
     import queue
     import threading
@@ -278,7 +281,7 @@ def _events(
 
     def read() -> None:
         try:
-            for batch in client.watch_events(from_sequence):
+            for batch in client.watch_events(from_sequence, caught_up=True):
                 batches.put(batch)
         except KVCacheError as exc:
             batches.put(exc)
@@ -301,6 +304,15 @@ def _events(
             return 0
         if isinstance(item, KVCacheError):
             raise item
+        if item.caught_up:
+            if stop_when_idle:
+                print(
+                    f"kvsvc ctl: caught up after {seen} of {count} batches (the server has "
+                    "sent every batch it holds; --follow waits for the rest)",
+                    file=sys.stderr,
+                )
+                return 0
+            continue
         seen += 1
         print(
             json.dumps(
