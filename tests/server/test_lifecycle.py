@@ -133,14 +133,14 @@ def test_memory_too_small_is_reported_to_agents_and_in_get_plan() -> None:
         update = agent.wait_for_config()
         assert update.state == pools_pb2.POOL_STATE_WAITING_FOR_WORKERS
         assert "max_model_len" in update.error or "max seq len" in update.error
-        assert "GiB" in update.error
+        assert "8.00 MiB" in update.error and "--max-model-len" in update.error
         with KVCacheClient(srv.address, pool="p") as kv:
             info = kv.list_pools()[0]
             assert info.state == "WAITING_FOR_WORKERS"
             assert info.num_registered == 0  # nothing half-planned
             plan = json.loads(kv.get_plan().plan_json)
             assert plan["state"] == "WAITING_FOR_WORKERS"
-            assert "GiB" in plan["error"]
+            assert "8.00 MiB" in plan["error"]
         agent.close()
 
 
