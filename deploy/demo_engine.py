@@ -62,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Drive a running kvsvc pool with the simulated engine, workload after "
         "workload.",
     )
-    parser.add_argument("--server", default=DEFAULT_SERVER, help="kvsvc gRPC HOST:PORT")
+    parser.add_argument(
+        "--server", default=DEFAULT_SERVER, help="kvsvc gRPC HOST:PORT or unix:PATH"
+    )
     parser.add_argument("--pool", default=DEFAULT_POOL, help="pool to drive")
     parser.add_argument(
         "--rounds", type=int, default=0, help="workloads to run (default 0: until stopped)"

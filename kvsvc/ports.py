@@ -12,7 +12,9 @@ line every command prints: the address, what it was for, and the flag that moves
 from __future__ import annotations
 
 import errno
+import os
 import socket
+import stat
 
 
 class ListenError(OSError):
@@ -73,3 +75,58 @@ def check_bindable(host: str, port: int, *, address: str, what: str, flag: str) 
             probe.bind(sockaddr)
         except OSError as exc:
             raise ListenError(address, what, flag, exc) from None
+
+
+# The address form of a Unix-domain socket, as gRPC spells it (``unix:PATH``).
+UNIX_PREFIX = "unix:"
+# sun_path holds 108 bytes on Linux, the terminating NUL included.
+MAX_UNIX_PATH_BYTES = 107
+
+
+def is_unix_address(address: str) -> bool:
+    """Whether ``address`` names a Unix-domain socket (``unix:PATH``) rather than a
+    ``HOST:PORT``."""
+    return address.startswith(UNIX_PREFIX)
+
+
+def unix_path(address: str) -> str:
+    """The socket path of a ``unix:PATH`` address (``unix:///abs`` too, as gRPC takes it)."""
+    path = address[len(UNIX_PREFIX) :]
+    return "/" + path.lstrip("/") if path.startswith("//") else path
+
+
+def check_unix_bindable(address: str, *, what: str, flag: str) -> None:
+    """Raise :class:`ListenError` when the socket of ``address`` (``unix:PATH``) cannot be
+    made now.
+
+    gRPC unlinks whatever socket is at the path before it binds, so a second server on a
+    path a live one serves would take it over without a word and the first would stop
+    getting calls: a socket that accepts a connection is reported as in use. A socket
+    nothing accepts on (left by a process that was killed) is stale and is replaced. Any
+    other file, a missing directory and a path too long for ``sun_path`` are refused.
+    """
+    path = unix_path(address)
+    if not path:
+        raise ListenError(address, what, flag, "no socket path after 'unix:'")
+    if len(os.fsencode(path)) > MAX_UNIX_PATH_BYTES:
+        raise ListenError(
+            address, what, flag, f"the path is longer than {MAX_UNIX_PATH_BYTES} bytes"
+        )
+    directory = os.path.dirname(path) or "."
+    if not os.path.isdir(directory):
+        raise ListenError(address, what, flag, f"no such directory {directory}")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ListenError(address, what, flag, f"permission denied in {directory}")
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise ListenError(address, what, flag, "the path exists and is not a socket")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:
+            return  # stale: nothing accepts on it
+    raise ListenError(address, what, flag, "a running server listens on this socket")

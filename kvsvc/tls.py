@@ -384,9 +384,22 @@ def client_tls(
     return ClientTls(resolved_ca, resolved_cert, resolved_key, resolved_name)
 
 
-def secure_channel_args(tls: ClientTls | None, options: Any = ()) -> list[tuple[str, Any]]:
-    """``options`` plus what ``tls`` needs (for ``grpc.secure_channel``)."""
-    return [*options, *(tls.channel_options() if tls is not None else ())]
+# The name a server's certificate is checked for over a Unix-domain socket (unix:PATH has
+# no host; gRPC would check the path), unless a server name is given: the host's own name
+# for the server, as for a client that connects to 127.0.0.1 with a certificate naming it.
+UNIX_SOCKET_SERVER_NAME = "localhost"
+
+
+def secure_channel_args(
+    tls: ClientTls | None, options: Any = (), target: str = ""
+) -> list[tuple[str, Any]]:
+    """``options`` plus what ``tls`` needs (for ``grpc.secure_channel``) to ``target``."""
+    if tls is None:
+        return list(options)
+    extra = tls.channel_options()
+    if not extra and target.startswith("unix:"):
+        extra = [("grpc.ssl_target_name_override", UNIX_SOCKET_SERVER_NAME)]
+    return [*options, *extra]
 
 
 def open_channel(target: str, tls: ClientTls | None, options: Any = ()) -> grpc.Channel:
@@ -398,7 +411,7 @@ def open_channel(target: str, tls: ClientTls | None, options: Any = ()) -> grpc.
     if tls is None:
         return grpc.insecure_channel(target, options=list(options))
     return grpc.secure_channel(
-        target, tls.channel_credentials(), options=secure_channel_args(tls, options)
+        target, tls.channel_credentials(), options=secure_channel_args(tls, options, target)
     )
 
 
@@ -407,5 +420,5 @@ def open_aio_channel(target: str, tls: ClientTls | None, options: Any = ()) -> g
     if tls is None:
         return grpc.aio.insecure_channel(target, options=list(options))
     return grpc.aio.secure_channel(
-        target, tls.channel_credentials(), options=secure_channel_args(tls, options)
+        target, tls.channel_credentials(), options=secure_channel_args(tls, options, target)
     )

@@ -18,7 +18,9 @@ def add_parser(subparsers: Any) -> None:
         help="inspect a running server",
         description="Inspect a running kvsvc server: its pools, a pool's plan, usage and events.",
     )
-    parser.add_argument("--server", default=DEFAULT_LISTEN, help="server address HOST:PORT")
+    parser.add_argument(
+        "--server", default=DEFAULT_LISTEN, help="server address HOST:PORT or unix:PATH"
+    )
     parser.add_argument(
         "--token-file",
         metavar="FILE",

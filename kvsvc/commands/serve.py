@@ -40,7 +40,14 @@ def add_parser(subparsers: Any) -> None:
         "reflection and a Prometheus /metrics endpoint.",
     )
     server = parser.add_argument_group("server")
-    server.add_argument("--listen", help=f"gRPC address HOST:PORT (default {DEFAULT_LISTEN})")
+    server.add_argument(
+        "--listen",
+        action="append",
+        metavar="HOST:PORT|unix:PATH",
+        help=f"gRPC address (default {DEFAULT_LISTEN}); unix:PATH listens on a Unix-domain "
+        "socket (an engine on the same host, e.g. a sidecar); give it again to listen on "
+        "both (routers and probes over TCP, the engine over the socket)",
+    )
     server.add_argument(
         "--metrics-listen",
         help=f"/metrics address HOST:PORT (default {DEFAULT_METRICS_LISTEN}); 'off' disables",
@@ -201,7 +208,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     data: dict[str, Any] = load_config_file(args.config) if args.config else {}
     overrides: dict[str, Any] = {}
     if args.listen:
-        overrides["listen"] = args.listen
+        overrides["listen"] = ",".join(args.listen)
     if args.metrics_listen:
         overrides["metrics_listen"] = None if args.metrics_listen == "off" else args.metrics_listen
     overrides.update(env_tokens())
@@ -274,8 +281,13 @@ async def serve(
         # Before the 'serving' line, which tools wait for: by then these are printed too.
         for line in server.kv_events.describe():
             print(line, flush=True)
+    # Unix sockets first, each on its line: tools wait for the 'serving' line (a port, or
+    # the socket of a server on sockets only), and by then these are printed too.
+    sockets = server.unix_sockets if port else server.unix_sockets[1:]
+    for address in sockets:
+        print(f"kvsvc listening on {address}", flush=True)
     print(
-        f"kvsvc serving on port {port}"
+        f"kvsvc serving on {f'port {port}' if port else server.unix_sockets[0]}"
         + (f", metrics on port {server.metrics_port}" if server.metrics_port else ""),
         flush=True,
     )

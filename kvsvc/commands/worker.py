@@ -84,7 +84,12 @@ def add_parser(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     where = parser.add_argument_group("server and rank")
-    where.add_argument("--server", required=True, metavar="HOST:PORT", help="kvsvc server")
+    where.add_argument(
+        "--server",
+        required=True,
+        metavar="HOST:PORT|unix:PATH",
+        help="kvsvc server (unix:PATH: its Unix-domain socket, on the same host)",
+    )
     where.add_argument("--pool", required=True, help="pool name (configured on the server)")
     where.add_argument("--rank", required=True, type=int_at_least(0), help="this rank")
     where.add_argument(

@@ -18,9 +18,14 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvsvc.ports import ListenError, check_bindable
+from kvsvc.ports import ListenError, check_bindable, check_unix_bindable, is_unix_address
 from kvsvc.server.auth import AuthInterceptor, load_credentials
-from kvsvc.server.config import ConfigFileError, ServerConfig, split_host_port
+from kvsvc.server.config import (
+    ConfigFileError,
+    ServerConfig,
+    listen_addresses,
+    split_host_port,
+)
 from kvsvc.server.grpc_handlers import add_kvcache_service
 from kvsvc.server.pool import Pool, PoolState
 from kvsvc.server.reflection import enable_reflection
@@ -112,7 +117,9 @@ class KvsvcServer:
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._metrics_http: Any = None
+        # The first TCP listener's port (0: none), and the unix:PATH listeners.
         self.port = 0
+        self.unix_sockets: list[str] = []
         self.metrics_port = 0
         self._last_health: dict[str, int] = {}
 
@@ -160,8 +167,13 @@ class KvsvcServer:
         )
         # Both addresses are tried before anything starts: a port in use is one line naming
         # the flag (ListenError), not gRPC's traceback or a half-started server.
-        host, port = split_host_port(self.config.listen, "listen")
-        check_bindable(host, port, address=self.config.listen, what="gRPC", flag=LISTEN_FLAG)
+        addresses = listen_addresses(self.config.listen)
+        for address in addresses:
+            if is_unix_address(address):
+                check_unix_bindable(address, what="gRPC", flag=LISTEN_FLAG)
+            else:
+                host, port = split_host_port(address, "listen")
+                check_bindable(host, port, address=address, what="gRPC", flag=LISTEN_FLAG)
         if self.config.metrics_listen:
             metrics_host, metrics_port = split_host_port(
                 self.config.metrics_listen, "metrics_listen"
@@ -193,19 +205,27 @@ class KvsvcServer:
             ),
             server,
         )
-        address = f"{_bracket(host)}:{port}"
-        try:
-            if self.tls is not None:
-                self.port = server.add_secure_port(address, self.tls.grpc_credentials())
-            else:
-                self.port = server.add_insecure_port(address)
-        except RuntimeError:  # taken since the check: gRPC says "Failed to bind to address"
-            self.port = 0
-        if self.port == 0:
-            await server.stop(None)  # else its finaliser runs on a closed loop
-            raise ListenError(
-                self.config.listen, "gRPC", LISTEN_FLAG, "the address cannot be bound"
-            )
+        self.port = 0
+        self.unix_sockets = []
+        for address in addresses:
+            unix = is_unix_address(address)
+            if not unix:
+                host, port = split_host_port(address, "listen")
+            target = address if unix else f"{_bracket(host)}:{port}"
+            try:
+                if self.tls is not None:
+                    bound = server.add_secure_port(target, self.tls.grpc_credentials())
+                else:
+                    bound = server.add_insecure_port(target)
+            except RuntimeError:  # taken since the check: gRPC says "Failed to bind to address"
+                bound = 0
+            if bound == 0:
+                await server.stop(None)  # else its finaliser runs on a closed loop
+                raise ListenError(address, "gRPC", LISTEN_FLAG, "the address cannot be bound")
+            if unix:
+                self.unix_sockets.append(address)
+            elif not self.port:
+                self.port = bound
         await self._update_health()
         await server.start()
         self._server = server
@@ -224,8 +244,8 @@ class KvsvcServer:
         # DEBUG: `kvsvc serve` prints its own start-up line (which tools wait for) on
         # stdout; at INFO this one showed up next to it, the same news twice.
         log.debug(
-            "kvsvc serving on port %d (%s; metrics %s); pools: %s",
-            self.port,
+            "kvsvc serving on %s (%s; metrics %s); pools: %s",
+            ", ".join([*([f"port {self.port}"] if self.port else []), *self.unix_sockets]),
             "plaintext"
             if self.tls is None
             else ("mTLS: client certificates required" if self.tls.tls.mutual else "TLS"),
@@ -273,7 +293,8 @@ def _bracket(host: str) -> str:
 
 
 async def create_server(config: ServerConfig, **kwargs: Any) -> tuple[KvsvcServer, int]:
-    """Build and start a server; returns it and the gRPC port it bound (port 0 -> free)."""
+    """Build and start a server; returns it and the gRPC port it bound (port 0 -> free;
+    0 when it listens on Unix sockets only: ``server.unix_sockets``)."""
     server = KvsvcServer(config, **kwargs)
     await server.start()
     return server, server.port

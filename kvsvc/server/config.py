@@ -25,6 +25,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from kvsvc.ports import is_unix_address, unix_path
 from kvsvc.tls import ServerTls, TlsFileError
 
 HASH_ALGOS = ("xxh3_128", "sha256_cbor")
@@ -168,7 +169,10 @@ class ServerConfig:
     """The whole server.
 
     Attributes:
-        listen: gRPC address (``host:port``; port 0 picks a free one).
+        listen: gRPC address: ``host:port`` (port 0 picks a free one) or ``unix:PATH`` (a
+            Unix-domain socket, for an engine on the same host: a sidecar); several,
+            comma-separated, listen on each (``0.0.0.0:50051,unix:/run/kvsvc/kvsvc.sock``:
+            routers and probes over TCP, the pod's engine over the socket).
         metrics_listen: Prometheus ``/metrics`` address, or None for no endpoint.
         pools: the pools served (names unique).
         auth_token: one token for every role (compatibility; prefer the per-role token
@@ -213,8 +217,9 @@ class ServerConfig:
         state_synchronous: ``normal`` (a commit writes SQLite's WAL without a disk sync: a
             crash of the process loses nothing acknowledged, a power loss the changes
             since the last checkpoint) or ``full`` (every commit is synced to disk).
-        state_snapshot_every: journal rows after which a snapshot replaces them (a
-            restart replays at most about this many calls).
+        state_snapshot_every: replay work after which a snapshot replaces the journal:
+            one unit per operation (a Step counts each of its operations) and per 64 tokens,
+            about 3 us of replay each, so a restart replays about a second at most.
         state_snapshot_min_interval_s: seconds between two snapshots at least.
         state_checkpoint_interval_s: seconds between two checkpoints (disk syncs of the
             WAL): in ``normal`` mode, how much a power loss can take back.
@@ -250,7 +255,7 @@ class ServerConfig:
     tls_client_ca: str | None = None
     state_dir: str | None = None
     state_synchronous: str = "normal"
-    state_snapshot_every: int = 5000
+    state_snapshot_every: int = 250_000
     state_snapshot_min_interval_s: float = 10.0
     state_checkpoint_interval_s: float = 1.0
 
@@ -263,7 +268,7 @@ class ServerConfig:
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ConfigError(f"duplicate pool name(s): {', '.join(duplicates)}")
-        split_host_port(self.listen, "listen")
+        listen_addresses(self.listen)
         if self.metrics_listen:
             split_host_port(self.metrics_listen, "metrics_listen")
         if self.max_message_bytes < 1024:
@@ -358,6 +363,23 @@ class ServerConfig:
                 f"kv_events_int_hashes must be true or false, got {self.kv_events_int_hashes!r}"
             )
         kv_events_targets(self)  # endpoint syntax, port range and collisions
+
+
+def listen_addresses(listen: str, what: str = "listen") -> list[str]:
+    """The addresses of a ``listen`` setting (comma-separated), each checked for form:
+    ``HOST:PORT`` or ``unix:PATH``; raises ConfigError naming ``what``."""
+    addresses = [a.strip() for a in listen.split(",")]
+    if not all(addresses):
+        raise ConfigError(f"{what}: an empty address in {listen!r}")
+    for address in addresses:
+        if is_unix_address(address):
+            if not unix_path(address):
+                raise ConfigError(f"{what}: expected unix:PATH, got {address!r}")
+        else:
+            split_host_port(address, what)
+    if len(set(addresses)) != len(addresses):
+        raise ConfigError(f"{what}: an address given twice in {listen!r}")
+    return addresses
 
 
 def split_host_port(address: str, what: str) -> tuple[str, int]:

@@ -7,6 +7,7 @@ healthy; no ``grpc_health_probe`` binary ships with kvsvc, so this is that comma
     python -m kvsvc.tools.healthcheck --server 127.0.0.1:50051
     python -m kvsvc.tools.healthcheck --server 127.0.0.1:50051 \
         --service kvsvc.v1.KVCacheService/demo
+    python -m kvsvc.tools.healthcheck --server unix:/run/kvsvc/kvsvc.sock
     python -m kvsvc.tools.healthcheck --agent-metrics 127.0.0.1:9401
     KVSVC_TLS_CA=/etc/kvsvc/tls/ca.crt python -m kvsvc.tools.healthcheck --server 127.0.0.1:50051
     python -m kvsvc.tools.healthcheck --agent-metrics https://127.0.0.1:9401 --tls-ca ca.crt
@@ -46,6 +47,7 @@ from kvsvc.commands._tls import (
     client_tls_from_args,
     tls_exit_status,
 )
+from kvsvc.ports import is_unix_address, unix_path
 from kvsvc.tls import ClientTls, TlsError, open_channel
 
 HEALTHY, UNHEALTHY, USAGE = 0, 1, 2
@@ -67,7 +69,16 @@ def _bracket(address: str) -> str:
     return f"{host}:{port}"
 
 
-def _validate_address(address: str, flag: str) -> str:
+def _validate_address(address: str, flag: str, *, unix: bool = False) -> str:
+    """``address`` when it is ``HOST:PORT`` (or, with ``unix``, ``unix:PATH``).
+
+    Raises:
+        ValueError: anything else, naming ``flag``.
+    """
+    if unix and is_unix_address(address):
+        if not unix_path(address):
+            raise ValueError(f"{flag}: expected unix:PATH, got {address!r}")
+        return address
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
         raise ValueError(f"{flag}: expected HOST:PORT with a port in 1-65535, got {address!r}")
@@ -200,7 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
         "agent reports itself ready; 1 otherwise.",
     )
     target = parser.add_mutually_exclusive_group(required=True)
-    target.add_argument("--server", metavar="HOST:PORT", help="kvsvc server gRPC address")
+    target.add_argument(
+        "--server",
+        metavar="HOST:PORT|unix:PATH",
+        help="kvsvc server gRPC address (unix:PATH: its Unix-domain socket)",
+    )
     target.add_argument(
         "--agent-metrics",
         metavar="[https://]HOST:PORT",
@@ -233,7 +248,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         tls = client_tls_from_args(args)
         if args.server:
             result = check_grpc(
-                _validate_address(args.server, "--server"), args.service, args.timeout, tls
+                _validate_address(args.server, "--server", unix=True),
+                args.service,
+                args.timeout,
+                tls,
             )
         else:
             address = args.agent_metrics

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from kvsvc.ports import is_unix_address
 from tests import tooling
 
 REPO = Path(__file__).resolve().parents[2]
@@ -276,9 +277,24 @@ def rewrite_flag(argv: list[str], flag: str, value: str) -> list[str]:
     return out
 
 
+def rewrite_listen(argv: list[str], socket_path: str) -> list[str]:
+    """``argv`` with each ``--listen`` moved here: TCP ones to a free loopback port, a
+    ``unix:PATH`` one to ``socket_path``."""
+    out = list(argv)
+    for i, arg in enumerate(out[:-1]):
+        if arg == "--listen":
+            out[i + 1] = f"unix:{socket_path}" if is_unix_address(out[i + 1]) else "127.0.0.1:0"
+    return out
+
+
 def flag_value(argv: list[str], flag: str) -> str:
     assert argv.count(flag) == 1, f"{flag} appears {argv.count(flag)} times in {argv}"
     return argv[argv.index(flag) + 1]
+
+
+def flag_values(argv: list[str], flag: str) -> list[str]:
+    """Every value of a flag that may be given more than once (``--listen``)."""
+    return [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == flag]
 
 
 def port_of(address: str) -> int:

@@ -18,10 +18,12 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from kvsvc.demo.processes import Child, spawn, stop_all
+from kvsvc.ports import is_unix_address
 from kvsvc.server.app import pool_health_name
 from tests.deploy.files import (
     COMPOSE,
@@ -32,6 +34,7 @@ from tests.deploy.files import (
     flag_value,
     load_yaml,
     rewrite_flag,
+    rewrite_listen,
 )
 
 pytestmark = [
@@ -153,21 +156,32 @@ def children() -> Iterator[list[Child]]:
 @pytest.mark.parametrize(
     "scenario", [compose_scenario, kubernetes_scenario], ids=lambda f: f.__name__
 )
-def test_deployment_commands_run_and_report_health(scenario: object, children: list[Child]) -> None:
+def test_deployment_commands_run_and_report_health(
+    scenario: object, children: list[Child], tmp_path: Path
+) -> None:
+    """The manifests' own commands, run here. Where the engine and its agent reach the
+    server over its Unix socket (the Kubernetes sidecar), so do they here; the probes and
+    the health checks of the server go over TCP, as in the pod."""
     s: Scenario = scenario()  # type: ignore[operator]
-    server_argv = rewrite_flag(s.server, "--listen", "127.0.0.1:0")
+    socket = str(tmp_path / "kvsvc.sock")
+    server_argv = rewrite_listen(s.server, socket)
     server_argv = rewrite_flag(server_argv, "--metrics-listen", "127.0.0.1:0")
     server = spawn("server", server_argv)
     children.append(server)
     port, metrics_port = wait_for_ports(server)
     assert metrics_port, "the server was told to serve /metrics"
-    address = f"127.0.0.1:{port}"
+    tcp_address = f"127.0.0.1:{port}"
+    # The engine's and the agent's address: the socket where the manifest gives one.
+    address = f"unix:{socket}" if is_unix_address(flag_value(s.worker, "--server")) else tcp_address
+    if is_unix_address(address):
+        assert f"kvsvc listening on {address}" in server.output()
+        assert healthcheck(s.server_healthcheck, "--server", address) == 0
 
     # The container is healthy (and Kubernetes' startup/liveness pass) as soon as it serves.
-    assert healthcheck(s.server_healthcheck, "--server", address) == 0
-    assert healthcheck(s.server_healthcheck, "--server", address, "") == 0
+    assert healthcheck(s.server_healthcheck, "--server", tcp_address) == 0
+    assert healthcheck(s.server_healthcheck, "--server", tcp_address, "") == 0
     # Readiness waits for the pool, which waits for its worker.
-    assert healthcheck(s.server_healthcheck, "--server", address, s.readiness_service) == 1
+    assert healthcheck(s.server_healthcheck, "--server", tcp_address, s.readiness_service) == 1
 
     worker_argv = rewrite_flag(s.worker, "--server", address)
     worker_argv = rewrite_flag(worker_argv, "--metrics-listen", "127.0.0.1:0")
@@ -184,7 +198,9 @@ def test_deployment_commands_run_and_report_health(scenario: object, children: l
         worker,
     )
     wait_until(
-        lambda: healthcheck(s.server_healthcheck, "--server", address, s.readiness_service) == 0,
+        lambda: (
+            healthcheck(s.server_healthcheck, "--server", tcp_address, s.readiness_service) == 0
+        ),
         30,
         "the pool's readiness",
         server,

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import re
 import subprocess
+from pathlib import PurePosixPath
 from typing import Any
 
 import pytest
 
+from kvsvc.ports import is_unix_address, unix_path
 from kvsvc.server.app import KVCACHE_SERVICE, pool_health_name
 from kvsvc.server.config import DEFAULT_LISTEN, DEFAULT_METRICS_LISTEN
 from tests.deploy.files import (
@@ -24,6 +26,7 @@ from tests.deploy.files import (
     effective,
     find_kind,
     flag_value,
+    flag_values,
     kubernetes_documents,
     load_yaml,
     port_of,
@@ -143,7 +146,8 @@ def test_ports_agree_with_the_server_and_the_images() -> None:
     container = sidecar()
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"grpc": port_of(DEFAULT_LISTEN), "metrics": port_of(DEFAULT_METRICS_LISTEN)}
-    assert port_of(flag_value(container["args"], "--listen")) == ports["grpc"]
+    tcp, unix = flag_values(container["args"], "--listen")
+    assert port_of(tcp) == ports["grpc"]
     assert port_of(flag_value(container["args"], "--metrics-listen")) == ports["metrics"]
     server_cmd = effective(stages, "server", "CMD").exec_form()
     assert port_of(flag_value(server_cmd, "--listen")) == ports["grpc"]
@@ -152,9 +156,25 @@ def test_ports_agree_with_the_server_and_the_images() -> None:
         {"name": "worker-metrics", "containerPort": AGENT_METRICS_PORT, "protocol": "TCP"}
     ]
     assert port_of(flag_value(worker["args"], "--metrics-listen")) == AGENT_METRICS_PORT
-    # The engine and the agent reach the sidecar over the pod's loopback.
+    # The engine and the agent reach the sidecar over its Unix socket, in an emptyDir that
+    # the sidecar and each of them mount at the same place.
+    assert is_unix_address(unix)
+    directory = PurePosixPath(unix_path(unix)).parent
+    volumes = {v["name"]: v for v in pod_spec()["volumes"]}
+
+    def socket_volume(container: dict[str, Any]) -> str:
+        (name,) = [
+            m["name"]
+            for m in container.get("volumeMounts", [])
+            if PurePosixPath(m["mountPath"]) == directory
+        ]
+        assert "emptyDir" in volumes[name], f"{name}: the socket's directory is an emptyDir"
+        return name
+
+    shared = socket_volume(sidecar())
     for container in pod_spec()["containers"]:
-        assert flag_value(container["args"], "--server") == f"127.0.0.1:{ports['grpc']}"
+        assert flag_value(container["args"], "--server") == unix
+        assert socket_volume(container) == shared, container["name"]
         assert flag_value(container["args"], "--pool") == flag_value(sidecar()["args"], "--pool")
 
 

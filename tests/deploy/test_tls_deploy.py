@@ -34,6 +34,7 @@ from typing import Any
 import pytest
 
 from kvsvc.demo.processes import Child, spawn, stop_all
+from kvsvc.ports import is_unix_address
 from kvsvc.server.app import pool_health_name
 from kvsvc.server.config import DEFAULT_LISTEN
 from tests.deploy.files import (
@@ -49,6 +50,7 @@ from tests.deploy.files import (
     load_yaml_documents,
     port_of,
     rewrite_flag,
+    rewrite_listen,
 )
 from tests.tooling import missing, require_tool
 
@@ -507,7 +509,8 @@ def test_tls_deployment_commands_run_over_mtls(
     children: list[Child],
 ) -> None:
     s = make(certs, tmp_path)
-    server_argv = rewrite_flag(s.server, "--listen", "127.0.0.1:0")
+    socket = str(tmp_path / "kvsvc.sock")
+    server_argv = rewrite_listen(s.server, socket)
     server_argv = rewrite_flag(server_argv, "--metrics-listen", "127.0.0.1:0")
     server = spawn("server", server_argv, env=_clean_env({}))
     children.append(server)
@@ -522,10 +525,13 @@ def test_tls_deployment_commands_run_over_mtls(
 
     _wait(serving, 30, "the server to listen", server)
     port, metrics_port = found[0]
-    address = f"127.0.0.1:{port}"
+    tcp_address = f"127.0.0.1:{port}"
+    # The engine's and the agent's address: the socket where the manifest gives one (TLS
+    # over the Unix socket too; gRPC checks the certificate for "localhost" there).
+    address = f"unix:{socket}" if is_unix_address(flag_value(s.worker, "--server")) else tcp_address
 
     def health(env: dict[str, str], service: str | None = None) -> int:
-        argv = rewrite_flag(s.server_healthcheck, "--server", address)
+        argv = rewrite_flag(s.server_healthcheck, "--server", tcp_address)
         if service is not None:
             argv = rewrite_flag(argv, "--service", service) if "--service" in argv else argv
             argv = argv if "--service" in argv else [*argv, "--service", service]
