@@ -399,10 +399,66 @@ def test_hand_written_edge_cases(server: ServerThread) -> None:
     _free_everything(server)
 
 
+# Well-formed engine calls on the same few ids, mixed in so the malformed ones meet live
+# requests, cached blocks and a full pool (random messages alone rarely admit anything).
+_VALID_IDS = st.sampled_from(["a", "b", "c"])
+_PROMPTS = st.lists(st.integers(0, 7), min_size=1, max_size=120)
+
+
+def _valid_calls() -> st.SearchStrategy[tuple[str, Any]]:
+    kv = kvcache_pb2
+    admit = st.builds(
+        lambda rid, prompt: kv.AllocateRequest(
+            pool="p",
+            request_id=rid,
+            new_token_ids=prompt,
+            num_new_tokens=len(prompt),
+            start=kv.RequestStart(),
+        ),
+        _VALID_IDS,
+        _PROMPTS,
+    )
+    decode = st.builds(
+        lambda rid, token: kv.AllocateRequest(
+            pool="p", request_id=rid, new_token_ids=[token], num_new_tokens=1
+        ),
+        _VALID_IDS,
+        st.integers(0, 7),
+    )
+    step = st.builds(
+        lambda ids: kv.StepRequest(
+            pool="p",
+            types=[kv.STEP_OPERATION_TYPE_ALLOCATE] * len(ids),
+            request_ids=ids,
+            num_token_ids=[1] * len(ids),
+            token_ids=[3] * len(ids),
+            num_new_tokens=[1] * len(ids),
+        ),
+        st.lists(_VALID_IDS, min_size=1, max_size=3, unique=True),
+    )
+    free = st.builds(
+        lambda ids, preempt: kv.FreeRequest(
+            pool="p",
+            request_ids=ids,
+            reason=kv.FREE_REASON_PREEMPTED if preempt else kv.FREE_REASON_FINISHED,
+        ),
+        st.lists(_VALID_IDS, min_size=1, max_size=2, unique=True),
+        st.booleans(),
+    )
+    return st.one_of(
+        admit.map(lambda r: ("Allocate", r)),
+        decode.map(lambda r: ("Allocate", r)),
+        step.map(lambda r: ("Step", r)),
+        free.map(lambda r: ("Free", r)),
+    )
+
+
 def _fuzz(server: ServerThread, examples: int) -> None:
     caller = Caller(server.address)
     strategies = {m.full_name: _message(m.input_type) for m in METHODS}
     seen: Counter[tuple[str, str]] = Counter()
+    valid = _valid_calls()
+    by_name = {m.name: m for m in METHODS}
 
     @settings(
         max_examples=examples,
@@ -412,9 +468,13 @@ def _fuzz(server: ServerThread, examples: int) -> None:
     )
     @given(data=st.data())
     def one_call(data: st.DataObject) -> None:
-        method = data.draw(st.sampled_from(METHODS), label="method")
-        values = data.draw(strategies[method.full_name], label="fields")
-        request = _fill(method.input_type._concrete_class(), values)
+        if data.draw(st.integers(0, 3), label="well-formed") == 0:
+            name, request = data.draw(valid, label="call")
+            method = by_name[name]
+        else:
+            method = data.draw(st.sampled_from(METHODS), label="method")
+            values = data.draw(strategies[method.full_name], label="fields")
+            request = _fill(method.input_type._concrete_class(), values)
         code = caller(method, request)
         seen[method.name, code.name] += 1
         assert code in DOCUMENTED, (method.name, request, code)
