@@ -80,8 +80,8 @@ _CLEARED_BYTES = 16
 _HASH_BYTES = 41  # + the hash's length
 _TOKEN_BYTES = 36
 # Held bytes of a serialized batch beyond its length: the bytes object's header, the
-# entry and its int fields, a deque slot.
-_SERIALIZED_OVERHEAD = 256
+# entry and its int fields, a deque slot (rounded up: the bound must never undercount).
+_SERIALIZED_OVERHEAD = 320
 # Serialized-size estimate of a batch (for lag, before it is serialized): its header with
 # the epoch, and per event the fields around its hashes and token ids (medium, group kind:
 # ~32 bytes), 2 bytes of framing per hash and 3 bytes per id (varints of ids below 2^21).
