@@ -64,6 +64,8 @@ METRICS_ENV = ("KVSVC_METRICS_TLS_CERT", "KVSVC_METRICS_TLS_KEY", "KVSVC_METRICS
 ALL_TLS_ENV = (*CLIENT_ENV, "KVSVC_TLS_SERVER_NAME", *METRICS_ENV)
 # What each setting must be: (Secret, key) in Kubernetes (cert-manager's layout).
 SERVER_SECRET, CLIENT_SECRET = "kvsvc-server-tls", "kvsvc-client-tls"
+TOKENS_SECRET = "kvsvc-tokens"
+ROLES = ("engine", "agent", "admin")
 K8S_SERVER_FILES = {
     "--tls-cert": (SERVER_SECRET, "tls.crt"),
     "--tls-key": (SERVER_SECRET, "tls.key"),
@@ -222,7 +224,7 @@ def test_the_overlay_only_adds_to_the_base_commands(docs: list[dict[str, Any]]) 
         assert container.get("command") == base[name].get("command"), name
         assert container["image"] == base[name]["image"], name
     sidecar_extra = tls["kvsvc"]["args"][len(base["kvsvc"]["args"]) :]
-    assert sidecar_extra[0::2] == list(SERVER_FLAGS)
+    assert sidecar_extra[0::2] == [*SERVER_FLAGS, *(f"--{role}-token-file" for role in ROLES)]
     for name in ("worker", "engine"):
         assert tls[name]["args"] == base[name]["args"], f"{name}: TLS comes from its env"
 
@@ -231,6 +233,22 @@ def test_the_sidecar_serves_mtls_with_the_server_secret(docs: list[dict[str, Any
     sidecar = containers(docs)["kvsvc"]
     for flag, expected in K8S_SERVER_FILES.items():
         assert secret_file(pod(docs), sidecar, flag_value(sidecar["args"], flag)) == expected
+
+
+def test_each_role_reads_its_token_file_from_the_tokens_secret(
+    docs: list[dict[str, Any]],
+) -> None:
+    spec, c = pod(docs), containers(docs)
+    for role in ROLES:
+        path = flag_value(c["kvsvc"]["args"], f"--{role}-token-file")
+        assert secret_file(spec, c["kvsvc"], path) == (TOKENS_SECRET, role)
+    for name, role in (("worker", "agent"), ("engine", "engine")):
+        env = env_of(c[name])
+        assert secret_file(spec, c[name], env[f"KVSVC_{role.upper()}_TOKEN_FILE"]) == (
+            TOKENS_SECRET,
+            role,
+        )
+        assert not any(k.endswith("_TOKEN") for k in env), "tokens come from files"
 
 
 def test_every_client_presents_the_client_secret(docs: list[dict[str, Any]]) -> None:
@@ -401,6 +419,16 @@ def _map_env(env: dict[str, str], mounts: dict[str, Path]) -> dict[str, str]:
     return {k: _mapped(v, mounts) for k, v in env.items()}
 
 
+def _token_files(directory: Path) -> dict[str, Path]:
+    """One token file per role, as ``kubectl create secret ... kvsvc-tokens`` would hold."""
+    directory.mkdir(exist_ok=True)
+    files = {}
+    for role in ROLES:
+        files[role] = directory / role
+        files[role].write_text(f"{role}-token-{'0123456789abcdef' * 2}\n")
+    return files
+
+
 def kubernetes_tls_scenario(certs: Any, root: Path) -> TlsScenario:
     """Each Secret as a directory of its keys, where the pod would mount it."""
     secrets = {
@@ -414,6 +442,7 @@ def kubernetes_tls_scenario(certs: Any, root: Path) -> TlsScenario:
             "tls.key": certs.client_key,
             "ca.crt": certs.ca,
         },
+        TOKENS_SECRET: _token_files(root / "token-sources"),
     }
     docs = overlay_documents()
     spec = pod(docs)
