@@ -255,7 +255,7 @@ class ServerConfig:
     tls_client_ca: str | None = None
     state_dir: str | None = None
     state_synchronous: str = "normal"
-    state_snapshot_every: int = 250_000
+    state_snapshot_every: int = 200_000
     state_snapshot_min_interval_s: float = 10.0
     state_checkpoint_interval_s: float = 1.0
 

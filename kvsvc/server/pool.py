@@ -59,6 +59,7 @@ from kvsvc.server.config import PoolConfig
 from kvsvc.server.events import EventLog
 from kvsvc.server.seclog import security_log
 from kvsvc.server.state import (
+    DEFAULT_SNAPSHOT_EVERY,
     JournalKind,
     JournalRecord,
     PoolPersistence,
@@ -685,9 +686,10 @@ class Pool:
         self.persistence = PoolPersistence(
             store,
             synchronous=options.get("synchronous", "normal"),
-            snapshot_every=options.get("snapshot_every", 5000),
+            snapshot_every=options.get("snapshot_every", DEFAULT_SNAPSHOT_EVERY),
             snapshot_min_interval_s=options.get("snapshot_min_interval_s", 10.0),
             checkpoint_interval_s=options.get("checkpoint_interval_s", 1.0),
+            publish=self.events.append,
         )
         with contextlib.suppress(RuntimeError):  # no running loop yet: start_state does
             self.persistence.start()
@@ -928,7 +930,12 @@ class Pool:
         return cache
 
     def drain_events(self) -> Any:
-        """Move the core's pending KV events into the replay log (after every change).
+        """Take the core's pending KV events as the next batch (after every change).
+
+        Without persistence the batch goes to the replay log (its subscribers) at once;
+        with it, :meth:`journal` holds it until the change it records is on disk, so no
+        subscriber sees an event that a crash could take back (and whose sequence number
+        the restarted server would give to another batch).
 
         Returns:
             The batch (None when the change made no event).
@@ -937,7 +944,7 @@ class Pool:
         if cache is None:
             return None
         batch = cache.take_events()
-        if batch is not None:
+        if batch is not None and self.persistence is None:
             self.events.append(batch)
         return batch
 
@@ -950,9 +957,12 @@ class Pool:
         self.state_dir = directory
         self.state_options = options
 
-    def journal(self, kind: int, engine: str, payload: bytes, reply: bytes, batch: Any) -> int:
+    def journal(
+        self, kind: int, engine: str, payload: bytes, reply: bytes, batch: Any, work: int = 0
+    ) -> int:
         """Record a call that changed the pool (under the lock, right after the change and
-        the events drain); returns the ticket to wait on (0: nothing is persisted)."""
+        the events drain; ``work``: tokens + 64 per operation, as the servicers count it);
+        returns the ticket to wait on (0: nothing is persisted)."""
         persistence = self.persistence
         if persistence is None:
             return 0
@@ -963,6 +973,8 @@ class Pool:
             batch.seq if batch is not None else 0,
             batch.timestamp if batch is not None else 0.0,
             reply_digest(reply),
+            batch,
+            1 + work // 64,
         )
         if persistence.snapshot_due():
             self.schedule_snapshot()
@@ -1028,6 +1040,7 @@ class Pool:
             server_state={"calls": self.calls.to_state()},
             ranks=[self._rank_records[rank] for rank in sorted(self._rank_records)],
             journal_seq=self.persistence.last_seq if self.persistence is not None else 0,
+            work=self.persistence.work_since_snapshot if self.persistence is not None else 0,
         )
 
     def schedule_snapshot(self) -> None:
@@ -1057,7 +1070,13 @@ class Pool:
             return False
         finally:
             persistence.snapshotting = False
+        # Rows journaled while it was written may make the next one due already.
+        asyncio.get_running_loop().call_soon(self._snapshot_if_due)
         return True
+
+    def _snapshot_if_due(self) -> None:
+        if self.persistence is not None and self.persistence.snapshot_due():
+            self.schedule_snapshot()
 
     async def export_snapshot(self, path: Path) -> None:
         """Write the pool's whole state now to a new snapshot file at ``path`` (for

@@ -97,17 +97,6 @@ def _check_token_ids(token_ids: Sequence[int], field: str) -> None:
         raise InvalidArgument(field, f"token id {bad} is outside [0, 2^31)")
 
 
-async def _run(pool: Pool, work: int, fn: Any, *args: Any) -> Any:
-    """Run ``fn`` as the pool's one writer: inline when small, in a thread when large."""
-    async with pool.lock:
-        if work > OFFLOAD_WORK_THRESHOLD:
-            result = await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-        else:
-            result = fn(*args)
-        pool.drain_events()
-        return result
-
-
 def _epoch(context: Any, pool: Pool) -> None:
     """Every reply of a call that names a pool carries the pool's state epoch: an engine
     retrying through a restart can tell a server that kept its state (same epoch) from
@@ -153,9 +142,15 @@ async def _mutate(pool: Pool, kind: int, request: Any, work: int, fn: Any, *args
                 response, changed = fn(*args)
             batch = pool.drain_events()
             ticket = 0
-            if changed and pool.persistence is not None:
+            # An event is a change, whatever ``changed`` says.
+            if (changed or batch is not None) and pool.persistence is not None:
                 ticket = pool.journal(
-                    kind, engine, request.SerializeToString(), response.SerializeToString(), batch
+                    kind,
+                    engine,
+                    request.SerializeToString(),
+                    response.SerializeToString(),
+                    batch,
+                    work,
                 )
             if call_id:
                 pool.calls.put(engine, call_id, kind, response, ticket)

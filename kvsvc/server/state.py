@@ -75,6 +75,9 @@ SNAPSHOT_FORMAT = "kvsvc-pool-snapshot"
 # and a reader never holds more than the state and one row).
 CHUNK_BYTES = 8 * 1024 * 1024
 SYNCHRONOUS_MODES = STATE_SYNCHRONOUS
+# Replay work (units of ~3 us: an operation, or 64 tokens) after which a snapshot replaces
+# the journal: a restart replays about a second at most.
+DEFAULT_SNAPSHOT_EVERY = 200_000
 
 
 class StateError(ConfigFileError):
@@ -612,25 +615,27 @@ class PoolStore:
             sqlite3.Error: the transaction failed (rolled back).
         """
         conn = self._conn
+        rows = [
+            (
+                r.seq,
+                r.kind,
+                r.engine,
+                r.payload,
+                r.event_seq,
+                r.event_ts,
+                r.reply_digest,
+                r.checksum(),
+            )
+            for r in records
+        ]
+        if len(rows) == 1 and not ranks and snapshot is None:
+            # The common case (one Step): one statement is its own transaction.
+            conn.execute(_INSERT_ROW, rows[0])
+            return
         conn.execute("BEGIN IMMEDIATE")
         try:
-            if records:
-                conn.executemany(
-                    "INSERT INTO journal VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    [
-                        (
-                            r.seq,
-                            r.kind,
-                            r.engine,
-                            r.payload,
-                            r.event_seq,
-                            r.event_ts,
-                            r.reply_digest,
-                            r.checksum(),
-                        )
-                        for r in records
-                    ],
-                )
+            if rows:
+                conn.executemany(_INSERT_ROW, rows)
             if ranks:
                 conn.executemany(
                     "INSERT OR REPLACE INTO ranks VALUES (?, ?, ?)", _ranks_rows(ranks)
@@ -679,6 +684,9 @@ def _configure(conn: sqlite3.Connection, synchronous: str) -> None:
     conn.execute("PRAGMA busy_timeout = 10000")
 
 
+_INSERT_ROW = "INSERT INTO journal VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+
+
 def new_store_id() -> str:
     """Identifies one lineage of a pool's state (a restore into a new directory keeps the
     epoch but gets a new store id: its journal starts afresh)."""
@@ -696,6 +704,7 @@ class SnapshotCapture:
     server_state: dict[str, Any]
     ranks: list[RankRecord]
     journal_seq: int
+    work: int = 0  # PoolPersistence.work_since_snapshot at the copy
 
 
 class PoolPersistence:
@@ -719,9 +728,10 @@ class PoolPersistence:
         store: PoolStore,
         *,
         synchronous: str = "normal",
-        snapshot_every: int = 5000,
+        snapshot_every: int = DEFAULT_SNAPSHOT_EVERY,
         snapshot_min_interval_s: float = 10.0,
         checkpoint_interval_s: float = 1.0,
+        publish: Callable[[Any], None] | None = None,
     ) -> None:
         if synchronous not in SYNCHRONOUS_MODES:
             raise ValueError(f"state_synchronous must be one of {SYNCHRONOUS_MODES}")
@@ -731,6 +741,12 @@ class PoolPersistence:
         self.snapshot_min_interval_s = snapshot_min_interval_s
         self.checkpoint_interval_s = checkpoint_interval_s
         self.last_seq = store.last_seq
+        # Replay work journaled since the snapshot (see record's ``weight``): not kept on
+        # disk, so a restart counts the journal it found as one snapshot's worth.
+        self.work_since_snapshot = 0 if store.last_seq == store.snapshot_seq else snapshot_every
+        # Event batches of the recorded changes go to subscribers once committed.
+        self._publish = publish
+        self._batches: list[Any] = []
         self._records: list[JournalRecord] = []
         self._ranks: list[RankRecord] = []
         self._snapshot_install: tuple[int, int] | None = None
@@ -769,12 +785,19 @@ class PoolPersistence:
         event_seq: int,
         event_ts: float,
         digest: int,
+        batch: Any = None,
+        weight: int = 1,
     ) -> int:
-        """Journal one applied call; returns its ticket."""
+        """Journal one applied call (``batch``: the events it made, published once the
+        commit is done; ``weight``: what replaying it costs, one unit per operation and per
+        64 tokens, ~3 us each); returns its ticket."""
         self.last_seq += 1
+        self.work_since_snapshot += weight
         self._records.append(
             JournalRecord(self.last_seq, kind, engine, payload, event_seq, event_ts, digest)
         )
+        if batch is not None:
+            self._batches.append(batch)
         return self._next_ticket()
 
     def update_rank(self, record: RankRecord) -> int:
@@ -787,12 +810,12 @@ class PoolPersistence:
         return self.last_seq - self.store.snapshot_seq
 
     def snapshot_due(self) -> bool:
-        """Whether the journal is long enough (and the last snapshot old enough) that a
-        snapshot should replace it: keeps restarts short."""
+        """Whether the journal holds enough replay work (and the last snapshot is old
+        enough) that a snapshot should replace it: keeps restarts short."""
         return (
             self.failed is None
             and not self.snapshotting
-            and self.records_since_snapshot >= self.snapshot_every
+            and self.work_since_snapshot >= self.snapshot_every
             and time.monotonic() - self._last_snapshot >= self.snapshot_min_interval_s
         )
 
@@ -818,39 +841,48 @@ class PoolPersistence:
         if ticket <= self._committed:
             return
         self.check_writable()
+        if self.synchronous == "normal" and self._flush_scheduled:
+            # The flush was scheduled when the change was recorded, so it runs before this
+            # task resumes: one turn of the loop, not the two a future's wakeup takes.
+            await asyncio.sleep(0)
+            if ticket <= self._committed:
+                return
+            self.check_writable()
         waiter = self._loop().create_future()
         self._waiters.append((ticket, waiter))
         await waiter
-
-    def _take(self) -> tuple[list[JournalRecord], list[RankRecord], tuple[int, int] | None, int]:
-        batch = (self._records, self._ranks, self._snapshot_install, self._ticket)
-        self._records, self._ranks, self._snapshot_install = [], [], None
-        return batch
 
     def _flush(self) -> None:
         self._flush_scheduled = False
         if self.failed is not None or self._flushing or self._ticket == self._committed:
             return
-        records, ranks, install, upto = self._take()
+        records, ranks, install = self._records, self._ranks, self._snapshot_install
+        batches, upto = self._batches, self._ticket
+        self._records, self._ranks, self._snapshot_install, self._batches = [], [], None, []
         if self.synchronous == "full":
             self._flushing = True
             future = self._loop().run_in_executor(None, self.store.commit, records, ranks, install)
             future.add_done_callback(
-                lambda f: self._after_commit(f.exception(), upto, len(records))
+                lambda f: self._after_commit(f.exception(), upto, len(records), batches)
             )
             return
         try:
             self.store.commit(records, ranks, install)
         except Exception as exc:  # sqlite3.Error, OSError: the disk said no
-            self._after_commit(exc, upto, 0)
+            self._after_commit(exc, upto, 0, [])
             return
-        self._after_commit(None, upto, len(records))
+        self._after_commit(None, upto, len(records), batches)
 
-    def _after_commit(self, error: BaseException | None, upto: int, num_records: int) -> None:
+    def _after_commit(
+        self, error: BaseException | None, upto: int, num_records: int, batches: list[Any]
+    ) -> None:
         self._flushing = False
         if error is not None:
             self._fail(error)
             return
+        if self._publish is not None:
+            for batch in batches:  # in sequence order, as the commits are
+                self._publish(batch)
         self._committed = upto
         self._dirty = True
         self.num_commits += 1
@@ -907,6 +939,7 @@ class PoolPersistence:
             generation = self.store.snapshot_generation + 1
             await loop.run_in_executor(None, self._write_snapshot, capture, generation)
             self._snapshot_install = (generation, capture.journal_seq)
+            self.work_since_snapshot = max(0, self.work_since_snapshot - capture.work)
             await self.durable(self._next_ticket())
             # The pointer must be on disk before the file it replaced goes.
             await loop.run_in_executor(None, self.store.checkpoint)

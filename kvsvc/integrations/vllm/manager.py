@@ -66,6 +66,7 @@ _FREE = pb.STEP_OPERATION_TYPE_FREE
 _PREEMPT = pb.STEP_OPERATION_TYPE_PREEMPT
 _LOOKUP = pb.STEP_OPERATION_TYPE_LOOKUP
 _OK = pb.ALLOCATE_STATUS_OK
+_RECOMPUTE = pb.ALLOCATE_STATUS_RECOMPUTE
 # How many free-queue ids a refresh asks for: a decode step that crosses more block
 # boundaries than the mirror knows ids for costs one synchronous refresh.
 _HEAD_WINDOW = 1024
@@ -286,6 +287,14 @@ class KvsvcBlockMirror:
         pos = 0
         for i, op in enumerate(expected):
             n = counts[i]
+            if op.kind == _ALLOCATE and statuses[i] == _RECOMPUTE:
+                # The scheduler already ran on the mirror's answer: it cannot be taken back.
+                raise KvsvcError(
+                    f"{self._where}: the pool's KV data was invalidated (a rank came back "
+                    "with fresh tensors, or a forced reset), so request "
+                    f"{op.request_id!r} must be recomputed; vLLM on kvsvc does not re-admit "
+                    "on ALLOCATE_STATUS_RECOMPUTE yet: restart the engine"
+                )
             if op.kind == _ALLOCATE:
                 got = list(new_ids[pos : pos + n])
                 if (
