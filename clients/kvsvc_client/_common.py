@@ -13,11 +13,12 @@ from kvsvc.tls import ClientTls, client_tls, open_aio_channel, open_channel
 
 # Calls that change nothing may be retried after UNAVAILABLE.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
-# Allocate admissions and Free are safe to repeat (the server answers a repeated admission
-# with the request's state and a repeated Free of a recently freed id with success), so
-# they are also retried when the reply was lost: the call may have been applied.
-# Continuations and Step are never retried (a repeat would apply them twice).
+# Allocate, Free and Step carry a call_id: the server answers a repeat of an applied one
+# with its first reply (and a repeated admission or Free is answered safely even without
+# one), so they are also retried when the reply was lost: the call may have been applied.
 RETRYABLE_REPEATS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# Trailing metadata of every reply of a call that names a pool: the pool's state epoch.
+EPOCH_METADATA = "kvsvc-epoch"
 CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -30,8 +31,11 @@ class ClientOptions:
     """Attributes:
     timeout: deadline of each unary call, seconds.
     retries: extra attempts of a side-effect-free call after UNAVAILABLE, and of an
-        ``allocate`` admission (``start`` given) or a ``free`` after UNAVAILABLE or
-        DEADLINE_EXCEEDED (each attempt gets the whole ``timeout``).
+        ``allocate``, ``free`` or ``step`` after UNAVAILABLE or DEADLINE_EXCEEDED (each
+        attempt gets the whole ``timeout``; a repeat is answered, not applied again).
+    unavailable_timeout: seconds an ``allocate``, ``free`` or ``step`` keeps being retried
+        (past ``retries``) while the server answers UNAVAILABLE: a restart on its state
+        directory, after which the pool goes on where it was. 0: ``retries`` attempts only.
     backoff: first retry delay, seconds (doubles, with jitter, up to ``max_backoff``).
     token: bearer token sent as ``authorization`` metadata ("" = send none).
     token_file: a file holding the token (its first line that is not blank or a comment).
@@ -49,6 +53,7 @@ class ClientOptions:
 
     timeout: float = 10.0
     retries: int = 3
+    unavailable_timeout: float = 30.0
     backoff: float = 0.05
     max_backoff: float = 2.0
     token: str | None = None

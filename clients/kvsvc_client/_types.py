@@ -12,6 +12,9 @@ class AllocateStatus(Enum):
     OK = "ok"
     # Not enough free blocks; nothing changed. Preempt something or wait.
     NO_SPACE = "no_space"
+    # The request's KV data is gone (a rank came back with fresh memory, or a forced reset):
+    # nothing changed. Free it as preempted and admit it again with its tokens so far.
+    RECOMPUTE = "recompute"
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +72,11 @@ class AllocateResult:
     def ok(self) -> bool:
         return self.status is AllocateStatus.OK
 
+    @property
+    def needs_recompute(self) -> bool:
+        """The request must be freed (preempted) and admitted again: its KV data is gone."""
+        return self.status is AllocateStatus.RECOMPUTE
+
 
 @dataclass(frozen=True, slots=True)
 class FreeResult:
@@ -105,6 +113,8 @@ class BlockTable:
     groups: tuple[tuple[int, ...], ...]
     num_computed_tokens: int
     num_tokens: int
+    # Its KV data is gone: allocations answer RECOMPUTE until it is freed.
+    needs_recompute: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,3 +224,7 @@ class PoolInfo:
     error: str
     max_model_len: int
     workers: tuple[WorkerInfo, ...] = field(default_factory=tuple)
+    # The pool's state epoch (the same across restarts that keep the state).
+    epoch: str = ""
+    # Its state is kept in a state directory (survives restarts).
+    persistent: bool = False

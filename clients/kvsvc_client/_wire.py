@@ -38,6 +38,12 @@ _STATE_NAMES = {
 }
 
 
+_STATUS = {
+    kvcache_pb2.ALLOCATE_STATUS_OK: AllocateStatus.OK,
+    kvcache_pb2.ALLOCATE_STATUS_NO_SPACE: AllocateStatus.NO_SPACE,
+    kvcache_pb2.ALLOCATE_STATUS_RECOMPUTE: AllocateStatus.RECOMPUTE,
+}
+
 # Prompts longer than this travel packed (4 bytes per id): building and parsing a repeated
 # varint field costs ~50 ns per id on each side, packing a few ns.
 PACK_THRESHOLD = 16
@@ -173,9 +179,7 @@ def lookup_request(
 
 def allocate_result(response: kvcache_pb2.AllocateResponse) -> AllocateResult:
     return AllocateResult(
-        status=AllocateStatus.OK
-        if response.status == kvcache_pb2.ALLOCATE_STATUS_OK
-        else AllocateStatus.NO_SPACE,
+        status=_STATUS.get(response.status, AllocateStatus.NO_SPACE),
         new_block_ids=tuple(tuple(g.block_ids) for g in response.new_blocks),
         num_null_blocks=tuple(g.num_null_blocks for g in response.new_blocks),
         num_cached_tokens=response.num_cached_tokens,
@@ -362,6 +366,12 @@ class StepResultList(Sequence[StepOutcome]):
         no_space = kvcache_pb2.ALLOCATE_STATUS_NO_SPACE
         return [i for i, status in enumerate(self.statuses) if status == no_space]
 
+    def recompute_indices(self) -> list[int]:
+        """Indices of the allocations whose request must be recomputed (RECOMPUTE): free
+        each as preempted and admit it again."""
+        recompute = kvcache_pb2.ALLOCATE_STATUS_RECOMPUTE
+        return [i for i, status in enumerate(self.statuses) if status == recompute]
+
     def error_indices(self) -> list[int]:
         return sorted(self._response.errors)
 
@@ -396,9 +406,7 @@ class StepResultList(Sequence[StepOutcome]):
         if kind == kvcache_pb2.STEP_OPERATION_TYPE_LOOKUP:
             return LookupResult(column("num_cached_tokens")[index], tuple(per_group))
         return AllocateResult(
-            status=AllocateStatus.OK
-            if column("statuses")[index] == kvcache_pb2.ALLOCATE_STATUS_OK
-            else AllocateStatus.NO_SPACE,
+            status=_STATUS.get(column("statuses")[index], AllocateStatus.NO_SPACE),
             new_block_ids=tuple(per_group),
             num_null_blocks=tuple(column("num_null_blocks")[base : base + groups]),
             num_cached_tokens=column("num_cached_tokens")[index],
@@ -409,6 +417,7 @@ class StepResultList(Sequence[StepOutcome]):
 
 def block_table(response: kvcache_pb2.GetBlockTableResponse) -> BlockTable:
     return BlockTable(
+        needs_recompute=response.needs_recompute,
         groups=tuple(tuple(g.block_ids) for g in response.groups),
         num_computed_tokens=response.num_computed_tokens,
         num_tokens=response.num_tokens,
@@ -488,6 +497,8 @@ def pool_info(summary: admin_pb2.PoolSummary) -> PoolInfo:
         enable_prefix_caching=summary.enable_prefix_caching,
         error=summary.error,
         max_model_len=summary.max_model_len,
+        epoch=summary.epoch,
+        persistent=summary.persistent,
         workers=tuple(
             WorkerInfo(
                 rank=w.rank,

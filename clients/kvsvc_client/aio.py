@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import grpc
 
 from kvsvc.v1 import admin_pb2, admin_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc
 from kvsvc_client import _wire
-from kvsvc_client._common import RETRYABLE, RETRYABLE_REPEATS, ClientOptions
+from kvsvc_client._common import EPOCH_METADATA, RETRYABLE, RETRYABLE_REPEATS, ClientOptions
 from kvsvc_client._types import (
     AllocateResult,
     BlockTable,
@@ -22,7 +26,7 @@ from kvsvc_client._types import (
 )
 from kvsvc_client.errors import error_from_rpc
 
-_T = TypeVar("_T")
+_log = logging.getLogger("kvsvc_client")
 
 
 class AsyncStep(_wire.StepBuilder):
@@ -31,9 +35,13 @@ class AsyncStep(_wire.StepBuilder):
         self._client = client
 
     async def send(self, timeout: float | None = None) -> _wire.StepResultList:
-        """Apply the operations in order; one result per operation (never retried)."""
-        response = await self._client._call(
-            self._client._stub.Step, self.to_pb(), timeout, retry=False
+        """Apply the operations in order; one result per operation (retried like
+        :meth:`kvsvc_client.SyncStep.send`: the Step carries a call id)."""
+        client = self._client
+        request = self.to_pb()
+        request.call_id = client._call_id()
+        response = await client._call(
+            client._stub.Step, request, timeout, retry=True, codes=RETRYABLE_REPEATS, patient=True
         )
         return self.parse(response)
 
@@ -41,9 +49,11 @@ class AsyncStep(_wire.StepBuilder):
 class AsyncKVCacheClient:
     """Engine-facing asyncio client of one pool. See :class:`kvsvc_client.KVCacheClient`.
 
-    Retries as that client does: side-effect-free calls after UNAVAILABLE; admissions and
-    ``free`` after UNAVAILABLE or DEADLINE_EXCEEDED too (the server makes repeating them
-    safe); later ``allocate`` calls and ``step`` never.
+    Retries as that client does: side-effect-free calls after UNAVAILABLE; ``allocate``,
+    ``free`` and ``step`` after UNAVAILABLE or DEADLINE_EXCEEDED too (each carries a call
+    id: the server answers a repeat of an applied call with its reply); and every call
+    while the server is UNAVAILABLE for up to ``options.unavailable_timeout`` seconds.
+    :attr:`epoch` is the pool's state epoch as of the last reply.
     """
 
     def __init__(self, target: str, pool: str, *, options: ClientOptions | None = None) -> None:
@@ -54,6 +64,9 @@ class AsyncKVCacheClient:
         self._stub = kvcache_pb2_grpc.KVCacheServiceStub(self._channel)
         self._admin = admin_pb2_grpc.AdminServiceStub(self._channel)
         self._metadata = self.options.metadata()
+        self._call_prefix = uuid.uuid4().hex[:16]
+        self._call_numbers = itertools.count(1)
+        self.epoch: str | None = None
 
     def __repr__(self) -> str:
         return f"AsyncKVCacheClient({self.target!r}, pool={self.pool!r})"
@@ -67,28 +80,60 @@ class AsyncKVCacheClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    def _call_id(self) -> str:
+        return f"{self._call_prefix}-{next(self._call_numbers)}"
+
     async def _call(
         self,
-        method: Callable[..., Awaitable[_T]],
+        method: Any,
         request: Any,
         timeout: float | None,
         retry: bool,
         codes: frozenset[grpc.StatusCode] = RETRYABLE,
-    ) -> _T:
-        """One RPC; with ``retry``, up to ``options.retries`` more after a status in
-        ``codes`` (backing off between attempts)."""
-        attempts = 1 + (self.options.retries if retry else 0)
-        for attempt in range(attempts):
+        patient: bool = False,
+    ) -> Any:
+        """One RPC, retried as :meth:`kvsvc_client.KVCacheClient._call` does; notes the
+        pool's epoch from the reply."""
+        options = self.options
+        attempts = 1 + (options.retries if retry else 0)
+        patience = time.monotonic() + (options.unavailable_timeout if patient else 0.0)
+        attempt = 0
+        while True:
+            call = method(request, timeout=timeout or options.timeout, metadata=self._metadata)
             try:
-                return await method(
-                    request, timeout=timeout or self.options.timeout, metadata=self._metadata
-                )
+                response = await call
             except grpc.aio.AioRpcError as exc:
-                if attempt + 1 < attempts and exc.code() in codes:
-                    await asyncio.sleep(self.options.delay(attempt))
+                code = exc.code()
+                attempt += 1
+                if (
+                    retry
+                    and code in codes
+                    and (
+                        attempt < attempts
+                        or (code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < patience)
+                    )
+                ):
+                    await asyncio.sleep(options.delay(min(attempt - 1, 16)))
                     continue
                 raise error_from_rpc(exc) from None
-        raise AssertionError("unreachable")
+            trailing = getattr(call, "trailing_metadata", None)
+            if trailing is not None:
+                self._note_epoch(await trailing())
+            return response
+
+    def _note_epoch(self, metadata: Any) -> None:
+        for key, value in metadata or ():
+            if key == EPOCH_METADATA:
+                if self.epoch is not None and value != self.epoch:
+                    _log.warning(
+                        "pool %r: the server's state epoch changed from %s to %s: the "
+                        "requests this client made before are gone",
+                        self.pool,
+                        self.epoch,
+                        value,
+                    )
+                self.epoch = value
+                return
 
     async def allocate(
         self,
@@ -100,14 +145,19 @@ class AsyncKVCacheClient:
         start: RequestStart | bool = False,
         timeout: float | None = None,
     ) -> AllocateResult:
-        """See :meth:`kvsvc_client.KVCacheClient.allocate` (admissions are retried)."""
+        """See :meth:`kvsvc_client.KVCacheClient.allocate` (retried: a repeat is safe)."""
         request = _wire.allocate_request(
             self.pool, request_id, new_token_ids, num_new_tokens, num_lookahead_tokens, start
         )
-        admission = request.HasField("start")
+        request.call_id = self._call_id()
         return _wire.allocate_result(
             await self._call(
-                self._stub.Allocate, request, timeout, retry=admission, codes=RETRYABLE_REPEATS
+                self._stub.Allocate,
+                request,
+                timeout,
+                retry=True,
+                codes=RETRYABLE_REPEATS,
+                patient=True,
             )
         )
 
@@ -116,8 +166,9 @@ class AsyncKVCacheClient:
     ) -> int:
         """See :meth:`kvsvc_client.KVCacheClient.free` (retried: a repeat is safe)."""
         request = _wire.free_request(self.pool, request_ids, preempted)
+        request.call_id = self._call_id()
         response = await self._call(
-            self._stub.Free, request, timeout, retry=True, codes=RETRYABLE_REPEATS
+            self._stub.Free, request, timeout, retry=True, codes=RETRYABLE_REPEATS, patient=True
         )
         return response.num_freed_blocks
 

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
+import logging
+import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar, cast
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, cast
 
 import grpc
 
 from kvsvc.v1 import admin_pb2, admin_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc
 from kvsvc_client import _wire
-from kvsvc_client._common import RETRYABLE, RETRYABLE_REPEATS, ClientOptions
+from kvsvc_client._common import EPOCH_METADATA, RETRYABLE, RETRYABLE_REPEATS, ClientOptions
 from kvsvc_client._types import (
     AllocateResult,
     BlockTable,
@@ -30,7 +35,7 @@ from kvsvc_client.errors import (
     error_from_rpc,
 )
 
-_T = TypeVar("_T")
+_log = logging.getLogger("kvsvc_client")
 
 
 class SyncStep(_wire.StepBuilder):
@@ -41,8 +46,18 @@ class SyncStep(_wire.StepBuilder):
         self._client = client
 
     def send(self, timeout: float | None = None) -> _wire.StepResultList:
-        """Apply the operations in order; one result per operation (never retried)."""
-        response = self._client._call(self._client._stub.Step, self.to_pb(), timeout, retry=False)
+        """Apply the operations in order; one result per operation.
+
+        Retried after UNAVAILABLE or DEADLINE_EXCEEDED (see :class:`KVCacheClient`): the
+        Step carries a call id, so a repeat of one the server applied answers its reply
+        and applies nothing twice.
+        """
+        client = self._client
+        request = self.to_pb()
+        request.call_id = client._call_id()
+        response = client._call(
+            client._stub.Step, request, timeout, retry=True, codes=RETRYABLE_REPEATS, patient=True
+        )
         return self.parse(response)
 
     def send_future(self, timeout: float | None = None) -> StepFuture:
@@ -82,11 +97,16 @@ class KVCacheClient:
     """Engine-facing client of one pool.
 
     Every call has a deadline (``options.timeout``). Calls without side effects (lookup,
-    block_table, usage, admin) are retried on UNAVAILABLE. Admissions (``allocate`` with
-    ``start``) and ``free`` are retried on UNAVAILABLE and DEADLINE_EXCEEDED too, up to
-    ``options.retries`` times: the server answers a repeated admission with the request's
-    state and a repeated free with success, so a retry after a lost reply does no work
-    twice. Later ``allocate`` calls and ``step`` are never retried.
+    block_table, usage, admin) are retried on UNAVAILABLE. ``allocate``, ``free`` and
+    ``step`` are retried on UNAVAILABLE and DEADLINE_EXCEEDED too, up to
+    ``options.retries`` times: each carries a call id, and the server answers a repeat of
+    a call it applied with that call's reply, so a retry after a lost reply does no work
+    twice. While the server answers UNAVAILABLE (a restart: a server on a state directory
+    comes back with every request where it was) calls keep being retried for up to
+    ``options.unavailable_timeout`` seconds.
+
+    :attr:`epoch` is the pool's state epoch as of the last reply: it stays the same across
+    restarts that keep the state; another one means the requests made before are gone.
 
     Example::
 
@@ -116,6 +136,11 @@ class KVCacheClient:
         self._step_sender: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
         self._watches: set[Any] = set()  # open WatchEvents streams, cancelled by close()
+        # Call ids of Allocate, Free and Step: unique per client, so the server can answer
+        # a retried call with its first reply (itertools.count is atomic under the GIL).
+        self._call_prefix = uuid.uuid4().hex[:16]
+        self._call_numbers = itertools.count(1)
+        self.epoch: str | None = None
 
     def __repr__(self) -> str:
         return f"KVCacheClient({self.target!r}, pool={self.pool!r})"
@@ -147,28 +172,63 @@ class KVCacheClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _call_id(self) -> str:
+        return f"{self._call_prefix}-{next(self._call_numbers)}"
+
     def _call(
         self,
-        method: Callable[..., _T],
+        method: Any,
         request: Any,
         timeout: float | None,
         retry: bool,
         codes: frozenset[grpc.StatusCode] = RETRYABLE,
-    ) -> _T:
+        patient: bool = False,
+    ) -> Any:
         """One RPC; with ``retry``, up to ``options.retries`` more after a status in
-        ``codes`` (backing off between attempts)."""
-        attempts = 1 + (self.options.retries if retry else 0)
-        for attempt in range(attempts):
+        ``codes``, and (``patient``: Allocate, Free, Step) more while the server answers
+        UNAVAILABLE (a restart), for up to ``options.unavailable_timeout`` seconds; backing
+        off between attempts. Notes the pool's epoch from the reply."""
+        options = self.options
+        attempts = 1 + (options.retries if retry else 0)
+        patience = time.monotonic() + (options.unavailable_timeout if patient else 0.0)
+        attempt = 0
+        while True:
             try:
-                return method(
-                    request, timeout=timeout or self.options.timeout, metadata=self._metadata
+                response, call = method.with_call(
+                    request, timeout=timeout or options.timeout, metadata=self._metadata
                 )
             except grpc.RpcError as exc:
-                if attempt + 1 < attempts and exc.code() in codes:  # type: ignore[attr-defined]
-                    time.sleep(self.options.delay(attempt))
+                code = exc.code()  # type: ignore[attr-defined]
+                attempt += 1
+                if (
+                    retry
+                    and code in codes
+                    and (
+                        attempt < attempts
+                        or (code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < patience)
+                    )
+                ):
+                    time.sleep(options.delay(min(attempt - 1, 16)))
                     continue
                 raise error_from_rpc(exc) from None
-        raise AssertionError("unreachable")
+            self._note_epoch(call)
+            return response
+
+    def _note_epoch(self, call: Any) -> None:
+        """Keep the pool's state epoch from a reply's trailing metadata (see
+        :attr:`epoch`)."""
+        for key, value in call.trailing_metadata() or ():
+            if key == EPOCH_METADATA:
+                if self.epoch is not None and value != self.epoch:
+                    _log.warning(
+                        "pool %r: the server's state epoch changed from %s to %s: the "
+                        "requests this client made before are gone",
+                        self.pool,
+                        self.epoch,
+                        value,
+                    )
+                self.epoch = value
+                return
 
     # ------------------------------------------------------------------ engine calls
 
@@ -193,30 +253,37 @@ class KVCacheClient:
             start: on the first call, ``True`` or a :class:`RequestStart` with the hashing
                 context; ``False`` on later calls.
 
-        A first call is retried after UNAVAILABLE or DEADLINE_EXCEEDED (``options.retries``
-        times at most): if the lost attempt was applied, the retry answers the request's
-        state as that admission left it (same blocks). Later calls are not retried.
+        Retried after UNAVAILABLE or DEADLINE_EXCEEDED (see the class): if the lost
+        attempt was applied, the retry answers its reply (same blocks, counts).
+        ``result.needs_recompute``: the request's KV data is gone; free it as preempted and
+        admit it again.
         """
         request = _wire.allocate_request(
             self.pool, request_id, new_token_ids, num_new_tokens, num_lookahead_tokens, start
         )
-        admission = request.HasField("start")
+        request.call_id = self._call_id()
         return _wire.allocate_result(
             self._call(
-                self._stub.Allocate, request, timeout, retry=admission, codes=RETRYABLE_REPEATS
+                self._stub.Allocate,
+                request,
+                timeout,
+                retry=True,
+                codes=RETRYABLE_REPEATS,
+                patient=True,
             )
         )
 
     def free(self, *request_ids: str, preempted: bool = False, timeout: float | None = None) -> int:
         """Release requests; returns blocks whose last holder this was.
 
-        Retried after UNAVAILABLE or DEADLINE_EXCEEDED (``options.retries`` times at most):
-        ids the lost attempt freed count as freed already, so the retry succeeds (their
-        blocks are not counted again: the result may then be lower than what was freed).
+        Retried after UNAVAILABLE or DEADLINE_EXCEEDED (see the class): a retry of an
+        attempt the server applied answers that attempt's count (by the call's id; ids
+        freed before that call are recently freed ones: they succeed with 0 blocks).
         """
         request = _wire.free_request(self.pool, request_ids, preempted)
+        request.call_id = self._call_id()
         response = self._call(
-            self._stub.Free, request, timeout, retry=True, codes=RETRYABLE_REPEATS
+            self._stub.Free, request, timeout, retry=True, codes=RETRYABLE_REPEATS, patient=True
         )
         return response.num_freed_blocks
 
@@ -317,6 +384,54 @@ class KVCacheClient:
     ) -> admin_pb2.GetPlanResponse:
         request = admin_pb2.GetPlanRequest(pool=pool or self.pool)
         return self._call(self._admin.GetPlan, request, timeout, retry=True)
+
+    def force_reset_prefix_cache(self, *, timeout: float | None = None) -> tuple[int, int]:
+        """Operator: drop every cached hash of the pool now, even while requests hold
+        blocks (``reset_prefix_cache`` refuses then). The pool's live requests are flagged:
+        their next allocation answers RECOMPUTE. Not retried (a repeat would flag the
+        requests admitted meanwhile).
+
+        Returns:
+            The requests flagged and the cached blocks dropped.
+        """
+        request = admin_pb2.ForceResetPrefixCacheRequest(pool=self.pool)
+        response = self._call(self._admin.ForceResetPrefixCache, request, timeout, retry=False)
+        return response.num_requests_flagged, response.num_cached_blocks_dropped
+
+    def snapshot(self, out: str | os.PathLike[str], *, timeout: float | None = None) -> int:
+        """Operator: write the pool's whole state to the new file ``out`` (mode 0600: it
+        holds the pool's hash seed), for ``kvsvc serve --restore``. Returns its size.
+
+        Raises:
+            FileExistsError: ``out`` exists.
+            KVCacheError: the call failed (nothing is left at ``out``).
+        """
+        path = Path(out)
+        partial = path.with_name(path.name + ".partial")
+        request = admin_pb2.SnapshotPoolRequest(pool=self.pool)
+        if path.exists():
+            raise FileExistsError(f"{path} exists; choose another --out")
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        written = 0
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                for chunk in self._admin.SnapshotPool(
+                    request,
+                    timeout=timeout or max(60.0, self.options.timeout),
+                    metadata=self._metadata,
+                ):
+                    handle.write(chunk.data)
+                    written += len(chunk.data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(partial, path)
+        except grpc.RpcError as exc:
+            partial.unlink(missing_ok=True)
+            raise error_from_rpc(exc) from None
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+        return written
 
     def wait_until_ready(self, timeout: float = 60.0, poll: float = 0.1) -> PoolInfo:
         """Poll the admin view until the pool is READY (or DEGRADED); raise on timeout.

@@ -118,6 +118,21 @@ def add_parser(subparsers: Any) -> None:
         "refused (exit 1) while requests still hold blocks, unless --force.",
     )
     reset.add_argument("pool")
+    reset.add_argument(
+        "--force",
+        action="store_true",
+        help="drop them even while requests hold blocks: the live requests are flagged and "
+        "their engines must recompute them (their next allocation answers RECOMPUTE)",
+    )
+    snapshot = commands.add_parser(
+        "snapshot",
+        help="write a pool's whole state to a file (for kvsvc serve --restore)",
+        description="Write the pool's whole state (plan inputs, hash seed, block pool, prefix "
+        "index, live requests, event sequence) to a new file, mode 0600: it holds the "
+        "pool's hash seed. `kvsvc serve --restore FILE` starts a server with it.",
+    )
+    snapshot.add_argument("pool")
+    snapshot.add_argument("--out", required=True, metavar="FILE", help="the file to write")
     parser.set_defaults(func=run)
 
 
@@ -362,6 +377,8 @@ def run(args: argparse.Namespace) -> int:
         return tls_exit_status(exc)
     options = ClientOptions(
         timeout=args.timeout,
+        # An operator's command fails at once when the server is down, not after a wait.
+        unavailable_timeout=0.0,
         token=args.auth_token,
         token_file=args.token_file,
         role="admin",
@@ -390,9 +407,29 @@ def run(args: argparse.Namespace) -> int:
                     idle=args.idle,
                 )
             if args.ctl_command == "reset-prefix-cache":
+                if args.force:
+                    flagged, dropped = client.force_reset_prefix_cache()
+                    print(
+                        f"reset: {dropped} cached blocks dropped, {flagged} live requests "
+                        "flagged for recompute"
+                    )
+                    return 0
                 reset = client.reset_prefix_cache()
-                print("reset" if reset else "refused: blocks are still held by requests")
+                print(
+                    "reset"
+                    if reset
+                    else "refused: blocks are still held by requests (--force drops the "
+                    "cache anyway and has their engines recompute them)"
+                )
                 return 0 if reset else 1
+            if args.ctl_command == "snapshot":
+                try:
+                    size = client.snapshot(args.out)
+                except OSError as exc:
+                    print(f"kvsvc ctl: {exc}", file=sys.stderr)
+                    return 1
+                print(f"wrote {args.out} ({size} bytes)")
+                return 0
     except KVCacheError as exc:
         hint = ""
         if isinstance(exc, UnavailableError) and tls is None:

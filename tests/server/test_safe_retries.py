@@ -7,8 +7,9 @@ A client whose deadline ran out had its 4,000 admissions applied, and its retry 
   answers the request's current state (OK, all its blocks, its cached and computed
   counts); anything else for a live id is ALREADY_EXISTS;
 * a Free of a recently freed id succeeds with 0 blocks (a never-seen id stays NOT_FOUND);
-* the typed clients retry admissions and Free after UNAVAILABLE or DEADLINE_EXCEEDED,
-  but never continuations or Steps.
+* the typed clients retry Allocate, Free and Step after UNAVAILABLE or DEADLINE_EXCEEDED
+  (issue 10): each carries a call id, and the server answers a repeat of an applied call
+  with its first reply, so continuations and Steps are applied exactly once too.
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ from kvsvc_client import (
 )
 
 from kvsvc.server.config import PoolConfig
+from kvsvc.v1 import kvcache_pb2, kvcache_pb2_grpc
 from tests.server.harness import ServerThread, bring_up, running_server
 
 # 4 layers x 2 heads x (64 + 64) x fp16 x 16 tokens = 32 KiB per block.
 BYTES_PER_BLOCK = 4 * 2 * 128 * 2 * 16
-OPTIONS = ClientOptions(backoff=0.001, max_backoff=0.002)
+OPTIONS = ClientOptions(backoff=0.001, max_backoff=0.002, unavailable_timeout=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -217,26 +219,50 @@ def test_the_client_retries_a_free_whose_reply_was_lost(
     assert kv.allocate("lost", tokens(0, 40), 40, start=True).ok
     lossy = _LoseReplies("Free", grpc.StatusCode.DEADLINE_EXCEEDED)
     with lossy_client(server, lossy) as client:
-        assert client.free("lost") == 0  # the lost attempt freed the blocks
+        # The lost attempt freed the 3 blocks; the retry (same call id) answers its reply.
+        assert client.free("lost") == 3
     assert len(lossy.sent) == 2
     assert kv.usage().num_requests == 0
 
 
-def test_the_client_never_retries_continuations_or_steps(
+def test_the_client_retries_continuations_and_steps_applying_them_once(
     server: ServerThread, kv: KVCacheClient
 ) -> None:
     assert kv.allocate("c", tokens(0, 20), 20, start=True).ok
     lossy = _LoseReplies("Allocate", grpc.StatusCode.DEADLINE_EXCEEDED)
     with lossy_client(server, lossy) as client:
-        with pytest.raises(UnavailableError):
-            client.allocate("c", [1], 1)
-        assert len(lossy.sent) == 1
+        result = client.allocate("c", [1], 1)
+        assert len(lossy.sent) == 2
+        assert result.ok and result.num_computed_tokens == 21  # the first attempt's reply
         assert kv.block_table("c").num_computed_tokens == 21  # applied exactly once
         step_lossy = _LoseReplies("Step", grpc.StatusCode.UNAVAILABLE)
-    with lossy_client(server, step_lossy) as client, pytest.raises(UnavailableError):
-        client.step().allocate("c", [2], 1).send()
-    assert len(step_lossy.sent) == 1
-    assert kv.block_table("c").num_computed_tokens == 22
+    with lossy_client(server, step_lossy) as client:
+        results = client.step().allocate("c", [2], 1).allocate("c", [3], 1).send()
+    assert len(step_lossy.sent) == 2
+    assert [r.num_computed_tokens for r in results] == [22, 23]
+    assert kv.block_table("c").num_computed_tokens == 23
+    assert kv.block_table("c").num_tokens == 23  # each token appended once
+
+
+def test_a_call_id_names_one_call() -> None:
+    """A repeat with the call id answers the same reply; the same id on another kind of
+    call is refused (a client bug, not a retry)."""
+    with running_server(PoolConfig(name="q", world_size=1, max_model_len=256)) as srv:
+        bring_up(srv, "q", kv_cache_bytes=BYTES_PER_BLOCK * 40)
+        channel = grpc.insecure_channel(srv.address)
+        stub = kvcache_pb2_grpc.KVCacheServiceStub(channel)
+        admit = kvcache_pb2.AllocateRequest(
+            pool="q", request_id="a", new_token_ids=tokens(0, 16), num_new_tokens=16,
+            call_id="same",
+        )  # fmt: skip
+        admit.start.SetInParent()
+        first = stub.Allocate(admit, timeout=10)
+        assert stub.Allocate(admit, timeout=10) == first
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Free(kvcache_pb2.FreeRequest(pool="q", request_ids=["a"], call_id="same"))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "call_id" in (refused.value.details() or "")
+        channel.close()
 
 
 def test_the_client_gives_up_after_options_retries(server: ServerThread) -> None:
@@ -287,5 +313,6 @@ def test_the_async_client_retries_admissions_and_frees(
 
     result, sent_allocate, sent_free, freed = asyncio.run(scenario())
     assert result.ok and result.num_computed_tokens == 40
-    assert (sent_allocate, sent_free, freed) == (2, 2, 0)
+    # The free's retry answers the lost attempt's reply (3 blocks freed), by its call id.
+    assert (sent_allocate, sent_free, freed) == (2, 2, 3)
     assert kv.usage().num_requests == 0

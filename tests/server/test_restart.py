@@ -1,0 +1,363 @@
+"""Restarts on a state directory (issue 10), with a real server on loopback.
+
+A server restarted on its state directory serves the pool exactly as before the crash:
+the same core state (``to_state`` compared whole), block tables, prefix hits, free count,
+event epoch and sequence; engine calls wait (UNAVAILABLE, retried by the client) until
+the ranks are back; a rank back with fresh tensors invalidates the pool (its prefix index
+is cleared, its live requests answer RECOMPUTE, and an engine that follows the status
+finishes them); an operator's forced reset does the same; snapshots replace the journal;
+a pool's state moves to another server with ``ctl snapshot`` / ``serve --restore``.
+
+A "crash" here stops the server without its final snapshot (the journal as the last
+commit left it); tests/e2e/test_crash_restart.py kills real processes with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from kvsvc_client import (
+    AllBlocksCleared,
+    ClientOptions,
+    KVCacheClient,
+    UnavailableError,
+)
+
+from kvsvc.server.config import PoolConfig, ServerConfig
+from kvsvc.server.state import StateError
+from kvsvc.v1 import kvcache_pb2, kvcache_pb2_grpc
+from tests.server.engine_model import Engine
+from tests.server.harness import FakeRank, ServerThread, bring_up, llama_like_specs
+
+# 4 layers x 2 heads x (64 + 64) x fp16 x 16 tokens = 32 KiB per block.
+BYTES_PER_BLOCK = 4 * 2 * 128 * 2 * 16
+NUM_BLOCKS = 60
+MEMORY = (NUM_BLOCKS + 1) * BYTES_PER_BLOCK
+POOL = PoolConfig(name="p", world_size=1, max_model_len=256)
+QUICK = ClientOptions(timeout=5, backoff=0.01, max_backoff=0.05, unavailable_timeout=0.0)
+PATIENT = ClientOptions(timeout=5, backoff=0.01, max_backoff=0.1, unavailable_timeout=30.0)
+
+
+@contextmanager
+def server_on(
+    state_dir: Path | None, pool: PoolConfig = POOL, **kwargs: Any
+) -> Iterator[ServerThread]:
+    restore = kwargs.pop("restore", ())
+    config = ServerConfig(
+        pools=(pool,),
+        listen=kwargs.pop("listen", "127.0.0.1:0"),
+        metrics_listen=None,
+        state_dir=str(state_dir) if state_dir is not None else None,
+        **kwargs,
+    )
+    srv = ServerThread(config, restore=restore)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def crash(srv: ServerThread) -> None:
+    """Drop the pools' stores without a final snapshot or checkpoint: on disk is what the
+    last commit left (the WAL included), as after a kill."""
+
+    def drop() -> None:
+        for pool in srv.server.pools.by_name.values():
+            persistence, pool.persistence = pool.persistence, None
+            if persistence is not None:
+                if persistence._checkpointer is not None:
+                    persistence._checkpointer.cancel()
+                persistence.store.close()
+
+    srv.run(drop)
+
+
+def rejoin(srv: ServerThread, allocation_id: str = "A-0", specs: Any = None) -> FakeRank:
+    """Rank 0 registers again (its tensors' identity: ``allocation_id``) and reports."""
+    rank = FakeRank(
+        srv.address, "p", 0, 1, specs or llama_like_specs(), MEMORY, allocation_id=allocation_id
+    )
+    rank.register()
+    rank.open_stream()
+    update = rank.wait_for_config()
+    assert not update.error, update.error
+    rank.report()
+    return rank
+
+
+def core_state(srv: ServerThread) -> dict[str, Any]:
+    return srv.run(lambda: srv.server.pools.get("p").cache.to_state())  # type: ignore[no-any-return]
+
+
+def pool_attr(srv: ServerThread, name: str) -> Any:
+    return srv.run(lambda: getattr(srv.server.pools.get("p"), name))
+
+
+def test_a_crashed_server_comes_back_with_every_acknowledged_change(tmp_path: Path) -> None:
+    with server_on(tmp_path) as srv:
+        ranks = bring_up(srv, kv_cache_bytes=MEMORY, allocation_id="A")
+        with KVCacheClient(srv.address, pool="p", options=QUICK) as kv:
+            engine = Engine(kv, seed=7)
+            for _ in range(120):
+                engine.step()
+            engine.check(kv)
+            before = core_state(srv)
+            epoch, last_seq = kv.epoch, pool_attr(srv, "events").last_sequence
+            probes = [engine.prefixes[0] + [5] * 20, list(range(1, 60))]
+            hits = [kv.lookup(p) for p in probes]
+            assert epoch and last_seq > 0
+        for rank in ranks:
+            rank.close()
+        crash(srv)
+    with server_on(tmp_path) as srv:
+        assert srv.server.restored and "waiting for its ranks" in srv.server.restored[0]
+        assert core_state(srv) == before
+        with KVCacheClient(srv.address, pool="p", options=QUICK) as kv:
+            with pytest.raises(UnavailableError, match="restored"):
+                kv.block_table(next(iter(engine.tables)))
+            rank = rejoin(srv)
+            assert kv.list_pools()[0].state == "READY"
+            engine.kv = kv
+            engine.check(kv)
+            assert [kv.lookup(p) for p in probes] == hits
+            assert kv.epoch == epoch
+            assert pool_attr(srv, "events").last_sequence == last_seq
+            # Subscribers resume without a gap: the next batch is the next number.
+            batches: list[Any] = []
+
+            def watch_one() -> None:
+                batches.append(next(kv.watch_events(last_seq + 1, epoch=epoch)))
+
+            watch = threading.Thread(target=watch_one, daemon=True)
+            watch.start()
+            time.sleep(0.3)
+            for _ in range(30):
+                engine.step()
+            watch.join(10)
+            assert batches and not batches[0].gap and batches[0].sequence == last_seq + 1
+            assert batches[0].epoch == epoch
+            engine.check(kv)
+            rank.close()
+
+
+def test_the_client_rides_through_a_restart(tmp_path: Path) -> None:
+    """Calls made while the server is down, then restoring, then waiting for its rank,
+    are retried until it serves again, and continue on the same state."""
+    with server_on(tmp_path) as srv:
+        ranks = bring_up(srv, kv_cache_bytes=MEMORY, allocation_id="A")
+        with KVCacheClient(srv.address, pool="p", options=QUICK) as kv:
+            assert kv.allocate("a", list(range(1, 41)), 40, start=True).ok
+            port = srv.port
+        ranks[0].close()
+        crash(srv)
+    results: list[Any] = []
+    with KVCacheClient(f"127.0.0.1:{port}", pool="p", options=PATIENT) as kv:
+        caller = threading.Thread(target=lambda: results.append(kv.allocate("a", [7], 1)))
+        caller.start()  # the server is down now
+        time.sleep(0.3)
+        with server_on(tmp_path, listen=f"127.0.0.1:{port}") as srv:
+            time.sleep(0.3)  # restored, waiting for its rank
+            assert not results
+            rank = rejoin(srv)
+            caller.join(20)
+            assert results and results[0].ok and results[0].num_computed_tokens == 41
+            assert kv.block_table("a").num_tokens == 41
+            rank.close()
+
+
+def test_a_retried_step_across_a_restart_is_answered_not_applied_again(tmp_path: Path) -> None:
+    step = kvcache_pb2.StepRequest(
+        pool="p",
+        types=[kvcache_pb2.STEP_OPERATION_TYPE_ALLOCATE] * 2,
+        request_ids=["a", "b"],
+        num_token_ids=[1, 1],
+        token_ids=[5, 6],
+        num_new_tokens=[1, 1],
+        call_id="engine-1:42",
+    )
+    with server_on(tmp_path) as srv:
+        ranks = bring_up(srv, kv_cache_bytes=MEMORY, allocation_id="A")
+        with KVCacheClient(srv.address, pool="p", options=QUICK) as kv:
+            assert kv.allocate("a", list(range(1, 17)), 16, start=True).ok
+            assert kv.allocate("b", list(range(1, 20)), 19, start=True).ok
+            with grpc.insecure_channel(srv.address) as channel:
+                first = kvcache_pb2_grpc.KVCacheServiceStub(channel).Step(step, timeout=5)
+        ranks[0].close()
+        crash(srv)  # as if the reply had been lost in the crash
+    with server_on(tmp_path) as srv:
+        rank = rejoin(srv)
+        with grpc.insecure_channel(srv.address) as channel:
+            again = kvcache_pb2_grpc.KVCacheServiceStub(channel).Step(step, timeout=5)
+        assert again == first
+        with KVCacheClient(srv.address, pool="p", options=QUICK) as kv:
+            assert (kv.block_table("a").num_tokens, kv.block_table("b").num_tokens) == (17, 20)
+        rank.close()
+
+
+def test_snapshots_replace_the_journal(tmp_path: Path) -> None:
+    settings = {"state_snapshot_every": 60, "state_snapshot_min_interval_s": 0.0}
+    with server_on(tmp_path, **settings) as srv:
+        ranks = bring_up(srv, kv_cache_bytes=MEMORY, allocation_id="A")
+        with KVCacheClient(srv.address, pool="p", options=QUICK) as kv:
+            engine = Engine(kv, seed=3)
+            for _ in range(100):
+                engine.step()
+            persistence = pool_attr(srv, "persistence")
+            deadline = time.monotonic() + 20
+            while (
+                persistence.snapshotting or persistence.work_since_snapshot >= 60
+            ) and time.monotonic() < deadline:
+                time.sleep(0.05)  # snapshots catch up (one at a time, each in a thread)
+            assert persistence.num_snapshots >= 2
+            # The journal holds only what came after the last snapshot.
+            assert persistence.records_since_snapshot < persistence.last_seq // 2
+            before = core_state(srv)
+        ranks[0].close()
+        crash(srv)
+    assert len(list(tmp_path.glob("p.snapshot-*.db"))) == 1  # the old ones were deleted
+    with server_on(tmp_path, **settings) as srv:
+        assert core_state(srv) == before
+        rank = rejoin(srv)
+        with KVCacheClient(srv.address, pool="p", options=QUICK) as kv:
+            engine.kv = kv
+            engine.check(kv)
+        rank.close()
+    # A graceful stop ends with a snapshot: the next start replays nothing.
+    with server_on(tmp_path, **settings) as srv:
+        assert "0 journal rows replayed" in srv.server.restored[0]
+
+
+def test_a_rank_back_with_fresh_tensors_invalidates_the_pool(tmp_path: Path) -> None:
+    """Its KV data is gone: the prefix index is cleared (an event), no lookup hits what it
+    held, live requests answer RECOMPUTE, and an engine that frees and re-admits them
+    finishes them all with every block accounted for. A reconnect with the same tensors
+    (the same allocation id) changes nothing."""
+    with server_on(tmp_path) as srv:
+        ranks = bring_up(srv, kv_cache_bytes=MEMORY, allocation_id="A")
+        with KVCacheClient(srv.address, pool="p", options=QUICK) as kv:
+            engine = Engine(kv, seed=11)
+            for _ in range(40):
+                engine.step()
+            probe = engine.prefixes[0] + [5] * 20
+            assert kv.lookup(probe) > 0
+        ranks[0].close()
+        crash(srv)
+    with server_on(tmp_path) as srv:
+        seq = pool_attr(srv, "events").last_sequence
+        rank = rejoin(srv, allocation_id="B-new-process")
+        with KVCacheClient(srv.address, pool="p", options=QUICK) as kv:
+            batch = next(kv.watch_events(seq + 1, epoch=kv.list_pools()[0].epoch))
+            assert batch.sequence == seq + 1 and batch.events == (AllBlocksCleared(),)
+            assert kv.lookup(probe) == 0
+            assert kv.usage().num_cached_blocks == 0
+            engine.kv = kv
+            live = sorted(engine.tables)
+            assert live and all(kv.block_table(rid).needs_recompute for rid in live)
+            step = kv.step()
+            for rid in live:
+                step.allocate(rid, [3], 1)
+            results = step.send()
+            assert results.recompute_indices() == list(range(len(live)))
+            assert all(r.needs_recompute for r in results)
+            # The engine follows the status: preempt, admit again with its tokens so far.
+            for rid in live:
+                kv.free(rid, preempted=True)
+                assert engine.admit(rid, engine.tokens.pop(rid), resumed=True).ok
+            for _ in range(30):
+                engine.step()
+            engine.check(kv)
+            kv.free(*engine.tables)
+            usage = kv.usage()
+            assert usage.num_free_blocks == usage.num_blocks and usage.num_requests == 0
+            # The same tensors again (a reconnect): nothing is invalidated.
+            assert kv.allocate("z", probe, len(probe), start=True).ok
+            cached = kv.usage().num_cached_blocks
+            rank.close()
+            time.sleep(0.1)
+            again = rejoin(srv, allocation_id="B-new-process")
+            assert kv.usage().num_cached_blocks == cached and cached > 0
+            assert kv.allocate("z", [4], 1).ok
+            again.close()
+
+
+def test_a_forced_reset_flags_the_live_requests(tmp_path: Path) -> None:
+    with server_on(tmp_path) as srv:
+        ranks = bring_up(srv, kv_cache_bytes=MEMORY, allocation_id="A")
+        with KVCacheClient(srv.address, pool="p", options=QUICK) as kv:
+            assert kv.allocate("a", list(range(1, 41)), 40, start=True).ok
+            assert kv.reset_prefix_cache() is False  # refused: blocks are held
+            ctl = subprocess.run(
+                [sys.executable, "-m", "kvsvc", "ctl", "--server", srv.address,
+                 "reset-prefix-cache", "p", "--force"],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            assert ctl.returncode == 0, ctl.stderr
+            assert "1 live requests flagged" in ctl.stdout
+            assert kv.allocate("a", [1], 1).needs_recompute
+            assert kv.lookup(list(range(1, 41))) == 0
+            before = core_state(srv)
+        ranks[0].close()
+        crash(srv)
+    with server_on(tmp_path) as srv:  # the invalidation was journaled like any change
+        assert core_state(srv) == before
+
+
+def test_other_specs_after_a_restart_are_refused(tmp_path: Path) -> None:
+    with server_on(tmp_path) as srv:
+        bring_up(srv, kv_cache_bytes=MEMORY, allocation_id="A")[0].close()
+    with server_on(tmp_path) as srv:
+        with pytest.raises(grpc.RpcError) as refused:
+            rejoin(srv, specs=llama_like_specs(num_layers=5))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        message = refused.value.details() or ""
+        assert "different layer specs" in message and "p.db" in message
+
+
+def test_changed_plan_settings_are_refused_at_start(tmp_path: Path) -> None:
+    with server_on(tmp_path) as srv:
+        bring_up(srv, kv_cache_bytes=MEMORY, allocation_id="A")[0].close()
+    other = PoolConfig(name="p", world_size=1, max_model_len=128)
+    with pytest.raises(StateError, match=r"max_model_len 256 -> 128"):
+        ServerThread(ServerConfig(pools=(other,), listen="127.0.0.1:0", state_dir=str(tmp_path)))
+
+
+def test_a_pool_moves_to_another_server_with_its_snapshot(tmp_path: Path) -> None:
+    first_dir, second_dir, out = tmp_path / "a", tmp_path / "b", tmp_path / "p.snapshot"
+    with server_on(first_dir) as srv:
+        ranks = bring_up(srv, kv_cache_bytes=MEMORY, allocation_id="A")
+        with KVCacheClient(srv.address, pool="p", options=QUICK) as kv:
+            engine = Engine(kv, seed=5)
+            for _ in range(50):
+                engine.step()
+            ctl = subprocess.run(
+                [sys.executable, "-m", "kvsvc", "ctl", "--server", srv.address,
+                 "snapshot", "p", "--out", str(out)],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            assert ctl.returncode == 0, ctl.stderr
+            assert out.stat().st_mode & 0o777 == 0o600
+            before, epoch = core_state(srv), kv.epoch
+        ranks[0].close()
+    for state_dir in (second_dir, None):  # kept in a state directory there, or in memory
+        with server_on(state_dir, restore=[str(out)]) as srv:
+            assert core_state(srv) == before
+            rank = rejoin(srv)
+            with KVCacheClient(srv.address, pool="p", options=QUICK) as kv:
+                engine.kv = kv
+                engine.check(kv)
+                assert kv.epoch == epoch
+            rank.close()
+    with pytest.raises(StateError, match="holds a state of pool 'p' already"):
+        ServerThread(
+            ServerConfig(pools=(POOL,), listen="127.0.0.1:0", state_dir=str(second_dir)),
+            restore=[str(out)],
+        )

@@ -1,0 +1,236 @@
+"""The state files themselves (issue 10): what is refused, what is migrated, and how
+commits are grouped.
+
+A state that cannot be used stops the start with a message that says which file and why
+(``StateError``; ``kvsvc serve`` exits 1): a newer schema, a damaged file or row, a file
+of another pool or lineage, a journal whose replay does not give the acknowledged
+replies. Nothing of such a state is served: the pool is only taken over once all of it
+loaded and replayed. An older schema is migrated in place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from kvsvc_client import KVCacheClient, UnavailableError
+
+from kvsvc.server.config import PoolConfig, ServerConfig
+from kvsvc.server.state import (
+    SCHEMA_VERSION,
+    JournalRecord,
+    PoolStore,
+    StateError,
+    create_journal_schema_v1,
+)
+from kvsvc.v1 import kvcache_pb2, kvcache_pb2_grpc
+from tests.server.harness import ServerThread, bring_up
+from tests.server.test_restart import MEMORY, POOL, QUICK, core_state, crash, server_on
+
+
+def make_state(state_dir: Path, calls: int = 12) -> dict[str, Any]:
+    """A pool with live requests and a journal (no snapshot since its planning); returns
+    its core state as the crash left it."""
+    with server_on(state_dir) as srv:
+        ranks = bring_up(srv, kv_cache_bytes=MEMORY, allocation_id="A")
+        with KVCacheClient(srv.address, pool="p", options=QUICK) as kv:
+            for i in range(calls):
+                assert kv.allocate(f"r{i}", [1] * 20 + [i] * 10, 30, start=True).ok
+            kv.free("r0", preempted=True)
+            step = kv.step()
+            for i in range(1, calls):
+                step.allocate(f"r{i}", [7], 1)
+            step.send()
+            state = core_state(srv)
+        ranks[0].close()
+        crash(srv)
+    return state
+
+
+def start(state_dir: Path, pool: PoolConfig = POOL) -> ServerThread:
+    return ServerThread(ServerConfig(pools=(pool,), listen="127.0.0.1:0", state_dir=str(state_dir)))
+
+
+def journal_db(state_dir: Path) -> sqlite3.Connection:
+    return sqlite3.connect(state_dir / "p.db", isolation_level=None)
+
+
+def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
+    make_state(tmp_path)
+    with journal_db(tmp_path) as conn:
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    with pytest.raises(StateError, match=rf"schema version {SCHEMA_VERSION + 1}, newer"):
+        start(tmp_path)
+    # The same through `kvsvc serve`: exit status 1 and the message, nothing served.
+    served = subprocess.run(
+        [sys.executable, "-m", "kvsvc", "serve", "--pool", "p", "--max-model-len", "256",
+         "--listen", "127.0.0.1:0", "--metrics-listen", "off", "--state-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert served.returncode == 1
+    assert "newer than this kvsvc" in served.stderr and "serving" not in served.stdout
+
+
+def test_an_older_schema_is_migrated(tmp_path: Path) -> None:
+    """A version-1 journal (rows without checksums) is upgraded in place on open and its
+    rows replay as before."""
+    state = make_state(tmp_path)
+    with journal_db(tmp_path) as conn:
+        meta = conn.execute("SELECT key, value FROM meta").fetchall()
+        ranks = conn.execute("SELECT * FROM ranks").fetchall()
+        rows = conn.execute(
+            "SELECT seq, kind, engine, payload, event_seq, event_ts, reply_digest FROM journal"
+        ).fetchall()
+    assert rows
+    for suffix in ("", "-wal", "-shm"):
+        (tmp_path / f"p.db{suffix}").unlink(missing_ok=True)
+    with sqlite3.connect(tmp_path / "p.db", isolation_level=None) as old:
+        old.execute("PRAGMA application_id = 1263948630")
+        create_journal_schema_v1(old)
+        old.executemany("INSERT INTO meta VALUES (?, ?)", meta)
+        old.executemany("INSERT INTO ranks VALUES (?, ?, ?)", ranks)
+        old.executemany("INSERT INTO journal VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
+        old.execute("PRAGMA user_version = 1")
+    srv = start(tmp_path)
+    try:
+        assert core_state(srv) == state
+        assert f"{len(rows)} journal rows replayed" in srv.server.restored[0]
+    finally:
+        srv.stop()
+    with journal_db(tmp_path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+
+
+def test_a_damaged_snapshot_is_refused(tmp_path: Path) -> None:
+    make_state(tmp_path)
+    (snapshot,) = tmp_path.glob("p.snapshot-*.db")
+    with sqlite3.connect(snapshot, isolation_level=None) as conn:
+        data = bytearray(conn.execute("SELECT data FROM chunks WHERE n = 0").fetchone()[0])
+        data[len(data) // 2] ^= 0xFF
+        conn.execute("UPDATE chunks SET data = ? WHERE n = 0", (bytes(data),))
+    with pytest.raises(StateError, match="does not match its checksum"):
+        start(tmp_path)
+
+
+def test_a_file_that_is_no_state_is_refused(tmp_path: Path) -> None:
+    make_state(tmp_path)
+    (tmp_path / "p.db").write_bytes(b"this is not SQLite at all " * 100)
+    for suffix in ("-wal", "-shm"):
+        (tmp_path / f"p.db{suffix}").unlink(missing_ok=True)
+    with pytest.raises(StateError, match="not a kvsvc state file or is damaged"):
+        start(tmp_path)
+    (tmp_path / "p.db").unlink()
+    with sqlite3.connect(tmp_path / "p.db") as foreign:
+        foreign.execute("CREATE TABLE t (x)")
+    with pytest.raises(StateError, match=r"not a kvsvc state file \(SQLite application id"):
+        start(tmp_path)
+
+
+def test_a_damaged_journal_row_is_refused(tmp_path: Path) -> None:
+    make_state(tmp_path)
+    with journal_db(tmp_path) as conn:
+        seq = conn.execute("SELECT MAX(seq) FROM journal").fetchone()[0]
+        conn.execute("UPDATE journal SET payload = payload || x'00' WHERE seq = ?", (seq,))
+    with pytest.raises(StateError, match=f"journal row {seq} is damaged"):
+        start(tmp_path)
+
+
+def test_a_replay_that_gives_other_replies_is_refused(tmp_path: Path) -> None:
+    """A row whose reply does not replay (another kvsvc's semantics, a tampered row with a
+    valid checksum): refused, not served as another state."""
+    make_state(tmp_path)
+    with journal_db(tmp_path) as conn:
+        row = conn.execute(
+            "SELECT seq, kind, engine, payload, event_seq, event_ts, reply_digest FROM journal "
+            "ORDER BY seq LIMIT 1"
+        ).fetchone()
+        forged = JournalRecord(*row[:6], row[6] ^ 1)
+        conn.execute(
+            "UPDATE journal SET reply_digest = ?, checksum = ? WHERE seq = ?",
+            (forged.reply_digest, forged.checksum(), forged.seq),
+        )
+    with pytest.raises(StateError, match="replays to another reply than the one acknowledged"):
+        start(tmp_path)
+
+
+def test_another_pools_or_lineages_files_are_refused(tmp_path: Path) -> None:
+    make_state(tmp_path / "one")
+    make_state(tmp_path / "two")
+    # Pool p's files under the name of pool q.
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    for path in (tmp_path / "one").iterdir():
+        shutil.copy(path, renamed / path.name.replace("p.", "q.", 1))
+    with pytest.raises(StateError, match="holds the state of pool 'p', not 'q'"):
+        start(renamed, PoolConfig(name="q", world_size=1, max_model_len=256))
+    # The snapshot of another state of the same pool next to this journal.
+    (snapshot,) = (tmp_path / "two").glob("p.snapshot-*.db")
+    shutil.copy(snapshot, tmp_path / "one" / snapshot.name)
+    with pytest.raises(StateError, match="belongs to another state of pool 'p'"):
+        start(tmp_path / "one")
+
+
+def test_a_failed_commit_acknowledges_nothing(tmp_path: Path) -> None:
+    """When the disk refuses a commit, the call that waited for it fails (UNAVAILABLE),
+    and so does every later change: the restart has exactly what was acknowledged."""
+    with server_on(tmp_path) as srv:
+        ranks = bring_up(srv, kv_cache_bytes=MEMORY, allocation_id="A")
+        with KVCacheClient(srv.address, pool="p", options=QUICK) as kv:
+            assert kv.allocate("kept", [1] * 30, 30, start=True).ok
+            acknowledged = core_state(srv)
+            store = srv.run(lambda: srv.server.pools.get("p").persistence.store)
+
+            def refuse(*args: Any) -> None:
+                raise sqlite3.OperationalError("disk I/O error")
+
+            store.commit = refuse
+            with pytest.raises(UnavailableError, match="writing its state"):
+                kv.allocate("lost", [2] * 30, 30, start=True)
+            with pytest.raises(UnavailableError, match="acknowledges no more changes"):
+                kv.free("kept")
+            assert kv.lookup([1] * 30) == 16  # reads go on
+        ranks[0].close()
+        crash(srv)
+    with server_on(tmp_path) as srv:
+        assert core_state(srv) == acknowledged
+
+
+def test_calls_that_arrive_together_share_a_commit(tmp_path: Path) -> None:
+    with server_on(tmp_path) as srv:
+        ranks = bring_up(srv, kv_cache_bytes=MEMORY, allocation_id="A")
+
+        async def burst() -> None:
+            async with grpc.aio.insecure_channel(srv.address) as channel:
+                stub = kvcache_pb2_grpc.KVCacheServiceStub(channel)
+                requests = [
+                    kvcache_pb2.AllocateRequest(
+                        pool="p", request_id=f"r{i}", new_token_ids=[i + 1] * 8, num_new_tokens=8
+                    )
+                    for i in range(40)
+                ]
+                for request in requests:
+                    request.start.SetInParent()
+                await asyncio.gather(*(stub.Allocate(r, timeout=10) for r in requests))
+
+        persistence = srv.run(lambda: srv.server.pools.get("p").persistence)
+        commits_before = persistence.num_commits
+        asyncio.run(burst())
+        commits = persistence.num_commits - commits_before
+        assert persistence.num_records >= 40
+        assert commits < 40  # grouped (typically a handful)
+        ranks[0].close()
+
+
+def test_a_new_store_is_private(tmp_path: Path) -> None:
+    make_state(tmp_path / "s")
+    assert (tmp_path / "s").stat().st_mode & 0o777 == 0o700
+    for path in (tmp_path / "s").iterdir():
+        assert path.stat().st_mode & 0o077 == 0, path  # the hash seed is a secret
+    assert PoolStore.open(tmp_path / "s", "absent") is None
