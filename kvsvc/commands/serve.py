@@ -180,7 +180,18 @@ def add_parser(subparsers: Any) -> None:
         help="longest request (default: the model length the agents report; -1 fits memory)",
     )
     pool.add_argument("--hash-algo", choices=HASH_ALGOS, default="xxh3_128")
-    pool.add_argument("--hash-seed", help="seed of the first block's parent hash")
+    seed = pool.add_mutually_exclusive_group()
+    seed.add_argument(
+        "--hash-seed",
+        help="seed of the first block's parent hash (visible in ps: prefer --hash-seed-file)",
+    )
+    seed.add_argument(
+        "--hash-seed-file",
+        metavar="FILE",
+        help="file holding the seed (its first line that is not blank or a # comment): the "
+        "secret every server of a cluster shares so a cluster index and its router compute "
+        "the same hashes",
+    )
     pool.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     pool.add_argument("--num-gpu-blocks-override", type=int, help="plan exactly this many blocks")
     pool.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -253,7 +264,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
                 block_size=args.block_size,
                 max_model_len=args.max_model_len,
                 hash_algo=args.hash_algo,
-                hash_seed=args.hash_seed,
+                hash_seed=_hash_seed(args),
                 enable_prefix_caching=not args.no_prefix_caching,
                 num_gpu_blocks_override=args.num_gpu_blocks_override,
                 gpu_memory_utilization=args.gpu_memory_utilization,
@@ -265,6 +276,22 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
             ),
         )
     return server_config_from_dict(data, overrides)
+
+
+def _hash_seed(args: argparse.Namespace) -> str | None:
+    """The flag pool's seed: ``--hash-seed``, or read from ``--hash-seed-file``.
+
+    Raises:
+        ConfigError: the seed file cannot be read or holds no seed.
+    """
+    if not args.hash_seed_file:
+        return args.hash_seed  # type: ignore[no-any-return]
+    from kvsvc.cluster.hashing import read_seed_file
+
+    try:
+        return read_seed_file(args.hash_seed_file)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 async def serve(

@@ -3,10 +3,10 @@
 Three roles (DESIGN, "Who may do what"):
 
 - ``engine``: the KVCache API (Allocate, Step, Free, Lookup, GetBlockTable, GetUsage,
-  WatchEvents, ResetPrefixCache) and ListPools (to wait for its pool);
+  WatchEvents, SnapshotIndex, ResetPrefixCache) and ListPools (to wait for its pool);
 - ``agent``: the Worker API (Register, WatchPlan, ReportAllocation, Heartbeat);
 - ``admin``: the Admin API (ListPools, GetPlan), and the KVCache API's read-only views and
-  reset (GetUsage, WatchEvents, ResetPrefixCache).
+  reset (GetUsage, WatchEvents, SnapshotIndex, ResetPrefixCache).
 
 A credential of one role is refused by the others' services (PERMISSION_DENIED); no or an
 unknown credential is UNAUTHENTICATED. Health and reflection stay open for probes.
@@ -77,6 +77,8 @@ _METHOD_ROLES: dict[str, frozenset[Role]] = {
     f"/{_ADMIN}/ListPools": _ENGINE_OR_ADMIN,
     f"/{_KVCACHE}/GetUsage": _ENGINE_OR_ADMIN,
     f"/{_KVCACHE}/WatchEvents": _ENGINE_OR_ADMIN,
+    # What a follower of the events heals a gap with (a cluster indexer runs as admin).
+    f"/{_KVCACHE}/SnapshotIndex": _ENGINE_OR_ADMIN,
 }
 
 

@@ -393,3 +393,49 @@ class ResetPrefixCacheResponse(_message.Message):
     RESET_FIELD_NUMBER: _ClassVar[int]
     reset: bool
     def __init__(self, reset: _Optional[bool] = ...) -> None: ...
+
+class SnapshotIndexRequest(_message.Message):
+    __slots__ = ("pool", "max_hashes_per_message")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    MAX_HASHES_PER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    max_hashes_per_message: int
+    def __init__(self, pool: _Optional[str] = ..., max_hashes_per_message: _Optional[int] = ...) -> None: ...
+
+class IndexGroup(_message.Message):
+    __slots__ = ("group_index", "group_kind", "block_size")
+    GROUP_INDEX_FIELD_NUMBER: _ClassVar[int]
+    GROUP_KIND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    group_index: int
+    group_kind: str
+    block_size: int
+    def __init__(self, group_index: _Optional[int] = ..., group_kind: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class SnapshotIndexResponse(_message.Message):
+    __slots__ = ("epoch", "sequence", "groups", "hash_block_size", "hash_algo", "medium", "hash_seed_fingerprint", "total_hashes", "group_index", "block_hashes", "block_counts", "last")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    HASH_SEED_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_HASHES_FIELD_NUMBER: _ClassVar[int]
+    GROUP_INDEX_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    sequence: int
+    groups: _containers.RepeatedCompositeFieldContainer[IndexGroup]
+    hash_block_size: int
+    hash_algo: str
+    medium: str
+    hash_seed_fingerprint: str
+    total_hashes: int
+    group_index: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    block_counts: _containers.RepeatedScalarFieldContainer[int]
+    last: bool
+    def __init__(self, epoch: _Optional[str] = ..., sequence: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[IndexGroup, _Mapping]]] = ..., hash_block_size: _Optional[int] = ..., hash_algo: _Optional[str] = ..., medium: _Optional[str] = ..., hash_seed_fingerprint: _Optional[str] = ..., total_hashes: _Optional[int] = ..., group_index: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., block_counts: _Optional[_Iterable[int]] = ..., last: _Optional[bool] = ...) -> None: ...

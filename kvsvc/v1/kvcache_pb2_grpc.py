@@ -75,6 +75,11 @@ class KVCacheServiceStub:
                 request_serializer=kvsvc_dot_v1_dot_kvcache__pb2.ResetPrefixCacheRequest.SerializeToString,
                 response_deserializer=kvsvc_dot_v1_dot_kvcache__pb2.ResetPrefixCacheResponse.FromString,
                 _registered_method=True)
+        self.SnapshotIndex = channel.unary_stream(
+                '/kvsvc.v1.KVCacheService/SnapshotIndex',
+                request_serializer=kvsvc_dot_v1_dot_kvcache__pb2.SnapshotIndexRequest.SerializeToString,
+                response_deserializer=kvsvc_dot_v1_dot_kvcache__pb2.SnapshotIndexResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServiceServicer:
@@ -138,6 +143,16 @@ class KVCacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SnapshotIndex(self, request, context):
+        """The pool's prefix index as it is now (every cached block hash, per KV cache group)
+        and the event sequence it is current at: applying the WatchEvents batches after that
+        sequence to it gives the index from then on. For a follower of the events that lost
+        track (a gap, a new epoch, a first start): a cluster-wide indexer heals with it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -180,6 +195,11 @@ def add_KVCacheServiceServicer_to_server(servicer, server):
                     servicer.ResetPrefixCache,
                     request_deserializer=kvsvc_dot_v1_dot_kvcache__pb2.ResetPrefixCacheRequest.FromString,
                     response_serializer=kvsvc_dot_v1_dot_kvcache__pb2.ResetPrefixCacheResponse.SerializeToString,
+            ),
+            'SnapshotIndex': grpc.unary_stream_rpc_method_handler(
+                    servicer.SnapshotIndex,
+                    request_deserializer=kvsvc_dot_v1_dot_kvcache__pb2.SnapshotIndexRequest.FromString,
+                    response_serializer=kvsvc_dot_v1_dot_kvcache__pb2.SnapshotIndexResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -399,6 +419,33 @@ class KVCacheService:
             '/kvsvc.v1.KVCacheService/ResetPrefixCache',
             kvsvc_dot_v1_dot_kvcache__pb2.ResetPrefixCacheRequest.SerializeToString,
             kvsvc_dot_v1_dot_kvcache__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SnapshotIndex(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvsvc.v1.KVCacheService/SnapshotIndex',
+            kvsvc_dot_v1_dot_kvcache__pb2.SnapshotIndexRequest.SerializeToString,
+            kvsvc_dot_v1_dot_kvcache__pb2.SnapshotIndexResponse.FromString,
             options,
             channel_credentials,
             insecure,

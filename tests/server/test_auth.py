@@ -54,6 +54,7 @@ SHARED = {
     "ListPools": {Role.ENGINE, Role.ADMIN},
     "GetUsage": {Role.ENGINE, Role.ADMIN},
     "WatchEvents": {Role.ENGINE, Role.ADMIN},
+    "SnapshotIndex": {Role.ENGINE, Role.ADMIN},
 }
 TOKEN_OF = {Role.ENGINE: ENGINE_A, Role.AGENT: AGENT, Role.ADMIN: ADMIN}
 METHODS = [
