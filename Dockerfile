@@ -7,7 +7,8 @@
 #
 # `docker build .` without a target builds the server (the last stage).
 # Both run as the non-root user kvsvc (UID/GID 10001) and ship a HEALTHCHECK:
-# the server's asks its own grpc.health.v1 service, the worker's asks its own /metrics
+# the server's asks its own grpc.health.v1 service (on the port its command listens on),
+# the worker's asks its own /metrics
 # whether the server accepted its allocation (an agent has no gRPC server of its own).
 # Ports: gRPC 50051 and /metrics 9400 (the server's defaults), agent /metrics 9401.
 # TLS: both HEALTHCHECKs read KVSVC_TLS_CA / KVSVC_TLS_CERT / KVSVC_TLS_KEY (the CA and the
@@ -17,14 +18,23 @@
 # tests/deploy/ run these CMD and HEALTHCHECK commands against live processes.
 
 ARG PYTHON_VERSION=3.11
+# The image every stage starts from: a Python with pip and venv, `python` on PATH, and
+# groupadd/useradd. Without registry access, deploy/images/build.sh makes a local one from
+# the Debian archive and passes it here (--build-arg BASE_IMAGE=...).
+ARG BASE_IMAGE=python:${PYTHON_VERSION}-slim
 # The worker's torch comes from the CPU wheel index: PyPI's default torch pulls CUDA
 # libraries (GBs) that a CPU agent never uses. Build with --build-arg TORCH_INDEX_URL=...
 # for a CUDA build.
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# Or from a directory of wheels inside the build holding torch==TORCH_VERSION (mounted by
+# the builder: podman build --volume DIR:/tmp/torch-wheels:ro --build-arg
+# TORCH_WHEELS=/tmp/torch-wheels); torch's own dependencies then come from PyPI. Empty (the
+# default): TORCH_INDEX_URL as above.
+ARG TORCH_WHEELS=
 
 # ---------------------------------------------------------------- base: runtime only
-FROM python:${PYTHON_VERSION}-slim AS base
+FROM ${BASE_IMAGE} AS base
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -49,11 +59,23 @@ RUN python -m venv /opt/kvsvc/venv \
  && ! /opt/kvsvc/venv/bin/python -c "import torch" 2>/dev/null
 
 # ---------------------------------------------------------------- worker-venv: + torch
-FROM server-venv AS worker-venv
+# torch goes in before the kvsvc wheel is copied: that layer (~750 MB) stays cached when
+# only kvsvc's sources change. A TORCH_WHEELS directory must hold the wheel (--no-index
+# fails loudly rather than fetching PyPI's multi-GB CUDA build instead).
+FROM base AS worker-venv
 ARG TORCH_VERSION
 ARG TORCH_INDEX_URL
-RUN /opt/kvsvc/venv/bin/pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
- && /opt/kvsvc/venv/bin/pip install "$(ls /wheels/kvsvc-*.whl)[worker]"
+ARG TORCH_WHEELS
+RUN python -m venv /opt/kvsvc/venv \
+ && if [ -n "${TORCH_WHEELS}" ]; then \
+        /opt/kvsvc/venv/bin/pip install --no-index --no-deps --find-links "${TORCH_WHEELS}" \
+            "torch==${TORCH_VERSION}" \
+     && /opt/kvsvc/venv/bin/pip install --find-links "${TORCH_WHEELS}" "torch==${TORCH_VERSION}"; \
+    else \
+        /opt/kvsvc/venv/bin/pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"; \
+    fi
+COPY --from=build /wheels /wheels
+RUN /opt/kvsvc/venv/bin/pip install "$(ls /wheels/kvsvc-*.whl)[worker]"
 
 # ---------------------------------------------------------------- worker
 FROM base AS worker
@@ -75,7 +97,9 @@ COPY deploy/demo_engine.py /opt/kvsvc/demo_engine.py
 ENV PATH=/opt/kvsvc/venv/bin:$PATH
 USER 10001:10001
 EXPOSE 50051 9400
+# --server auto: the kvsvc serve process of this container (PID 1) on its own --listen
+# address, so `docker run kvsvc:server serve --listen 0.0.0.0:6000 ...` is checked on 6000.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=10s --retries=3 \
-    CMD ["python", "-m", "kvsvc.tools.healthcheck", "--server", "127.0.0.1:50051"]
+    CMD ["python", "-m", "kvsvc.tools.healthcheck", "--server", "auto"]
 ENTRYPOINT ["kvsvc"]
 CMD ["serve", "--listen", "0.0.0.0:50051", "--metrics-listen", "0.0.0.0:9400", "--pool", "demo", "--world-size", "1", "--max-model-len", "4096"]

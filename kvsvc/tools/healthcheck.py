@@ -8,9 +8,17 @@ healthy; no ``grpc_health_probe`` binary ships with kvsvc, so this is that comma
     python -m kvsvc.tools.healthcheck --server 127.0.0.1:50051 \
         --service kvsvc.v1.KVCacheService/demo
     python -m kvsvc.tools.healthcheck --server unix:/run/kvsvc/kvsvc.sock
+    python -m kvsvc.tools.healthcheck --server auto   # the server image's HEALTHCHECK
     python -m kvsvc.tools.healthcheck --agent-metrics 127.0.0.1:9401
     KVSVC_TLS_CA=/etc/kvsvc/tls/ca.crt python -m kvsvc.tools.healthcheck --server 127.0.0.1:50051
     python -m kvsvc.tools.healthcheck --agent-metrics https://127.0.0.1:9401 --tls-ca ca.crt
+
+``--server auto`` asks the ``kvsvc serve`` process running beside the check (a container's
+PID 1, else the only one visible) on the address it was told to listen on: its first TCP
+``--listen`` (or its ``--config`` file's ``listen``; ``0.0.0.0`` and ``::`` are asked on
+loopback), else its Unix socket, else the default port. The server image's ``HEALTHCHECK``
+uses it, so a container started with ``serve --listen 0.0.0.0:6000`` is checked on 6000:
+a fixed ``--server 127.0.0.1:50051`` would call that healthy server unhealthy.
 
 The server's health names (see :mod:`kvsvc.server.app`): ``""`` is SERVING while the server
 runs, ``kvsvc.v1.KVCacheService`` when every pool serves engine calls, and
@@ -39,6 +47,7 @@ import os
 import socket
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NamedTuple
 
 from kvsvc.commands._tls import (
@@ -52,6 +61,9 @@ from kvsvc.tls import ClientTls, TlsError, open_channel
 
 HEALTHY, UNHEALTHY, USAGE = 0, 1, 2
 DEFAULT_TIMEOUT_S = 3.0
+# --server's value that means "the kvsvc serve process beside me" (no address has no colon).
+AUTO = "auto"
+PROC = Path("/proc")
 
 
 class HealthResult(NamedTuple):
@@ -83,6 +95,126 @@ def _validate_address(address: str, flag: str, *, unix: bool = False) -> str:
     if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
         raise ValueError(f"{flag}: expected HOST:PORT with a port in 1-65535, got {address!r}")
     return address
+
+
+class ServeProcessError(ValueError):
+    """No ``kvsvc serve`` process to ask, or one whose address cannot be told: unhealthy."""
+
+
+def _serve_arguments(argv: Sequence[str]) -> list[str] | None:
+    """The arguments after ``serve`` when ``argv`` runs ``kvsvc serve``, else None.
+
+    The entry point shows as ``kvsvc serve ...``, ``.../python .../bin/kvsvc serve ...`` (a
+    console script's interpreter line) or ``python -m kvsvc serve ...``.
+    """
+    for i, arg in enumerate(argv[:-1]):
+        is_kvsvc = Path(arg).name == "kvsvc" or (
+            i > 0 and argv[i - 1] == "-m" and arg in ("kvsvc", "kvsvc.cli")
+        )
+        if is_kvsvc:
+            return list(argv[i + 2 :]) if argv[i + 1] == "serve" else None
+    return None
+
+
+def _process_argv(proc: Path, pid: str) -> list[str]:
+    """``pid``'s command line (empty when it is gone or unreadable)."""
+    try:
+        raw = (proc / pid / "cmdline").read_bytes()
+    except OSError:
+        return []
+    return [part.decode(errors="replace") for part in raw.split(b"\0")[:-1]]
+
+
+def find_serve_process(proc: Path = PROC) -> tuple[str, list[str]]:
+    """``(pid, serve arguments)`` of the ``kvsvc serve`` process this check belongs to.
+
+    PID 1 when it is one (the container's entry point); else the only one ``proc`` shows
+    (an init process such as ``podman run --init`` at PID 1, or a host).
+
+    Raises:
+        ServeProcessError: none, or several (the check cannot tell which is meant).
+    """
+    arguments = _serve_arguments(_process_argv(proc, "1"))
+    if arguments is not None:
+        return "1", arguments
+    found = []
+    for entry in proc.iterdir():
+        if entry.name.isdigit() and entry.name != str(os.getpid()):
+            arguments = _serve_arguments(_process_argv(proc, entry.name))
+            if arguments is not None:
+                found.append((entry.name, arguments))
+    if not found:
+        raise ServeProcessError("--server auto: no kvsvc serve process is running here")
+    if len(found) > 1:
+        pids = ", ".join(sorted((pid for pid, _ in found), key=int))
+        raise ServeProcessError(
+            f"--server auto: several kvsvc serve processes ({pids}); give --server HOST:PORT"
+        )
+    return found[0]
+
+
+def serve_address(arguments: Sequence[str], cwd: Path) -> str:
+    """The address to check a server started with ``kvsvc serve ARGUMENTS`` (in ``cwd``) on.
+
+    Read as the server reads them (its own flag parser; flags over the ``--config`` file
+    over the default): the first TCP address, a wildcard host replaced by loopback, else the
+    first Unix socket.
+
+    Raises:
+        ServeProcessError: arguments the server would refuse, or a TCP port 0 (a free port
+            the command line does not name).
+    """
+    from kvsvc.commands import serve
+    from kvsvc.server.config import DEFAULT_LISTEN, ConfigError, listen_addresses, load_config_file
+
+    parser = argparse.ArgumentParser(prog="kvsvc", exit_on_error=False)
+    serve.add_parser(parser.add_subparsers(dest="command"))
+    try:
+        args, _ = parser.parse_known_args(["serve", *arguments])
+    except (argparse.ArgumentError, SystemExit) as exc:
+        raise ServeProcessError(f"--server auto: cannot read the serve command: {exc}") from None
+    try:
+        if args.listen:
+            listen = ",".join(args.listen)
+        elif args.config:
+            listen = load_config_file(cwd / args.config).get("listen", DEFAULT_LISTEN)
+        else:
+            listen = DEFAULT_LISTEN
+        addresses = listen_addresses(str(listen))
+    except ConfigError as exc:
+        raise ServeProcessError(f"--server auto: {exc}") from None
+    for address in addresses:
+        if is_unix_address(address):
+            continue
+        host, _, port = address.rpartition(":")
+        if int(port) == 0:
+            raise ServeProcessError(
+                f"--server auto: the server listens on {address} (a free port chosen at "
+                "start); give --server HOST:PORT"
+            )
+        host = host.strip("[]")
+        if host in ("", "0.0.0.0", "*"):
+            host = "127.0.0.1"
+        elif host == "::":
+            host = "::1"
+        return f"{host}:{port}"
+    unix = addresses[0]
+    path = unix_path(unix)
+    return unix if Path(path).is_absolute() else f"unix:{cwd / path}"
+
+
+def resolve_auto_server(proc: Path = PROC) -> str:
+    """``--server auto``: the address of the ``kvsvc serve`` process beside this check.
+
+    Raises:
+        ServeProcessError: see :func:`find_serve_process` and :func:`serve_address`.
+    """
+    pid, arguments = find_serve_process(proc)
+    try:
+        cwd = (proc / pid / "cwd").resolve(strict=True)
+    except OSError:
+        cwd = Path("/")  # another user's process: a relative path is read from /
+    return serve_address(arguments, cwd)
 
 
 def check_grpc(
@@ -213,8 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument(
         "--server",
-        metavar="HOST:PORT|unix:PATH",
-        help="kvsvc server gRPC address (unix:PATH: its Unix-domain socket)",
+        metavar="HOST:PORT|unix:PATH|auto",
+        help="kvsvc server gRPC address (unix:PATH: its Unix-domain socket; auto: the "
+        "kvsvc serve process running here, PID 1 in a container, on its own --listen)",
     )
     target.add_argument(
         "--agent-metrics",
@@ -246,7 +379,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--service applies to --server only")
     try:
         tls = client_tls_from_args(args)
-        if args.server:
+        if args.server == AUTO:
+            try:
+                server = resolve_auto_server()
+            except ServeProcessError as exc:
+                print(f"{exc}", file=sys.stderr)
+                return UNHEALTHY
+            result = check_grpc(server, args.service, args.timeout, tls)
+        elif args.server:
             result = check_grpc(
                 _validate_address(args.server, "--server", unix=True),
                 args.service,
