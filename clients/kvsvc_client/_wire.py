@@ -6,7 +6,7 @@ import array
 import itertools
 import sys
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import grpc
 
@@ -188,6 +188,53 @@ def allocate_result(response: kvcache_pb2.AllocateResponse) -> AllocateResult:
     )
 
 
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+# The key bytes (field number, wire type 2) of StepRequest's packed varint columns.
+_STEP_REQUEST_TAGS = {
+    field.name: _varint(field.number << 3 | 2)
+    for field in kvcache_pb2.StepRequest.DESCRIPTOR.fields
+    if field.is_repeated and field.is_packed
+}
+
+
+def _packed_one_byte_field(tag: bytes, values: list[int]) -> bytes | None:
+    """``values`` as a packed varint field when each is in [0, 128) (one byte on the wire,
+    the value itself); b"" for none; None otherwise (``bytes()`` refuses values outside
+    [0, 256) and ``isascii()`` finds any of two bytes, both in C)."""
+    try:
+        payload = bytes(values)
+    except (ValueError, TypeError):
+        return None
+    if not payload:
+        return b""
+    if not payload.isascii():
+        return None
+    return tag + _varint(len(payload)) + payload
+
+
+def _indices_of(values: list[int], value: int) -> list[int]:
+    """The positions of ``value`` in ``values``, found by ``list.index`` (in C): a decode
+    step's reply has none or a few, and a scan in Python costs ~30 ns an operation."""
+    found: list[int] = []
+    if value not in values:
+        return found
+    i = values.index(value)
+    try:
+        while True:
+            found.append(i)
+            i = values.index(value, i + 1)
+    except ValueError:
+        return found
+
+
 class StepBuilder:
     """Collects one scheduling step's operations; ``send()`` applies them in order.
 
@@ -284,18 +331,32 @@ class StepBuilder:
 
     def to_pb(self) -> kvcache_pb2.StepRequest:
         packed = pack_token_ids(self._tokens)
+        # A decode step's types and counts are 1s: such columns go in as their wire bytes
+        # (one byte a value, parsed in C), not element by element (~15 ns each).
+        columns: dict[str, list[int]] = {}
+        encoded: list[bytes] = []
+        for name, values in (
+            ("types", self._types),
+            ("num_token_ids", self._counts),
+            ("num_new_tokens", self._new),
+        ):
+            field = _packed_one_byte_field(_STEP_REQUEST_TAGS[name], values)
+            if field is None:
+                columns[name] = values
+            else:
+                encoded.append(field)
         request = kvcache_pb2.StepRequest(
             pool=self._pool,
-            types=cast(list[kvcache_pb2.StepOperationType], self._types),
             request_ids=self._ids,
-            num_token_ids=self._counts,
             packed_token_ids=packed or b"",
-            num_new_tokens=self._new,
             num_lookahead_tokens=self._lookahead if any(self._lookahead) else (),
             num_rejected_tokens=self._rejected if any(self._rejected) else (),
             starts=self._starts,
             free_queue_head_limit=self.free_queue_head_limit,
+            **columns,  # type: ignore[arg-type]
         )
+        if encoded:
+            request.MergeFromString(b"".join(encoded))
         if packed is None:
             extend_token_ids(request.token_ids, self._tokens, "token_ids")
         return request
@@ -363,8 +424,7 @@ class StepResultList(Sequence[StepOutcome]):
 
     def no_space_indices(self) -> list[int]:
         """Indices of the allocations that got NO_SPACE."""
-        no_space = kvcache_pb2.ALLOCATE_STATUS_NO_SPACE
-        return [i for i, status in enumerate(self.statuses) if status == no_space]
+        return _indices_of(self.statuses, kvcache_pb2.ALLOCATE_STATUS_NO_SPACE)
 
     def recompute_indices(self) -> list[int]:
         """Indices of the allocations whose request must be recomputed (RECOMPUTE): free

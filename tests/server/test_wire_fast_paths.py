@@ -1,0 +1,135 @@
+"""The wire fast paths build the same messages as protobuf's constructors.
+
+``StepResults.to_pb`` (server) and ``StepBuilder.to_pb`` (client) write columns whose values
+are all one byte on the wire as those bytes and parse them; every other column is set as a
+list. Whatever the values (empty, small, at and past the one-byte bound, large, a mix), the
+message must equal, and serialize exactly as, the one the constructor builds from the same
+columns.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvsvc_client._wire import StepBuilder, _indices_of
+
+from kvsvc.server.wire import StepResults
+from kvsvc.v1 import kvcache_pb2 as pb
+
+# Values around the one-byte bound (127/128) and the two-byte one, and large ones.
+_VALUES = st.one_of(
+    st.integers(0, 3),
+    st.sampled_from([126, 127, 128, 129, 255, 256, 16383, 16384]),
+    st.integers(0, 2**31 - 1),
+)
+
+
+def _column(n: int) -> st.SearchStrategy[list[int]]:
+    return st.one_of(
+        st.lists(st.integers(0, 1), min_size=n, max_size=n),
+        st.lists(_VALUES, min_size=n, max_size=n),
+    )
+
+
+@st.composite
+def _results(draw: Any) -> StepResults:
+    n = draw(st.integers(0, 40))
+    groups = draw(st.integers(1, 3))
+    results = StepResults(groups)
+    results.statuses = draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
+    results.scheduled = draw(_column(n))
+    results.computed = draw(_column(n))
+    results.cached = draw(_column(n))
+    results.num_new_blocks = draw(_column(n * groups))
+    results.new_block_ids = draw(st.lists(_VALUES, max_size=60))
+    results.num_null_blocks = draw(_column(n * groups))
+    results.freed = draw(_column(n))
+    results.free_queue_head = draw(st.lists(_VALUES, max_size=20))
+    results.num_free_blocks = draw(st.integers(0, 2**40))
+    for index in draw(st.lists(st.integers(0, max(0, n - 1)), max_size=3)) if n else []:
+        results.errors[index] = pb.StepError(code=3, message=f"bad {index}")
+    return results
+
+
+def _constructed(results: StepResults) -> pb.StepResponse:
+    return pb.StepResponse(
+        statuses=cast(list[pb.AllocateStatus], results.statuses),
+        num_scheduled_tokens=results.scheduled,
+        num_computed_tokens=results.computed,
+        num_cached_tokens=results.cached,
+        num_groups=results.num_groups,
+        num_new_blocks=results.num_new_blocks,
+        new_block_ids=results.new_block_ids,
+        num_null_blocks=results.num_null_blocks,
+        num_freed_blocks=results.freed,
+        errors=results.errors,
+        free_queue_head=results.free_queue_head,
+        num_free_blocks=results.num_free_blocks,
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(_results())
+def test_step_response_equals_the_constructors(results: StepResults) -> None:
+    fast = results.to_pb()
+    slow = _constructed(results)
+    assert fast == slow
+    assert fast.SerializeToString(deterministic=True) == slow.SerializeToString(deterministic=True)
+    assert list(fast.num_computed_tokens) == results.computed
+    assert list(fast.statuses) == results.statuses
+
+
+_OPERATION = st.sampled_from(["allocate", "lookup", "free", "preempt"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            _OPERATION,
+            st.lists(st.integers(0, 2**31 - 1), max_size=20),
+            st.sampled_from([0, 1, 5, 127, 128, 300, 70000]),
+            st.booleans(),
+        ),
+        max_size=30,
+    ),
+    st.integers(0, 100),
+)
+def test_step_request_equals_the_constructors(operations: list[Any], head: int) -> None:
+    builder = StepBuilder("pool")
+    builder.free_queue_head_limit = head
+    for i, (kind, tokens, new, start) in enumerate(operations):
+        if kind == "allocate":
+            builder.allocate(f"r{i}", tokens, new, start=start, num_lookahead_tokens=new % 3)
+        elif kind == "lookup":
+            builder.lookup(tokens)
+        elif kind == "free":
+            builder.free(f"r{i}")
+        else:
+            builder.preempt(f"r{i}")
+    fast = builder.to_pb()
+    b = builder
+    slow = pb.StepRequest(
+        pool="pool",
+        types=cast(list[pb.StepOperationType], b._types),
+        request_ids=b._ids,
+        num_token_ids=b._counts,
+        num_new_tokens=b._new,
+        num_lookahead_tokens=b._lookahead if any(b._lookahead) else (),
+        num_rejected_tokens=b._rejected if any(b._rejected) else (),
+        starts=b._starts,
+        free_queue_head_limit=head,
+    )
+    if fast.packed_token_ids:
+        slow.packed_token_ids = fast.packed_token_ids
+    else:
+        slow.token_ids.extend(b._tokens)
+    assert fast == slow
+    assert fast.SerializeToString(deterministic=True) == slow.SerializeToString(deterministic=True)
+
+
+@given(st.lists(st.integers(0, 3), max_size=50), st.integers(0, 3))
+def test_indices_of_finds_every_position(values: list[int], value: int) -> None:
+    assert _indices_of(values, value) == [i for i, v in enumerate(values) if v == value]
