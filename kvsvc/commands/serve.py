@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -30,6 +31,11 @@ from kvsvc.server.config import (
     server_config_from_dict,
 )
 from kvsvc.units import parse_bytes
+
+# Collector thresholds of a process that is the server alone: CPython's default
+# (700, 10, 10) runs a young collection every few engine calls (a 2048-token admission
+# makes hundreds of containers) and a middle one every few dozen.
+GC_THRESHOLDS = (20_000, 20, 50)
 
 
 def add_parser(subparsers: Any) -> None:
@@ -301,7 +307,7 @@ async def serve(
     snapshot, so the next start replays nothing)."""
     from kvsvc.server.app import create_server
 
-    server, port = await create_server(config, restore=restore)
+    server, port = await create_server(config, restore=restore, freeze_gc=True)
     for line in server.restored:
         print(line, flush=True)
     if server.kv_events is not None:
@@ -348,6 +354,9 @@ def run(args: argparse.Namespace) -> int:
         except ImportError as exc:
             print(f"kvsvc serve: {exc}", file=sys.stderr)
             return 2
+    # This process is the server alone: fewer collections (GC_THRESHOLDS), and its pools'
+    # long-lived objects frozen out of them once planned (freeze_gc in serve()).
+    gc.set_threshold(*GC_THRESHOLDS)
     try:
         asyncio.run(serve(config, restore=args.restore))
     except (OSError, ConfigFileError) as exc:  # a port in use; TLS files gone since the check
