@@ -37,7 +37,11 @@ def run_bench(*flags: str, python: str = sys.executable) -> dict[str, Any]:
 def check_relations(figures: dict[str, Any]) -> None:
     """What must hold between one report's figures, whoever ran it."""
     for call in ("echo", "allocate_new", "step256"):
-        assert 0 < figures[f"{call}_p50_us"] <= figures[f"{call}_p99_us"], call
+        for transport in ("", "_unix"):  # loopback TCP and the Unix socket
+            name = f"{call}{transport}"
+            assert 0 < figures[f"{name}_p50_us"] <= figures[f"{name}_p99_us"], name
+        unix_vs_tcp = figures[f"{call}_unix_p50_us"] / figures[f"{call}_p50_us"]
+        assert figures[f"{call}_unix_vs_tcp"] == pytest.approx(unix_vs_tcp, rel=1e-3, abs=1e-3)
     assert 0 < figures["step256_lockstep_p50_us"] <= figures["step256_lockstep_max_us"]
     assert figures["concurrent_ops_per_s"] > 0
     # Derived figures come from the printed medians (each rounded to 0.1 us).
@@ -49,9 +53,17 @@ def check_relations(figures: dict[str, Any]) -> None:
     assert figures["marginal_vs_vllm"] == pytest.approx(vs_vllm, rel=0.01, abs=0.002)
     if figures["vllm_source"] == "measured":
         assert figures["vllm_version"] and figures["vllm_decode_us_p50"] > 0
+        # The same 256 decodes in-process: at least 256 single decodes' worth of medians.
+        assert figures["vllm_step256_us_p50"] >= figures["vllm_decode_us_p50"] * 200
+        for transport in ("", "_unix"):
+            step = figures[f"step256{transport}_p50_us"] / figures["vllm_step256_us_p50"]
+            assert figures[f"step256{transport}_vs_vllm"] == pytest.approx(step, rel=1e-2)
+            admit = figures[f"allocate_new{transport}_p50_us"] / figures["vllm_admission_us_p50"]
+            assert figures[f"allocate_new{transport}_vs_vllm"] == pytest.approx(admit, rel=1e-2)
     else:
         assert figures["vllm_source"] == "reference" and figures["vllm_version"] is None
         assert figures["vllm_decode_us_p50"] == REFERENCE_VLLM_DECODE_US
+        assert "vllm_step256_us_p50" not in figures
 
 
 def test_rpc_bench_quick_json() -> None:
