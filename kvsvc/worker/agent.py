@@ -156,9 +156,7 @@ class WorkerAgentConfig:
     def validate(self) -> None:
         """Raises InvalidArgument naming the first bad field."""
         if not self.server or ":" not in self.server:
-            raise InvalidArgument(
-                "server", f"expected HOST:PORT or unix:PATH, got {self.server!r}"
-            )
+            raise InvalidArgument("server", f"expected HOST:PORT or unix:PATH, got {self.server!r}")
         if not self.pool:
             raise InvalidArgument("pool", "must not be empty")
         if self.world_size < 1:
