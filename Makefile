@@ -143,6 +143,7 @@ bench: venv
 	$(PY) benchmarks/plan_bench.py
 	$(PY) benchmarks/core_bench.py
 	$(PY) benchmarks/rpc_bench.py
+	$(PY) benchmarks/state_bench.py
 
 bench-vllm: venv-vllm
 	$(VLLM_TEST_ENV) $(VLLM_PY) benchmarks/vllm_bench.py
