@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, cast
 
-from google.protobuf.descriptor import FieldDescriptor
+from kvsvc_client._wire import packed_one_byte_field, packed_varint_tags
 
 from kvsvc.core import (
     MAX_MM_ITEMS,
@@ -270,7 +270,7 @@ class StepResults:
             ("free_queue_head", self.free_queue_head),
         ):
             if values:
-                field = _packed_one_byte_field(_STEP_RESPONSE_TAGS[name], values)
+                field = packed_one_byte_field(_STEP_RESPONSE_TAGS[name], values)
                 if field is None:
                     large[name] = values
                 else:
@@ -286,46 +286,7 @@ class StepResults:
         return response
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _packed_tags(message: Any) -> dict[str, bytes]:
-    """The key bytes (field number, wire type 2) of each packed varint column of
-    ``message``, from its descriptor (so a renumbered field cannot go out of step)."""
-    varints = {
-        FieldDescriptor.TYPE_INT32,
-        FieldDescriptor.TYPE_INT64,
-        FieldDescriptor.TYPE_UINT32,
-        FieldDescriptor.TYPE_UINT64,
-        FieldDescriptor.TYPE_ENUM,
-    }
-    return {
-        field.name: _varint(field.number << 3 | 2)
-        for field in message.DESCRIPTOR.fields
-        if field.is_repeated and field.type in varints and field.is_packed
-    }
-
-
-_STEP_RESPONSE_TAGS = _packed_tags(pb.StepResponse)
-
-
-def _packed_one_byte_field(tag: bytes, values: list[int]) -> bytes | None:
-    """``values`` as a packed varint field when each is in [0, 128) (one byte on the wire,
-    the value itself); None otherwise. ``bytes()`` refuses values outside [0, 256) and
-    ``isascii()`` then finds any of two bytes, both in C."""
-    try:
-        payload = bytes(values)
-    except (ValueError, TypeError):
-        return None
-    if not payload.isascii():
-        return None
-    return tag + _varint(len(payload)) + payload
+_STEP_RESPONSE_TAGS = packed_varint_tags(pb.StepResponse)
 
 
 def _stored_to_pb(event: BlockStored) -> pb.KVEvent:

@@ -66,6 +66,18 @@ def running_server(*pools: PoolConfig, **server_kwargs: Any) -> Iterator[ServerT
         thread.stop()
 
 
+@contextmanager
+def tidy_client(server: ServerThread, pool: str = "p") -> Iterator[Any]:
+    """A typed client of ``pool`` that frees every request still live when the block ends,
+    so tests sharing one server start from an empty pool."""
+    from kvsvc_client import KVCacheClient
+
+    with KVCacheClient(server.address, pool=pool) as client:
+        yield client
+        for rid in server.run(lambda: server.server.pools.by_name[pool].cache.request_ids()):
+            client.free(rid)
+
+
 def llama_like_specs(
     num_layers: int = 4, block_size: int = 16, num_kv_heads: int = 2, head_size: int = 64
 ) -> dict[str, KVCacheSpec]:

@@ -27,7 +27,14 @@ from kvsvc.core import MAX_MM_ITEMS, BlockHasher
 from kvsvc.server.config import PoolConfig
 from kvsvc.server.pool import Pool
 from kvsvc.v1 import kvcache_pb2, kvcache_pb2_grpc, worker_pb2
-from tests.server.harness import FakeRank, ServerThread, bring_up, llama_like_specs, running_server
+from tests.server.harness import (
+    FakeRank,
+    ServerThread,
+    bring_up,
+    llama_like_specs,
+    running_server,
+    tidy_client,
+)
 
 MAX_MODEL_LEN = 256
 MAX_REQUESTS = 4
@@ -54,10 +61,8 @@ def server() -> Iterator[ServerThread]:
 
 @pytest.fixture()
 def kv(server: ServerThread) -> Iterator[KVCacheClient]:
-    with KVCacheClient(server.address, pool="p") as client:
+    with tidy_client(server) as client:
         yield client
-        for rid in server.run(lambda: server.server.pools.by_name["p"].cache.request_ids()):
-            client.free(rid)
 
 
 def tokens(start: int, n: int) -> list[int]:

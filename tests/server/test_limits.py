@@ -18,7 +18,13 @@ import pytest
 from kvsvc_client import InvalidArgumentError, KVCacheClient, ResourceExhaustedError
 
 from kvsvc.server.config import PoolConfig
-from tests.server.harness import ServerThread, bring_up, llama_like_specs, running_server
+from tests.server.harness import (
+    ServerThread,
+    bring_up,
+    llama_like_specs,
+    running_server,
+    tidy_client,
+)
 
 MAX_STEP_OPERATIONS = 8
 MAX_MESSAGE_BYTES = 64 * 1024
@@ -46,10 +52,8 @@ def server() -> Iterator[ServerThread]:
 
 @pytest.fixture()
 def kv(server: ServerThread) -> Iterator[KVCacheClient]:
-    with KVCacheClient(server.address, pool="p") as client:
+    with tidy_client(server) as client:
         yield client
-        for rid in server.run(lambda: server.server.pools.by_name["p"].cache.request_ids()):
-            client.free(rid)
 
 
 def pool_state(server: ServerThread) -> tuple[Any, ...]:

@@ -31,7 +31,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,10 +87,10 @@ def free_port() -> int:
 
 
 @contextmanager
-def vllm_test_env() -> Iterator[None]:
-    """Set :data:`VLLM_ENV` for the block (vLLM reads it when an engine starts)."""
-    saved = {key: os.environ.get(key) for key in VLLM_ENV}
-    os.environ.update(VLLM_ENV)
+def environment(**values: str) -> Iterator[None]:
+    """Set ``values`` in ``os.environ`` for the block, then restore what was there."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
     try:
         yield
     finally:
@@ -99,6 +99,11 @@ def vllm_test_env() -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def vllm_test_env() -> AbstractContextManager[None]:
+    """Set :data:`VLLM_ENV` for the block (vLLM reads it when an engine starts)."""
+    return environment(**VLLM_ENV)
 
 
 # --------------------------------------------------------------------------- kvsvc server

@@ -4,35 +4,25 @@ or a command line), and the engine's requests live in its own namespace."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from kvsvc.integrations.vllm import vllm_kwargs
-from tests.vllm.helpers import greedy_tokens, kvsvc_server, make_llm, release_llm, write_tiny_model
+from tests.vllm.helpers import (
+    environment,
+    greedy_tokens,
+    kvsvc_server,
+    make_llm,
+    release_llm,
+    write_tiny_model,
+)
 
 pytestmark = pytest.mark.e2e
 
 ENGINE_TOKEN = "vllm-engine-token-0123456789"
 AGENT_TOKEN = "vllm-agent-token-0123456789"
 ADMIN_TOKEN = "vllm-admin-token-0123456789"
-
-
-@contextmanager
-def environment(**values: str) -> Iterator[None]:
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def test_vllm_runs_with_an_engine_token_and_an_agent_token(tmp_path: Path) -> None:
