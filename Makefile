@@ -57,7 +57,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(call install_torch,$(PY))
 	@echo "   kvsvc (editable) with grpcio, protobuf, numpy, pytest, ruff, mypy, ..."
-	$(PY) -m pip install --progress-bar off -e '.[worker,dev]'
+	$(PY) -m pip install --progress-bar off -e '.[worker,dev,cluster]'
 	touch $(STAMP)
 	@echo "== $(VENV) is ready"
 

@@ -1,0 +1,226 @@
+"""The cluster index's Redis key layout, and the Lua scripts that change it.
+
+Keys (``P`` is the key prefix, ``kvsvc`` by default; ``S`` a source's name,
+``HOST:PORT/POOL``; ``H`` a block hash, its raw bytes)::
+
+    one slot, tag {P:registry}        the engines
+      P:{P:registry}:ids              HASH   S -> engine id (a small int, never reused)
+      P:{P:registry}:next_id          STRING the last id handed out
+      P:{P:registry}:sources          HASH   S -> JSON of the indexed source (id, hashing
+                                             settings, block size); the engines Score lists
+
+    one slot per source, tag {P:src:S}  everything one indexer writes for one source
+      P:{P:src:S}:meta                HASH   epoch, seq (the last batch applied), the
+                                             tracked groups, block sizes, hashing settings
+      P:{P:src:S}:blocks              HASH   group byte + H -> blocks the source caches
+                                             under H in that group (duplicates counted)
+      P:{P:src:S}:pending             HASH   H -> "0"/"1": block bits decided but maybe
+                                             not written yet (see below)
+      P:{P:src:S}:lease               STRING the indexer that may write S (with a TTL)
+      P:{P:src:S}:stage, :stage_pending      a snapshot being written, renamed in at once
+
+    one slot per block hash (spread over the cluster)
+      P:b:H                           STRING a bitmap over engine ids: bit i is set while
+                                             engine i caches H in every tracked group
+
+What goes together: a source's keys share one hash tag, so the scripts below, which must
+change a source's counts and sequence atomically, touch one slot. Score reads the block
+bitmaps, one key per prompt block in one pipelined round trip (on a cluster, one per
+node), plus the registry (cached, refreshed about once a second).
+
+A source's writes happen in two steps. (1) A script (one slot) applies a run of event
+batches to the counts, fenced by the source's lease and guarded by its epoch and
+sequence (a batch applied twice or out of order is refused, not applied), and returns the
+hashes whose bit must change; it records them in ``pending`` in the same step. (2) The
+indexer sets those bits (``SETBIT``, absolute values: repeating it is harmless) and the
+next script clears ``pending``. An indexer that dies between the two leaves ``pending``
+behind, and whoever takes the lease next writes it first. Only the lease holder writes a
+source's bits, so no two indexers ever interleave them; an indexer that lost its lease
+(paused past the TTL) is refused by the next script and stops writing.
+
+Bounds: a source's counts hold one field per cached block hash it tracks (a pool's
+cached blocks, at most its block count); the bitmap of a block is (highest engine id + 1)
+/ 8 bytes; engine ids grow by one for each source name ever indexed (ids are kept across
+purges so a bitmap bit never changes owner). A clear, a purge or a snapshot runs over all
+of one source's fields (one script over a million fields blocks Redis for about a second).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+DEFAULT_PREFIX = "kvsvc"
+# Spec kinds whose hits need every block of the prefix (a hit is the longest run of
+# consecutive blocks present); groups of other kinds (sliding window, Mamba, ...) are not
+# tracked: a hybrid model's score is then its full-attention groups' (an upper bound).
+TRACKED_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """The key names of one key prefix."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    def _registry(self, name: str) -> str:
+        return f"{self.prefix}:{{{self.prefix}:registry}}:{name}"
+
+    @property
+    def ids(self) -> str:
+        return self._registry("ids")
+
+    @property
+    def next_id(self) -> str:
+        return self._registry("next_id")
+
+    @property
+    def sources(self) -> str:
+        return self._registry("sources")
+
+    def source(self, source: str, name: str) -> str:
+        """One of a source's keys (``meta``, ``blocks``, ``pending``, ``lease``, ...)."""
+        return f"{self.prefix}:{{{self.prefix}:src:{source}}}:{name}"
+
+    def source_keys(self, source: str) -> list[str]:
+        """The keys every source script gets, in the order the scripts expect."""
+        return [
+            self.source(source, name)
+            for name in ("meta", "blocks", "pending", "lease", "stage", "stage_pending")
+        ]
+
+    def block(self, block_hash: bytes) -> bytes:
+        return self.prefix.encode() + b":b:" + block_hash
+
+
+# KEYS: meta, blocks, pending, lease, stage, stage_pending.
+# ARGV: owner, epoch, first_seq, last_seq, ntracked, tracked group bytes..., ops...
+# An op is one string: "S" or "R" + group byte + hash (stored / removed), or "C" (clear).
+# Returns {status, flips...}: status "ok" (flips = hash, bit, hash, bit...), "lease" (the
+# caller does not hold the lease), "epoch" (the source's epoch is another), "dup" (these
+# batches were applied already), "gap" (a batch before first_seq is missing), plus the
+# number of removals of hashes that were not there (an inconsistency; counted).
+APPLY = r"""
+if redis.call('GET', KEYS[4]) ~= ARGV[1] then return {'lease'} end
+local meta = redis.call('HMGET', KEYS[1], 'epoch', 'seq')
+if meta[1] ~= ARGV[2] then return {'epoch'} end
+local seq = tonumber(meta[2])
+local first, last = tonumber(ARGV[3]), tonumber(ARGV[4])
+if seq >= last then return {'dup'} end
+if seq ~= first - 1 then return {'gap', tostring(seq)} end
+redis.call('DEL', KEYS[3])
+local ntracked = tonumber(ARGV[5])
+local tracked = {}
+for i = 1, ntracked do tracked[i] = ARGV[5 + i] end
+local function present(h)
+  for i = 1, ntracked do
+    local c = redis.call('HGET', KEYS[2], tracked[i] .. h)
+    if not c or tonumber(c) <= 0 then return false end
+  end
+  return true
+end
+local before = {}
+local order = {}
+local missing = 0
+local function touch(h)
+  if before[h] == nil then
+    before[h] = present(h)
+    order[#order + 1] = h
+  end
+end
+for i = 6 + ntracked, #ARGV do
+  local op = ARGV[i]
+  local kind = string.sub(op, 1, 1)
+  if kind == 'C' then
+    local fields = redis.call('HKEYS', KEYS[2])
+    for _, f in ipairs(fields) do touch(string.sub(f, 2)) end
+    redis.call('DEL', KEYS[2])
+  else
+    local field = string.sub(op, 2)
+    local h = string.sub(op, 3)
+    if ntracked == 1 then
+      if before[h] == nil then
+        local c = redis.call('HGET', KEYS[2], field)
+        before[h] = (c ~= false) and tonumber(c) > 0
+        order[#order + 1] = h
+      end
+    else
+      touch(h)
+    end
+    if kind == 'S' then
+      redis.call('HINCRBY', KEYS[2], field, 1)
+    else
+      local c = redis.call('HINCRBY', KEYS[2], field, -1)
+      if c <= 0 then
+        redis.call('HDEL', KEYS[2], field)
+        if c < 0 then missing = missing + 1 end
+      end
+    end
+  end
+end
+local out = {'ok', tostring(missing)}
+for _, h in ipairs(order) do
+  local now = present(h)
+  if now ~= before[h] then
+    local bit = now and '1' or '0'
+    redis.call('HSET', KEYS[3], h, bit)
+    out[#out + 1] = h
+    out[#out + 1] = bit
+  end
+end
+redis.call('HSET', KEYS[1], 'seq', ARGV[4])
+return out
+"""
+
+# Installs a staged snapshot: stage -> blocks, stage_pending -> pending, and the meta
+# fields given (ARGV: owner, field, value, field, value, ...). Returns "ok" or "lease".
+INSTALL = r"""
+if redis.call('GET', KEYS[4]) ~= ARGV[1] then return 'lease' end
+if redis.call('EXISTS', KEYS[5]) == 1 then
+  redis.call('RENAME', KEYS[5], KEYS[2])
+else
+  redis.call('DEL', KEYS[2])
+end
+if redis.call('EXISTS', KEYS[6]) == 1 then
+  redis.call('RENAME', KEYS[6], KEYS[3])
+end
+if #ARGV > 1 then
+  redis.call('DEL', KEYS[1])
+  redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+else
+  redis.call('DEL', KEYS[1])
+end
+return 'ok'
+"""
+
+# Clears ``pending`` once its bits are written (ARGV: owner). Returns "ok" or "lease".
+CLEAR_PENDING = r"""
+if redis.call('GET', KEYS[4]) ~= ARGV[1] then return 'lease' end
+redis.call('DEL', KEYS[3])
+return 'ok'
+"""
+
+# Takes or keeps the lease (ARGV: owner, ttl ms): "ok" when the caller holds it after.
+LEASE = r"""
+local holder = redis.call('GET', KEYS[4])
+if holder == false then
+  redis.call('SET', KEYS[4], ARGV[1], 'PX', ARGV[2])
+  return 'new'
+end
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[4], ARGV[2])
+  return 'ok'
+end
+return 'held'
+"""
+
+# Gives the lease back (ARGV: owner).
+RELEASE = r"""
+if redis.call('GET', KEYS[4]) == ARGV[1] then redis.call('DEL', KEYS[4]) end
+return 'ok'
+"""
+
+
+def script_sha(script: str) -> str:
+    """The SHA-1 Redis names a script by (EVALSHA)."""
+    return hashlib.sha1(script.encode()).hexdigest()

@@ -1,0 +1,383 @@
+"""The cluster index in Redis: what an indexer writes for a source, and the registry.
+
+:class:`SourceStore` is one source's writer (the layout and the two-step write are in
+:mod:`kvsvc.cluster.layout`). It is used by one thread at a time; several processes may
+hold SourceStores of the same source, and the lease decides which of them writes.
+
+Redis clients: ``redis.Redis`` or ``redis.cluster.RedisCluster`` (see :func:`connect`),
+both thread-safe (connection pools), so one client serves every source of a process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvsvc.cluster import layout
+from kvsvc.cluster.layout import TRACKED_KINDS, Keys
+
+_log = logging.getLogger("kvsvc.cluster")
+
+# Commands per pipeline when bits or staged fields are written in bulk (bounds the
+# memory of one pipeline and the time Redis spends on one packet).
+PIPELINE_CHUNK = 4096
+
+
+class LeaseLost(Exception):
+    """Another indexer holds the source's lease now: this one must stop writing it."""
+
+
+class SourceMoved(Exception):
+    """The source's stored epoch or sequence is not where the writer thought: resync."""
+
+
+def connect(url: str, *, cluster: bool | None = None, timeout: float = 5.0) -> Any:
+    """A Redis client for ``url`` (``redis://HOST:PORT[/DB]``, ``rediss://`` for TLS).
+
+    Args:
+        url: where Redis is; with ``cluster`` None a node that reports
+            ``cluster_enabled:1`` gets a cluster client, which finds the other nodes.
+        cluster: force a cluster (True) or a plain (False) client.
+        timeout: socket timeout of each command, seconds.
+
+    Raises:
+        ValueError: a URL redis-py cannot parse (the message names it).
+        redis.exceptions.ConnectionError: Redis cannot be reached (with ``cluster`` None).
+    """
+    import redis
+    from redis.cluster import RedisCluster
+
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"--redis {url!r}: expected redis://HOST:PORT (or rediss://, unix://)")
+    options = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
+    if cluster is None:
+        probe = redis.Redis.from_url(url, **options)  # type: ignore[arg-type]
+        try:
+            cluster = bool(probe.info("cluster").get("cluster_enabled"))
+        finally:
+            probe.close()
+    if cluster:
+        return RedisCluster.from_url(url, **options)
+    return redis.Redis.from_url(url, **options)  # type: ignore[arg-type]
+
+
+def source_name(target: str, pool: str) -> str:
+    """How a source is named in the index and in Score's answer: ``HOST:PORT/POOL``."""
+    return f"{target}/{pool}"
+
+
+def parse_source(text: str) -> tuple[str, str]:
+    """``HOST:PORT/POOL`` (or ``unix:PATH/POOL``) -> (target, pool).
+
+    Raises:
+        ValueError: no ``/POOL``, an empty pool, or a target without ``:``.
+    """
+    target, slash, pool = text.strip().rpartition("/")
+    if not slash or not pool or not target or ":" not in target:
+        raise ValueError(f"source {text!r}: expected HOST:PORT/POOL")
+    if any(c in pool for c in "{}") or any(c in target for c in "{}"):
+        raise ValueError(f"source {text!r}: '{{' and '}}' would break the Redis hash tags")
+    return target, pool
+
+
+@dataclass(slots=True)
+class Tracking:
+    """Which of a source's groups the index tracks, and how its prompts hash.
+
+    Attributes:
+        groups: the tracked groups' indexes (full-attention kinds of one block size).
+        block_size: tokens per block of the tracked groups (what a hit is counted in).
+        hash_block_size: tokens per hash block of the pool.
+        hash_algo / fingerprint: the pool's hash algorithm and seed fingerprint.
+        medium: where the pool's blocks live.
+    """
+
+    groups: tuple[int, ...]
+    block_size: int
+    hash_block_size: int
+    hash_algo: str
+    fingerprint: str
+    medium: str = "GPU"
+
+    @classmethod
+    def from_groups(
+        cls,
+        groups: Iterable[tuple[int, str, int]],
+        hash_block_size: int,
+        hash_algo: str,
+        fingerprint: str,
+        medium: str = "GPU",
+    ) -> Tracking:
+        """From the pool's ``(index, kind, block size)`` groups: the full-attention ones
+        of the first such group's block size (a hit needs all of them)."""
+        full = [(i, size) for i, kind, size in groups if kind in TRACKED_KINDS]
+        size = full[0][1] if full else hash_block_size
+        chosen = tuple(i for i, s in full if s == size)
+        if len(chosen) != len(full):
+            _log.warning(
+                "full-attention groups of several block sizes: only those of %d tokens are tracked",
+                size,
+            )
+        return cls(chosen, size, hash_block_size, hash_algo, fingerprint, medium)
+
+    def to_meta(self) -> dict[str, str]:
+        return {
+            "groups": ",".join(map(str, self.groups)),
+            "block_size": str(self.block_size),
+            "hash_block_size": str(self.hash_block_size),
+            "hash_algo": self.hash_algo,
+            "fingerprint": self.fingerprint,
+            "medium": self.medium,
+        }
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, str]) -> Tracking:
+        groups = meta.get("groups", "")
+        return cls(
+            tuple(int(g) for g in groups.split(",") if g),
+            int(meta["block_size"]),
+            int(meta["hash_block_size"]),
+            meta["hash_algo"],
+            meta.get("fingerprint", ""),
+            meta.get("medium", "GPU"),
+        )
+
+
+@dataclass(slots=True)
+class SourceState:
+    """Where a source's index stands in Redis (None fields: never indexed, or purged)."""
+
+    epoch: str | None = None
+    seq: int = 0
+    tracking: Tracking | None = None
+
+
+@dataclass(slots=True)
+class ApplyResult:
+    """What one apply did: bits changed and removals of hashes that were not there."""
+
+    flips: int = 0
+    missing: int = 0
+    duplicate: bool = False
+
+
+@dataclass(slots=True)
+class Registry:
+    """The indexed engines: name -> (engine id, tracking), as read from Redis."""
+
+    engines: dict[str, tuple[int, Tracking]] = field(default_factory=dict)
+
+    @property
+    def max_id(self) -> int:
+        return max((i for i, _ in self.engines.values()), default=-1)
+
+
+def read_registry(client: Any, keys: Keys) -> Registry:
+    """Every indexed source with its id and tracking (one HGETALL on one slot)."""
+    registry = Registry()
+    for name, raw in client.hgetall(keys.sources).items():
+        info = json.loads(raw)
+        registry.engines[name.decode()] = (int(info["id"]), Tracking.from_meta(info))
+    return registry
+
+
+def _decode(meta: dict[bytes, bytes]) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in meta.items()}
+
+
+class SourceStore:
+    """One source's index in Redis, written by whoever holds its lease.
+
+    Args:
+        client: a Redis (or RedisCluster) client.
+        name: the source's name (``HOST:PORT/POOL``).
+        owner: this writer's lease token (unique per indexer process and source).
+        keys: the key layout (its prefix).
+        lease_ttl_s: how long a lease lasts without renewal; the holder renews it every
+            third of that. Another indexer takes over a source this long after its holder
+            stopped.
+    """
+
+    def __init__(
+        self, client: Any, name: str, owner: str, keys: Keys, lease_ttl_s: float = 10.0
+    ) -> None:
+        self.client = client
+        self.name = name
+        self.owner = owner
+        self.keys = keys
+        self.lease_ttl_ms = max(100, int(lease_ttl_s * 1000))
+        self._keys = keys.source_keys(name)
+        self._apply = client.register_script(layout.APPLY)
+        self._install = client.register_script(layout.INSTALL)
+        self._clear_pending = client.register_script(layout.CLEAR_PENDING)
+        self._lease = client.register_script(layout.LEASE)
+        self._release = client.register_script(layout.RELEASE)
+        self.engine_id: int | None = None
+
+    # -- the lease -----------------------------------------------------------------------
+
+    def acquire(self) -> str:
+        """Take or renew the lease: ``"new"`` (just taken), ``"ok"`` (renewed) or
+        ``"held"`` (another indexer has it)."""
+        result = self._lease(keys=self._keys, args=[self.owner, self.lease_ttl_ms])
+        return result.decode() if isinstance(result, bytes) else str(result)
+
+    def release(self) -> None:
+        self._release(keys=self._keys, args=[self.owner])
+
+    # -- reading -------------------------------------------------------------------------
+
+    def state(self) -> SourceState:
+        meta = _decode(self.client.hgetall(self._keys[0]))
+        if "epoch" not in meta:
+            return SourceState()
+        tracking = Tracking.from_meta(meta) if "block_size" in meta else None
+        return SourceState(meta["epoch"], int(meta.get("seq", "0")), tracking)
+
+    def counts(self) -> dict[bytes, int]:
+        """group byte + hash -> blocks, as stored (HSCAN: never one huge reply)."""
+        return {bytes(k): int(v) for k, v in self.client.hscan_iter(self._keys[1], count=4096)}
+
+    # -- writing -------------------------------------------------------------------------
+
+    def _ensure_id(self) -> int:
+        if self.engine_id is not None:
+            return self.engine_id
+        found = self.client.hget(self.keys.ids, self.name)
+        if found is None:
+            candidate = int(self.client.incr(self.keys.next_id)) - 1
+            self.client.hsetnx(self.keys.ids, self.name, candidate)
+            found = self.client.hget(self.keys.ids, self.name)  # whoever won the race
+        self.engine_id = int(found)
+        return self.engine_id
+
+    def _write_bits(self, bits: Sequence[tuple[bytes, int]]) -> None:
+        """Set the source's bit of each block (absolute values: a repeat is harmless)."""
+        engine = self._ensure_id()
+        for start in range(0, len(bits), PIPELINE_CHUNK):
+            pipe = self.client.pipeline(transaction=False)
+            for block_hash, bit in bits[start : start + PIPELINE_CHUNK]:
+                pipe.setbit(self.keys.block(block_hash), engine, bit)
+            pipe.execute()
+
+    def _check(self, status: Any) -> None:
+        if (status.decode() if isinstance(status, bytes) else status) == "lease":
+            raise LeaseLost(self.name)
+
+    def flush_pending(self) -> int:
+        """Write the bits a previous writer decided but may not have written (after a
+        takeover or an error), then clear them. Returns how many there were."""
+        pending = [
+            (bytes(h), int(v))
+            for h, v in self.client.hscan_iter(self._keys[2], count=PIPELINE_CHUNK)
+        ]
+        if pending:
+            self._write_bits(pending)
+        self._check(self._clear_pending(keys=self._keys, args=[self.owner]))
+        return len(pending)
+
+    def apply(
+        self, epoch: str, first_seq: int, last_seq: int, tracking: Tracking, ops: Sequence[bytes]
+    ) -> ApplyResult:
+        """Apply batches ``first_seq..last_seq`` (their ops, in order) and write the bits
+        that changed.
+
+        Args:
+            epoch / first_seq / last_seq: the batches' epoch and sequence range.
+            tracking: the source's tracked groups (ops of other groups must be left out).
+            ops: ``b"S" + group byte + hash``, ``b"R" + group byte + hash`` or ``b"C"``.
+
+        Raises:
+            LeaseLost: another indexer holds the lease.
+            SourceMoved: the stored epoch is another, or a batch before ``first_seq`` was
+                never applied (resync from a snapshot).
+        """
+        args: list[Any] = [self.owner, epoch, first_seq, last_seq, len(tracking.groups)]
+        args.extend(bytes([g]) for g in tracking.groups)
+        args.extend(ops)
+        reply = self._apply(keys=self._keys, args=args)
+        status = reply[0].decode()
+        if status == "lease":
+            raise LeaseLost(self.name)
+        if status == "dup":
+            return ApplyResult(duplicate=True)
+        if status in ("epoch", "gap"):
+            raise SourceMoved(f"{self.name}: stored {status} differs from batch {first_seq}")
+        flips = [(bytes(reply[i]), int(reply[i + 1])) for i in range(2, len(reply), 2)]
+        if flips:
+            self._write_bits(flips)
+        return ApplyResult(flips=len(flips), missing=int(reply[1]))
+
+    def install(self, epoch: str, seq: int, tracking: Tracking, counts: dict[bytes, int]) -> int:
+        """Replace the source's index with a snapshot's (``counts``: group byte + hash ->
+        blocks, tracked groups only) at ``seq`` of ``epoch``; write the bits that change.
+
+        Returns:
+            The number of bits changed.
+
+        Raises:
+            LeaseLost: another indexer holds the lease.
+        """
+        self.flush_pending()
+        old = self._present(self.counts(), tracking)
+        new = self._present(counts, tracking)
+        flips = [(h, 1) for h in new - old] + [(h, 0) for h in old - new]
+        # Hashes present before and after keep their bit; a bit that was lost (Redis
+        # restarted without the block keys) is rewritten too: every present bit is set.
+        flips += [(h, 1) for h in new & old]
+        stage, stage_pending = self._keys[4], self._keys[5]
+        self.client.delete(stage, stage_pending)
+        items = list(counts.items())
+        for start in range(0, len(items), PIPELINE_CHUNK):
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hset(stage, mapping=dict(items[start : start + PIPELINE_CHUNK]))
+            pipe.execute()
+        for start in range(0, len(flips), PIPELINE_CHUNK):
+            chunk = flips[start : start + PIPELINE_CHUNK]
+            self.client.hset(stage_pending, mapping={h: str(b) for h, b in chunk})
+        meta = {"epoch": epoch, "seq": str(seq), **tracking.to_meta(), "updated": f"{time.time()}"}
+        args: list[Any] = [self.owner]
+        for key, value in meta.items():
+            args += [key, value]
+        self._check(self._install(keys=self._keys, args=args))
+        self.flush_pending()
+        engine = self._ensure_id()
+        info = {"id": engine, **tracking.to_meta()}
+        self.client.hset(self.keys.sources, self.name, json.dumps(info, sort_keys=True))
+        return len(flips)
+
+    def purge(self) -> int:
+        """Drop the source from the index: its bits, counts and meta, and its registry
+        entry (its engine id stays reserved for it). Returns the bits cleared.
+
+        Raises:
+            LeaseLost: another indexer holds the lease.
+        """
+        self.flush_pending()
+        state = self.state()
+        tracking = state.tracking or Tracking((0,), 1, 1, "", "")
+        old = self._present(self.counts(), tracking)
+        stage_pending = self._keys[5]
+        self.client.delete(self._keys[4], stage_pending)
+        flips = [(h, 0) for h in old]
+        for start in range(0, len(flips), PIPELINE_CHUNK):
+            chunk = flips[start : start + PIPELINE_CHUNK]
+            self.client.hset(stage_pending, mapping={h: "0" for h, _ in chunk})
+        self.client.hdel(self.keys.sources, self.name)
+        self._check(self._install(keys=self._keys, args=[self.owner]))
+        self.flush_pending()
+        return len(flips)
+
+    @staticmethod
+    def _present(counts: dict[bytes, int], tracking: Tracking) -> set[bytes]:
+        """Hashes with a block in every tracked group."""
+        by_hash: dict[bytes, int] = {}
+        for key, count in counts.items():
+            if count > 0 and key[0] in tracking.groups:
+                by_hash[key[1:]] = by_hash.get(key[1:], 0) + 1
+        need = len(tracking.groups)
+        return {h for h, n in by_hash.items() if n >= need}

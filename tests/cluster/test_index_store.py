@@ -1,0 +1,202 @@
+"""The index's Redis side against real redis-servers (one, and a 3-node Redis Cluster):
+applying event runs, the sequence guard, the lease, pending bits after a crash, snapshots,
+purges, and Score over what was written."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvsvc.cluster.hashing import PromptHasher
+from kvsvc.cluster.layout import APPLY, Keys
+from kvsvc.cluster.score import Scorer
+from kvsvc.cluster.store import LeaseLost, SourceMoved, SourceStore, Tracking, connect
+from tests.cluster.redis_procs import RedisServer, create_cluster, require_redis_package
+
+require_redis_package()
+
+SEED = "store-test-seed"
+HASHER = PromptHasher("xxh3_128", SEED)
+TRACKING = Tracking((0,), 16, 16, "xxh3_128", HASHER.fingerprint)
+_prefixes = itertools.count()
+
+
+@pytest.fixture(scope="module", params=["single", "cluster"])
+def redis_url(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    base = tmp_path_factory.mktemp(f"redis-{request.param}")
+    if request.param == "single":
+        servers = [RedisServer(base / "0")]
+    else:
+        servers = [RedisServer(base / str(i), cluster=True) for i in range(3)]
+    for server in servers:
+        server.start()
+    try:
+        if request.param == "cluster":
+            create_cluster(servers)
+        yield servers[0].url
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.fixture
+def keys() -> Keys:
+    return Keys(f"t{next(_prefixes)}")  # every test its own index
+
+
+def prompt(n_blocks: int, base: int = 0) -> list[int]:
+    return [base + t for t in range(16 * n_blocks + 1)]
+
+
+def stored(tokens: list[int], first: int = 0, last: int | None = None) -> list[bytes]:
+    hashes = HASHER.block_hashes(tokens, 16, 16)
+    return [b"S\0" + h for h in hashes[first:last]]
+
+
+def removed(tokens: list[int], first: int, last: int | None = None) -> list[bytes]:
+    return [b"R\0" + h for h in HASHER.block_hashes(tokens, 16, 16)[first:last]]
+
+
+def new_source(client: object, name: str, keys: Keys, owner: str = "a") -> SourceStore:
+    store = SourceStore(client, name, owner, keys, lease_ttl_s=5)
+    assert store.acquire() == "new"
+    store.install("e1", 0, TRACKING, {})
+    return store
+
+
+def test_scores_are_the_longest_run_of_leading_blocks_per_engine(
+    redis_url: str, keys: Keys
+) -> None:
+    client = connect(redis_url)
+    a = new_source(client, "10.0.0.1:1/p", keys)
+    b = new_source(client, "10.0.0.2:1/p", keys)
+    tokens = prompt(6)
+    a.apply("e1", 1, 1, TRACKING, stored(tokens))  # all 6 blocks
+    b.apply("e1", 1, 2, TRACKING, stored(tokens, 0, 4) + removed(tokens, 1, 2))  # 0, 2, 3
+    scorer = Scorer(client, SEED, keys)
+    assert scorer.score(tokens, max_registry_age=0).scores == {
+        "10.0.0.1:1/p": 96,
+        "10.0.0.2:1/p": 16,
+    }
+    # At least one token is left to compute: a prompt of exactly 6 blocks hits 5.
+    assert scorer.score(tokens[:-1]).scores["10.0.0.1:1/p"] == 80
+    assert scorer.score(tokens, engines={"10.0.0.2:1/p", "nobody"}).scores == {"10.0.0.2:1/p": 16}
+    # Another salt hashes to other blocks: nothing cached.
+    from kvsvc.core.hashing import HashingContext
+
+    salted = scorer.score(tokens, HashingContext(cache_salt="x")).scores
+    assert set(salted.values()) == {0}
+
+
+def test_a_block_cached_twice_stays_until_both_copies_leave(redis_url: str, keys: Keys) -> None:
+    client = connect(redis_url)
+    a = new_source(client, "h:1/p", keys)
+    tokens = prompt(2)
+    a.apply("e1", 1, 2, TRACKING, stored(tokens) + stored(tokens, 0, 1))
+    scorer = Scorer(client, SEED, keys)
+    a.apply("e1", 3, 3, TRACKING, removed(tokens, 0, 1))
+    assert scorer.score(tokens, max_registry_age=0).scores == {"h:1/p": 32}
+    a.apply("e1", 4, 4, TRACKING, removed(tokens, 0, 1))
+    assert scorer.score(tokens).scores == {"h:1/p": 0}
+    a.apply("e1", 5, 5, TRACKING, [*stored(tokens, 0, 1), b"C"])
+    assert a.counts() == {}
+    assert scorer.score(tokens).scores == {"h:1/p": 0}
+
+
+def test_batches_apply_once_in_order_of_their_epoch(redis_url: str, keys: Keys) -> None:
+    client = connect(redis_url)
+    a = new_source(client, "h:1/p", keys)
+    tokens = prompt(2)
+    a.apply("e1", 1, 1, TRACKING, stored(tokens))
+    assert a.apply("e1", 1, 1, TRACKING, stored(tokens)).duplicate
+    assert a.counts() == {op[1:]: 1 for op in stored(tokens)}
+    with pytest.raises(SourceMoved, match="gap"):
+        a.apply("e1", 3, 3, TRACKING, removed(tokens, 0))
+    with pytest.raises(SourceMoved, match="epoch"):
+        a.apply("e2", 2, 2, TRACKING, removed(tokens, 0))
+    assert a.state().seq == 1
+
+
+def test_only_the_lease_holder_writes(redis_url: str, keys: Keys) -> None:
+    client = connect(redis_url)
+    a = new_source(client, "h:1/p", keys, owner="a")
+    b = SourceStore(client, "h:1/p", "b", keys, lease_ttl_s=5)
+    assert b.acquire() == "held"
+    with pytest.raises(LeaseLost):
+        b.apply("e1", 1, 1, TRACKING, stored(prompt(1)))
+    assert a.acquire() == "ok"
+    a.release()
+    assert b.acquire() == "new"
+    with pytest.raises(LeaseLost):
+        a.apply("e1", 1, 1, TRACKING, stored(prompt(1)))
+    assert b.apply("e1", 1, 1, TRACKING, stored(prompt(1))).flips == 1
+
+
+def test_bits_a_crashed_writer_decided_are_written_by_the_next(redis_url: str, keys: Keys) -> None:
+    client = connect(redis_url)
+    a = new_source(client, "h:1/p", keys, owner="a")
+    tokens = prompt(3)
+    # The script's step alone, as if the writer died before setting the bits.
+    script = client.register_script(APPLY)
+    reply = script(
+        keys=keys.source_keys("h:1/p"), args=["a", "e1", 1, 1, 1, b"\0", *stored(tokens)]
+    )
+    assert reply[0] == b"ok" and len(reply) == 2 + 2 * 3
+    scorer = Scorer(client, SEED, keys)
+    assert scorer.score(tokens, max_registry_age=0).scores == {"h:1/p": 0}
+    a.release()
+    b = SourceStore(client, "h:1/p", "b", keys)
+    assert b.acquire() == "new"
+    assert b.flush_pending() == 3
+    assert scorer.score(tokens).scores == {"h:1/p": 48}
+    assert b.flush_pending() == 0
+
+
+def test_a_snapshot_replaces_the_index_and_a_purge_drops_the_engine(
+    redis_url: str, keys: Keys
+) -> None:
+    client = connect(redis_url)
+    a = new_source(client, "h:1/p", keys)
+    old, new = prompt(3, base=0), prompt(2, base=5000)
+    a.apply("e1", 1, 1, TRACKING, stored(old))
+    counts = {op[1:]: 1 for op in stored(new)}
+    a.install("e2", 7, TRACKING, counts)
+    assert a.state().epoch == "e2" and a.state().seq == 7
+    scorer = Scorer(client, SEED, keys)
+    assert scorer.score(old, max_registry_age=0).scores == {"h:1/p": 0}
+    assert scorer.score(new).scores == {"h:1/p": 32}
+    assert a.purge() == 2
+    assert scorer.score(new, max_registry_age=0).scores == {}
+    assert a.state().epoch is None and a.counts() == {}
+    # Its engine id stays its own: indexed again, it gets the same bit.
+    engine = a.engine_id
+    a.install("e3", 0, TRACKING, {})
+    assert a.engine_id == engine == int(client.hget(keys.ids, "h:1/p"))
+
+
+def test_a_scorer_with_another_seed_scores_nothing_and_says_so(redis_url: str, keys: Keys) -> None:
+    client = connect(redis_url)
+    a = new_source(client, "h:1/p", keys)
+    a.apply("e1", 1, 1, TRACKING, stored(prompt(2)))
+    result = Scorer(client, "another-seed", keys).score(prompt(2))
+    assert result.scores == {"h:1/p": 0} and result.seed_mismatch == ("h:1/p",)
+
+
+def test_tracking_ignores_windowed_groups() -> None:
+    tracking = Tracking.from_groups(
+        [(0, "sliding_window", 16), (1, "full_attention", 32), (2, "full_attention", 32)],
+        16,
+        "xxh3_128",
+        "",
+    )
+    assert tracking.groups == (1, 2) and tracking.block_size == 32
+
+
+def test_a_bad_redis_url_names_the_flag(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--redis"):
+        connect("localhost:6379")
