@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -24,6 +25,29 @@ CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.keepalive_time_ms", 30_000),
 )
+
+
+_log = logging.getLogger("kvsvc_client")
+
+
+def epoch_of_reply(
+    metadata: Iterable[tuple[str, str]] | None, pool: str, known: str | None
+) -> str | None:
+    """The pool's state epoch a reply's trailing metadata carries (``known`` when it
+    carries none). A change from ``known`` means the server lost the pool's state, and
+    with it every request made before: said once, as a warning."""
+    for key, value in metadata or ():
+        if key == EPOCH_METADATA:
+            if known is not None and value != known:
+                _log.warning(
+                    "pool %r: the server's state epoch changed from %s to %s: the "
+                    "requests this client made before are gone",
+                    pool,
+                    known,
+                    value,
+                )
+            return value
+    return known
 
 
 @dataclass(frozen=True, slots=True)

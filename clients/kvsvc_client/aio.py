@@ -14,7 +14,12 @@ import grpc
 
 from kvsvc.v1 import admin_pb2, admin_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc
 from kvsvc_client import _wire
-from kvsvc_client._common import EPOCH_METADATA, RETRYABLE, RETRYABLE_REPEATS, ClientOptions
+from kvsvc_client._common import (
+    RETRYABLE,
+    RETRYABLE_REPEATS,
+    ClientOptions,
+    epoch_of_reply,
+)
 from kvsvc_client._types import (
     AllocateResult,
     BlockTable,
@@ -122,18 +127,7 @@ class AsyncKVCacheClient:
             return response
 
     def _note_epoch(self, metadata: Any) -> None:
-        for key, value in metadata or ():
-            if key == EPOCH_METADATA:
-                if self.epoch is not None and value != self.epoch:
-                    _log.warning(
-                        "pool %r: the server's state epoch changed from %s to %s: the "
-                        "requests this client made before are gone",
-                        self.pool,
-                        self.epoch,
-                        value,
-                    )
-                self.epoch = value
-                return
+        self.epoch = epoch_of_reply(metadata, self.pool, self.epoch)
 
     async def allocate(
         self,

@@ -17,7 +17,12 @@ import grpc
 
 from kvsvc.v1 import admin_pb2, admin_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc
 from kvsvc_client import _wire
-from kvsvc_client._common import EPOCH_METADATA, RETRYABLE, RETRYABLE_REPEATS, ClientOptions
+from kvsvc_client._common import (
+    RETRYABLE,
+    RETRYABLE_REPEATS,
+    ClientOptions,
+    epoch_of_reply,
+)
 from kvsvc_client._types import (
     AllocateResult,
     BlockTable,
@@ -217,18 +222,7 @@ class KVCacheClient:
     def _note_epoch(self, call: Any) -> None:
         """Keep the pool's state epoch from a reply's trailing metadata (see
         :attr:`epoch`)."""
-        for key, value in call.trailing_metadata() or ():
-            if key == EPOCH_METADATA:
-                if self.epoch is not None and value != self.epoch:
-                    _log.warning(
-                        "pool %r: the server's state epoch changed from %s to %s: the "
-                        "requests this client made before are gone",
-                        self.pool,
-                        self.epoch,
-                        value,
-                    )
-                self.epoch = value
-                return
+        self.epoch = epoch_of_reply(call.trailing_metadata(), self.pool, self.epoch)
 
     # ------------------------------------------------------------------ engine calls
 
