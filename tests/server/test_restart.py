@@ -14,6 +14,7 @@ commit left it); tests/e2e/test_crash_restart.py kills real processes with SIGKI
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import threading
@@ -361,3 +362,45 @@ def test_a_pool_moves_to_another_server_with_its_snapshot(tmp_path: Path) -> Non
             ServerConfig(pools=(POOL,), listen="127.0.0.1:0", state_dir=str(second_dir)),
             restore=[str(out)],
         )
+
+
+def test_the_clients_say_when_a_restart_lost_the_state(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server restarted without its state has another epoch: both clients take it and
+    warn that the requests made before are gone; a restart that kept the state is quiet."""
+    from kvsvc_client import AsyncKVCacheClient
+
+    with server_on(tmp_path / "kept") as srv:
+        ranks = bring_up(srv, kv_cache_bytes=MEMORY)
+        with KVCacheClient(srv.address, pool="p", options=QUICK) as kv:
+            assert kv.allocate("a", list(range(1, 41)), 40, start=True).ok
+            kept = kv.epoch
+            assert kept
+        for rank in ranks:
+            rank.close()
+    with server_on(None) as srv:  # the same pool, its state not kept: a new epoch
+        ranks = bring_up(srv, kv_cache_bytes=MEMORY)
+        with caplog.at_level("WARNING", logger="kvsvc_client"):
+            with KVCacheClient(srv.address, pool="p", options=QUICK) as kv:
+                kv.epoch = kept
+                kv.usage()
+                assert kv.epoch not in (None, kept)
+                fresh = kv.epoch
+                kv.usage()  # the same epoch again: no second warning
+
+            async def async_client() -> str | None:
+                async with AsyncKVCacheClient(srv.address, pool="p") as client:
+                    client.epoch = kept
+                    await client.usage()
+                    return client.epoch
+
+            assert asyncio.run(async_client()) == fresh
+        warnings = [r.getMessage() for r in caplog.records if "epoch changed" in r.getMessage()]
+        said = (
+            f"pool 'p': the server's state epoch changed from {kept} to {fresh}: the requests "
+            "this client made before are gone"
+        )
+        assert warnings == [said, said]  # once by each client
+        for rank in ranks:
+            rank.close()
