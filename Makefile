@@ -32,7 +32,7 @@ BUF := $(NODE_DIR)/node_modules/.bin/buf
 # What `buf breaking` compares protos/ with: the previous commit (of main, in CI).
 BUF_AGAINST ?= HEAD~1
 
-.PHONY: demo test test-vllm lint lint-protos node-tools proto proto-check bench bench-vllm venv venv-vllm clean
+.PHONY: demo test test-vllm lint lint-protos node-tools proto proto-check bench bench-vllm venv venv-vllm images clean
 
 # install_torch PYTHON: torch==$(TORCH_VERSION) first, so the worker extra's range (torch>=2.4)
 # installs nothing more. A wheel pip finds with --no-index (find-links) is installed as it is
@@ -147,6 +147,12 @@ bench: venv
 
 bench-vllm: venv-vllm
 	$(VLLM_TEST_ENV) $(VLLM_PY) benchmarks/vllm_bench.py
+
+# The container images built with podman (a local Debian base where no registry answers)
+# and smoke-tested: README "Building the images without registry access".
+images: venv
+	deploy/images/build.sh
+	$(PY) deploy/images/smoke.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache .mypy_cache
