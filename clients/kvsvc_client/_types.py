@@ -132,6 +132,8 @@ class Usage:
     num_evictions: int
     block_size: int
     kv_cache_capacity_tokens: int
+    # Live requests (of num_requests) whose KV data is gone: they answer RECOMPUTE.
+    num_requests_needing_recompute: int = 0
 
     @property
     def hit_rate(self) -> float:

@@ -166,6 +166,16 @@ class AsyncKVCacheClient:
         )
         return response.num_freed_blocks
 
+    async def free_needing_recompute(self, *, timeout: float | None = None) -> int:
+        """See :meth:`kvsvc_client.KVCacheClient.free_needing_recompute` (retried)."""
+        request = kvcache_pb2.FreeRequest(
+            pool=self.pool, needing_recompute=True, call_id=self._call_id()
+        )
+        response = await self._call(
+            self._stub.Free, request, timeout, retry=True, codes=RETRYABLE_REPEATS, patient=True
+        )
+        return response.num_freed_requests
+
     def step(self) -> AsyncStep:
         return AsyncStep(self)
 

@@ -281,6 +281,23 @@ class KVCacheClient:
         )
         return response.num_freed_blocks
 
+    def free_needing_recompute(self, *, timeout: float | None = None) -> int:
+        """Free every live request of this client's engine whose KV data is gone (those
+        that answer RECOMPUTE); returns how many were freed.
+
+        For an engine that starts again after its predecessor died with requests live: a
+        new agent process took the rank (fresh tensors), so those requests have nothing
+        left to resume, and the pool would otherwise hold their blocks. An engine that
+        lives on frees its own flagged requests as preempted and admits them again.
+        """
+        request = kvcache_pb2.FreeRequest(
+            pool=self.pool, needing_recompute=True, call_id=self._call_id()
+        )
+        response = self._call(
+            self._stub.Free, request, timeout, retry=True, codes=RETRYABLE_REPEATS, patient=True
+        )
+        return response.num_freed_requests
+
     def step(self) -> SyncStep:
         """A builder for one scheduling step's batch of operations."""
         return SyncStep(self)

@@ -958,6 +958,11 @@ class PoolKVCache:
         """Live request ids, in admission order."""
         return list(self._requests)
 
+    def requests_needing_recompute(self, prefix: str = "") -> list[str]:
+        """Live ids flagged by :meth:`invalidate` that start with ``prefix``, sorted (a
+        call that frees them all frees them in the same order when it is replayed)."""
+        return sorted(rid for rid in self._recompute if rid.startswith(prefix))
+
     def get_num_common_prefix_blocks(self, request_id: str) -> list[int]:
         """Per group, leading blocks shared by every live request (cascade attention).
 
@@ -989,6 +994,7 @@ class PoolKVCache:
             num_allocated_blocks=pool.num_allocated_blocks,
             num_freed_blocks=pool.num_freed_blocks,
             num_preemptions=self._num_preemptions,
+            num_requests_needing_recompute=len(self._recompute),
         )
 
     def usage_free_blocks(self) -> int:

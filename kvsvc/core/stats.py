@@ -52,6 +52,8 @@ class UsageSnapshot:
         num_allocated_blocks: blocks handed out of the free queue (prefix hits excluded).
         num_freed_blocks: blocks returned to the free queue.
         num_preemptions: requests freed as preempted.
+        num_requests_needing_recompute: live requests whose KV data is gone (flagged by
+            ``PoolKVCache.invalidate``, not freed since).
     """
 
     num_blocks: int
@@ -69,6 +71,7 @@ class UsageSnapshot:
     num_allocated_blocks: int
     num_freed_blocks: int
     num_preemptions: int = 0
+    num_requests_needing_recompute: int = 0
 
     @property
     def hit_rate(self) -> float:

@@ -22,7 +22,7 @@ from google.protobuf.message import DecodeError, Message
 
 from kvsvc.core import AllocateOutcome, RequestStart
 from kvsvc.errors import InvalidArgument, quoted
-from kvsvc.server.namespace import scoped_request_id, unscope_message
+from kvsvc.server.namespace import NAMESPACE_SEPARATOR, scoped_request_id, unscope_message
 from kvsvc.server.state import JournalKind
 from kvsvc.server.step import apply_step
 from kvsvc.server.wire import (
@@ -93,17 +93,34 @@ def apply_allocate(cache: Any, call: AllocateCall) -> tuple[Any, bool, AllocateO
     return allocate_response(outcome), outcome.ok, outcome
 
 
-def decode_free(request: Any, engine: str) -> tuple[list[str], bool]:
-    """The ids (in the engine's namespace) and whether they were preempted.
+@dataclass(frozen=True)
+class FreeCall:
+    """A decoded Free: the ids (in the engine's namespace), whether they were preempted,
+    and, for ``needing_recompute``, the engine whose flagged requests it frees (the ids
+    are then found when it is applied, under the pool's lock)."""
 
-    Raises:
-        InvalidArgument: a bad id, an id listed twice, an unknown reason.
+    ids: list[str]
+    preempted: bool
+    needing_recompute: bool = False
+    engine: str = ""
+
+
+def decode_free(request: Any, engine: str) -> FreeCall:
+    """Raises:
+    InvalidArgument: a bad id, an id listed twice, an unknown reason, ids beside
+    ``needing_recompute``.
     """
     ids = list(request.request_ids)
     for i, request_id in enumerate(ids):
         check_request_id(request_id, f"request_ids[{i}]")
     if len(set(ids)) != len(ids):
         raise InvalidArgument("request_ids", "lists a request more than once")
+    if request.needing_recompute and ids:
+        raise InvalidArgument(
+            "request_ids",
+            "must be empty with needing_recompute (it frees every request of the caller "
+            "that needs recompute)",
+        )
     if engine:
         ids = [scoped_request_id(request_id, engine) for request_id in ids]
     if request.reason not in _FREE_REASONS:
@@ -112,17 +129,32 @@ def decode_free(request: Any, engine: str) -> tuple[list[str], bool]:
             f"unknown FreeReason {request.reason}; valid: "
             + ", ".join(f"{name}={value}" for name, value in kvcache_pb2.FreeReason.items()),
         )
-    return ids, request.reason == kvcache_pb2.FREE_REASON_PREEMPTED
+    return FreeCall(
+        ids,
+        request.reason == kvcache_pb2.FREE_REASON_PREEMPTED,
+        request.needing_recompute,
+        engine,
+    )
 
 
-def apply_free(cache: Any, ids: list[str], preempted: bool) -> tuple[Any, bool, int]:
+def _flagged_of(cache: Any, engine: str) -> list[str]:
+    """The live requests of ``engine``'s namespace that need recompute (the default
+    namespace's are the ids without an engine prefix)."""
+    if engine:
+        return list(cache.requests_needing_recompute(scoped_request_id("x", engine)[:-1]))
+    return [rid for rid in cache.requests_needing_recompute() if NAMESPACE_SEPARATOR not in rid]
+
+
+def apply_free(cache: Any, call: FreeCall) -> tuple[Any, bool, int]:
     """Returns the reply, whether the pool changed (a live request was freed), and the
     blocks freed."""
+    ids = _flagged_of(cache, call.engine) if call.needing_recompute else call.ids
     live_before = cache.num_requests
-    freed: int = cache.free(ids, preempted=preempted)
+    freed: int = cache.free(ids, preempted=call.preempted)
+    num_freed_requests = live_before - cache.num_requests
     return (
-        kvcache_pb2.FreeResponse(num_freed_blocks=freed),
-        cache.num_requests != live_before,
+        kvcache_pb2.FreeResponse(num_freed_blocks=freed, num_freed_requests=num_freed_requests),
+        num_freed_requests != 0,
         freed,
     )
 
@@ -195,8 +227,7 @@ def replay_call(cache: Any, kind: int, request: Any, engine: str) -> tuple[Any, 
         response, changed, _ = apply_allocate(cache, decode_allocate(request, engine))
         return response, changed
     if kind == JournalKind.FREE:
-        ids, preempted = decode_free(request, engine)
-        response, changed, _ = apply_free(cache, ids, preempted)
+        response, changed, _ = apply_free(cache, decode_free(request, engine))
         return response, changed
     if kind == JournalKind.STEP:
         columns = decode_step(request, engine, 1 << 30)

@@ -21,6 +21,7 @@ from kvsvc.convert import config_to_pb, layer_specs_from_pb
 from kvsvc.errors import InvalidArgument, NotFound, Unavailable, quoted
 from kvsvc.server.calls import (
     AllocateCall,
+    FreeCall,
     apply_allocate,
     apply_free,
     apply_step_call,
@@ -211,16 +212,17 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
         pool = self._pools.get(request.pool)
         _epoch(context, pool)
         pool.ensure_writable()
-        ids, preempted = decode_free(request, current_engine.get())
+        call = decode_free(request, current_engine.get())
         response: kvcache_pb2.FreeResponse = await _mutate(
-            pool, JournalKind.FREE, request, len(ids), self._free, pool, ids, preempted
+            pool, JournalKind.FREE, request, len(call.ids), self._free, pool, call
         )
         return response
 
     @staticmethod
-    def _free(pool: Pool, ids: list[str], preempted: bool) -> tuple[Any, bool]:
-        response, changed, freed = apply_free(pool.ensure_writable(), ids, preempted)
-        pool.stats_free(len(ids), freed, preempted)
+    def _free(pool: Pool, call: FreeCall) -> tuple[Any, bool]:
+        response, changed, freed = apply_free(pool.ensure_writable(), call)
+        requests = response.num_freed_requests if call.needing_recompute else len(call.ids)
+        pool.stats_free(requests, freed, call.preempted)
         return response, changed
 
     @rpc_handler("Step")
@@ -321,6 +323,7 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
             num_free_blocks=usage.num_free_blocks,
             usage=usage.usage,
             num_requests=usage.num_requests,
+            num_requests_needing_recompute=usage.num_requests_needing_recompute,
             num_cached_blocks=usage.num_cached_blocks,
             prefix_cache=kvcache_pb2.PrefixCacheStats(
                 queries=usage.queries,

@@ -121,22 +121,26 @@ class AllocateResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[AllocateStatus, str]] = ..., new_blocks: _Optional[_Iterable[_Union[GroupBlocks, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
 
 class FreeRequest(_message.Message):
-    __slots__ = ("pool", "request_ids", "reason", "call_id")
+    __slots__ = ("pool", "request_ids", "reason", "call_id", "needing_recompute")
     POOL_FIELD_NUMBER: _ClassVar[int]
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    NEEDING_RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
     pool: str
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     reason: FreeReason
     call_id: str
-    def __init__(self, pool: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ..., reason: _Optional[_Union[FreeReason, str]] = ..., call_id: _Optional[str] = ...) -> None: ...
+    needing_recompute: bool
+    def __init__(self, pool: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ..., reason: _Optional[_Union[FreeReason, str]] = ..., call_id: _Optional[str] = ..., needing_recompute: _Optional[bool] = ...) -> None: ...
 
 class FreeResponse(_message.Message):
-    __slots__ = ("num_freed_blocks",)
+    __slots__ = ("num_freed_blocks", "num_freed_requests")
     NUM_FREED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     num_freed_blocks: int
-    def __init__(self, num_freed_blocks: _Optional[int] = ...) -> None: ...
+    num_freed_requests: int
+    def __init__(self, num_freed_blocks: _Optional[int] = ..., num_freed_requests: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("pool", "types", "request_ids", "num_token_ids", "token_ids", "num_new_tokens", "num_lookahead_tokens", "starts", "num_rejected_tokens", "packed_token_ids", "free_queue_head_limit", "call_id")
@@ -357,7 +361,7 @@ class PrefixCacheStats(_message.Message):
     def __init__(self, queries: _Optional[int] = ..., hits: _Optional[int] = ..., preempted_queries: _Optional[int] = ..., preempted_hits: _Optional[int] = ..., requests: _Optional[int] = ..., preempted_requests: _Optional[int] = ...) -> None: ...
 
 class GetUsageResponse(_message.Message):
-    __slots__ = ("pool", "num_blocks", "num_free_blocks", "usage", "num_requests", "num_cached_blocks", "prefix_cache", "num_evictions", "num_allocated_blocks", "block_size", "kv_cache_capacity_tokens")
+    __slots__ = ("pool", "num_blocks", "num_free_blocks", "usage", "num_requests", "num_cached_blocks", "prefix_cache", "num_evictions", "num_allocated_blocks", "block_size", "kv_cache_capacity_tokens", "num_requests_needing_recompute")
     POOL_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -369,6 +373,7 @@ class GetUsageResponse(_message.Message):
     NUM_ALLOCATED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_NEEDING_RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
     pool: str
     num_blocks: int
     num_free_blocks: int
@@ -380,7 +385,8 @@ class GetUsageResponse(_message.Message):
     num_allocated_blocks: int
     block_size: int
     kv_cache_capacity_tokens: int
-    def __init__(self, pool: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., num_evictions: _Optional[int] = ..., num_allocated_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_capacity_tokens: _Optional[int] = ...) -> None: ...
+    num_requests_needing_recompute: int
+    def __init__(self, pool: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., num_evictions: _Optional[int] = ..., num_allocated_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_capacity_tokens: _Optional[int] = ..., num_requests_needing_recompute: _Optional[int] = ...) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ("pool",)

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from kvsvc_client import (
     AllBlocksCleared,
     ClientOptions,
     KVCacheClient,
+    NotFoundError,
     UnavailableError,
 )
 
@@ -82,10 +84,19 @@ def crash(srv: ServerThread) -> None:
     srv.run(drop)
 
 
-def rejoin(srv: ServerThread, allocation_id: str = "A-0", specs: Any = None) -> FakeRank:
+def rejoin(
+    srv: ServerThread, allocation_id: str = "A-0", specs: Any = None, token: str | None = None
+) -> FakeRank:
     """Rank 0 registers again (its tensors' identity: ``allocation_id``) and reports."""
     rank = FakeRank(
-        srv.address, "p", 0, 1, specs or llama_like_specs(), MEMORY, allocation_id=allocation_id
+        srv.address,
+        "p",
+        0,
+        1,
+        specs or llama_like_specs(),
+        MEMORY,
+        token=token,
+        allocation_id=allocation_id,
     )
     rank.register()
     rank.open_stream()
@@ -404,3 +415,67 @@ def test_the_clients_say_when_a_restart_lost_the_state(
         assert warnings == [said, said]  # once by each client
         for rank in ranks:
             rank.close()
+
+
+def _write_private(path: Path, text: str) -> str:
+    path.write_text(text)
+    path.chmod(0o600)
+    return str(path)
+
+
+def test_a_new_engine_frees_what_its_dead_predecessor_left(tmp_path: Path) -> None:
+    """An engine that died with requests live, and a new agent process for the rank: the
+    engine that starts again frees its namespace's flagged requests in one call (only
+    those: another engine's stay), the free is journaled like any other (a restart
+    after it serves the same pool), and a Free that lists ids beside the flag is refused
+    with nothing changed."""
+    agent, engine_a, engine_b = ("agent-token-0123456789", "eng-a-token-0123456789",
+                                 "eng-b-token-0123456789")  # fmt: skip
+    tokens = {
+        "agent_token_file": _write_private(tmp_path / "agent", f"{agent}\n"),
+        "engine_token_file": _write_private(
+            tmp_path / "engines", f"engine-a {engine_a}\nengine-b {engine_b}\n"
+        ),
+    }
+    state = tmp_path / "state"
+
+    def client(srv: ServerThread, token: str) -> KVCacheClient:
+        return KVCacheClient(srv.address, pool="p", options=replace(QUICK, token=token))
+
+    with server_on(state, **tokens) as srv:
+        ranks = bring_up(srv, kv_cache_bytes=MEMORY, allocation_id="A", token=agent)
+        with client(srv, engine_a) as a, client(srv, engine_b) as b:
+            for kv, name in ((a, "a"), (b, "b")):
+                for i in range(2):
+                    prompt = [i + 1] * 40
+                    assert kv.allocate(f"{name}{i}", prompt, 40, start=True).ok
+            assert a.free_needing_recompute() == 0  # nothing is flagged yet
+            assert a.usage().num_requests == 4
+        for rank in ranks:
+            rank.close()
+        crash(srv)
+    with server_on(state, **tokens) as srv:
+        rejoin(srv, allocation_id="B-new-process", token=agent)
+        with client(srv, engine_a) as a, client(srv, engine_b) as b:
+            usage = a.usage()
+            assert (usage.num_requests, usage.num_requests_needing_recompute) == (4, 4)
+            bad = kvcache_pb2.FreeRequest(pool="p", request_ids=["a0"], needing_recompute=True)
+            stub = kvcache_pb2_grpc.KVCacheServiceStub(a._channel)
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Free(bad, metadata=(("authorization", f"Bearer {engine_a}"),), timeout=5)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "needing_recompute" in (info.value.details() or "")
+            assert a.usage().num_requests == 4
+            assert a.free_needing_recompute() == 2  # engine-a's two, not engine-b's
+            with pytest.raises(NotFoundError):
+                a.block_table("a0")
+            assert b.block_table("b0").needs_recompute
+            usage = a.usage()
+            assert (usage.num_requests, usage.num_requests_needing_recompute) == (2, 2)
+            # The engine starts afresh: a new admission of the same id is served.
+            assert a.allocate("a0", [9] * 40, 40, start=True).ok
+            before = core_state(srv)
+        crash(srv)
+    with server_on(state, **tokens) as srv:
+        rejoin(srv, allocation_id="B-new-process", token=agent)
+        assert core_state(srv) == before

@@ -211,11 +211,26 @@ class KvsvcBlockMirror:
                 f"{self.num_blocks - 1}: run vLLM with kvsvc's worker "
                 "(vllm_kwargs sets worker_cls) so it allocates the pool's plan"
             )
+        if usage.num_requests and usage.num_requests_needing_recompute:
+            # An engine of this pool died with requests live, and this engine's workers
+            # took its ranks with fresh tensors: those requests' KV data went with the old
+            # tensors, so nothing is left to resume them from. Free them (this engine's
+            # namespace only); a live engine's requests are not flagged and stay.
+            freed = self._call(self._client.free_needing_recompute, "free stale requests")
+            if freed:
+                logger.warning(
+                    "%s: freed %d requests an earlier engine left live (their KV data went "
+                    "with its tensors)",
+                    self._where,
+                    freed,
+                )
+            usage = self._call(self._client.usage, "read the pool's usage")
         if usage.num_requests:
             raise KvsvcError(
                 f"{self._where} holds {usage.num_requests} live requests of another engine: "
-                "a pool serves one engine (its blocks are that engine's KV memory); free "
-                "them or restart the server"
+                "a pool serves one engine (its blocks are that engine's KV memory): stop "
+                "the other engine (a dead engine's requests are freed here once its ranks "
+                "came back with fresh tensors)"
             )
         # A new engine's KV tensors hold nothing: whatever the pool has cached was computed
         # in another engine's memory and must not be served as a hit.
