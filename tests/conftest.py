@@ -22,7 +22,22 @@ from tests.tooling import hypothesis_profile, in_ci
 
 # Modules of the ``worker`` and ``dev`` extras that tests import with importorskip (the
 # vLLM venv installs them too).
-CI_REQUIRED_MODULES = ("torch", "yaml", "grpc_tools", "hypothesis")
+CI_REQUIRED_MODULES = (
+    "torch",
+    "yaml",
+    "grpc_tools",
+    "hypothesis",
+    "kubernetes_validate",
+    "cloudcoil.models.prometheus_operator",
+)
+
+
+def importable(name: str) -> bool:
+    """Whether module ``name`` (dotted: its parents too) can be imported."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
 
 
 try:
@@ -47,7 +62,7 @@ else:
 def pytest_configure(config: pytest.Config) -> None:
     if not in_ci():
         return
-    absent = [name for name in CI_REQUIRED_MODULES if importlib.util.find_spec(name) is None]
+    absent = [name for name in CI_REQUIRED_MODULES if not importable(name)]
     if absent:
         raise pytest.UsageError(
             f"CI=true but {', '.join(absent)} cannot be imported: the tests that need them "
