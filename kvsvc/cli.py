@@ -1,4 +1,4 @@
-"""The ``kvsvc`` command line: plan, serve, worker, demo, ctl, vllm-args."""
+"""The ``kvsvc`` command line: plan, serve, worker, demo, ctl, vllm-args, indexer, router."""
 
 from __future__ import annotations
 
@@ -10,7 +10,21 @@ from collections.abc import Sequence
 from kvsvc import __version__
 
 # Subcommand name -> module in kvsvc.commands (see that package's docstring).
-SUBCOMMANDS: tuple[str, ...] = ("plan", "serve", "worker", "demo", "ctl", "vllm-args")
+SUBCOMMANDS: tuple[str, ...] = (
+    "plan",
+    "serve",
+    "worker",
+    "demo",
+    "ctl",
+    "vllm-args",
+    "indexer",
+    "router",
+)
+# Subcommands whose parser lives in their own package: name -> (module, function).
+ELSEWHERE: dict[str, tuple[str, str]] = {
+    "indexer": ("kvsvc.cluster.commands", "add_indexer_parser"),
+    "router": ("kvsvc.cluster.commands", "add_router_parser"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvsvc {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
+        if name in ELSEWHERE:
+            module_name, function = ELSEWHERE[name]
+            getattr(importlib.import_module(module_name), function)(subparsers)
+            continue
         try:
             module = importlib.import_module(f"kvsvc.commands.{name.replace('-', '_')}")
         except ModuleNotFoundError as exc:

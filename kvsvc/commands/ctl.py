@@ -16,7 +16,8 @@ def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "ctl",
         help="inspect a running server",
-        description="Inspect a running kvsvc server: its pools, a pool's plan, usage and events.",
+        description="Inspect a running kvsvc server: its pools, a pool's plan, usage and events; "
+        "score a prompt against the cluster index (score).",
     )
     parser.add_argument(
         "--server", default=DEFAULT_LISTEN, help="server address HOST:PORT or unix:PATH"
@@ -133,6 +134,9 @@ def add_parser(subparsers: Any) -> None:
     )
     snapshot.add_argument("pool")
     snapshot.add_argument("--out", required=True, metavar="FILE", help="the file to write")
+    from kvsvc.cluster.commands import add_score_parser
+
+    add_score_parser(commands)  # reads the cluster index in Redis, not --server
     parser.set_defaults(func=run)
 
 
@@ -367,6 +371,10 @@ def run(args: argparse.Namespace) -> int:
         UnavailableError,
     )
 
+    if args.ctl_command == "score":
+        from kvsvc.cluster.commands import run_score
+
+        return run_score(args)
     pool = getattr(args, "pool", "")
     try:
         tls = client_tls_from_args(args)

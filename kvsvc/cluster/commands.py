@@ -1,0 +1,397 @@
+"""``kvsvc indexer``, ``kvsvc router`` and ``kvsvc ctl score``: the cluster index's commands.
+
+Nothing here imports redis at module level: ``kvsvc --help`` works without the
+``cluster`` extra, and a command that needs it says how to install it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from kvsvc.cluster.layout import DEFAULT_PREFIX, Keys
+
+DEFAULT_INDEXER_METRICS = "127.0.0.1:9410"
+DEFAULT_ROUTER_LISTEN = "127.0.0.1:50061"
+HASH_SEED_ENV = "KVSVC_HASH_SEED_FILE"
+_NO_REDIS = "the cluster index needs the redis package: pip install 'kvsvc[cluster]'"
+
+
+def _redis_flags(parser: Any) -> None:
+    parser.add_argument(
+        "--redis",
+        required=True,
+        metavar="URL",
+        help="the index's Redis: redis://HOST:PORT (a Redis Cluster node works too: the "
+        "others are found from it), rediss:// for TLS",
+    )
+    parser.add_argument(
+        "--key-prefix",
+        default=DEFAULT_PREFIX,
+        help=f"prefix of every key (default {DEFAULT_PREFIX}): several indexes in one Redis",
+    )
+
+
+def _seed_flags(parser: Any) -> None:
+    parser.add_argument(
+        "--hash-seed-file",
+        metavar="FILE",
+        help="the cluster's hash seed, as the servers' --hash-seed-file (default: env "
+        f"{HASH_SEED_ENV}); needed for xxh3_128 servers",
+    )
+
+
+def _read_seed(args: argparse.Namespace) -> str | None:
+    import os
+
+    from kvsvc.cluster.hashing import read_seed_file
+
+    path = args.hash_seed_file or os.environ.get(HASH_SEED_ENV)
+    return read_seed_file(path) if path else None
+
+
+def _host_port(text: str, flag: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"{flag} {text!r}: expected HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+# -- kvsvc indexer -----------------------------------------------------------------------
+
+
+def add_indexer_parser(subparsers: Any) -> None:
+    from kvsvc.cluster.indexer import (
+        DEFAULT_LEASE_TTL_S,
+        DEFAULT_MAX_BATCH_EVENTS,
+        DEFAULT_PURGE_AFTER_S,
+    )
+    from kvsvc.commands._tls import add_client_tls_flags
+
+    parser = subparsers.add_parser(
+        "indexer",
+        help="follow kvsvc servers' events into the cluster index on Redis",
+        description="Follow each source's WatchEvents (HOST:PORT/POOL of a kvsvc server) "
+        "and keep, in Redis, which engines cache which blocks. Resumes from the sequence "
+        "stored in Redis after a restart, heals gaps and new epochs from the source's "
+        "SnapshotIndex, purges a source that is cleared, restarted empty, removed or gone "
+        "past --purge-after. Several indexers may run at once: a lease per source says "
+        "which one writes it.",
+    )
+    _redis_flags(parser)
+    parser.add_argument(
+        "--source",
+        action="append",
+        default=[],
+        metavar="HOST:PORT/POOL",
+        help="a kvsvc server's pool to index (again for more)",
+    )
+    parser.add_argument(
+        "--sources-file",
+        metavar="FILE",
+        help="more sources, one per line (# comments); re-read every second: a source "
+        "added starts, one removed is purged",
+    )
+    parser.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="the sources' operator (admin) token (default: env KVSVC_ADMIN_TOKEN[_FILE], "
+        "KVSVC_AUTH_TOKEN[_FILE])",
+    )
+    parser.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=DEFAULT_LEASE_TTL_S,
+        metavar="S",
+        help=f"a source's lease lasts this long unrenewed (default {DEFAULT_LEASE_TTL_S:g}): "
+        "another indexer takes over this long after its writer stopped",
+    )
+    parser.add_argument(
+        "--purge-after",
+        type=float,
+        default=DEFAULT_PURGE_AFTER_S,
+        metavar="S",
+        help=f"purge a source unreachable this long (default {DEFAULT_PURGE_AFTER_S:g})",
+    )
+    parser.add_argument(
+        "--max-batch-events",
+        type=int,
+        default=DEFAULT_MAX_BATCH_EVENTS,
+        metavar="N",
+        help=f"block events per Redis script call at most (default {DEFAULT_MAX_BATCH_EVENTS})",
+    )
+    parser.add_argument(
+        "--metrics-listen",
+        default=DEFAULT_INDEXER_METRICS,
+        metavar="HOST:PORT",
+        help=f"/metrics (default {DEFAULT_INDEXER_METRICS}; port 0: any free one; off: none)",
+    )
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
+    add_client_tls_flags(parser)
+    parser.set_defaults(func=run_indexer)
+
+
+def run_indexer(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        import redis
+    except ImportError:
+        print(f"kvsvc indexer: {_NO_REDIS}", file=sys.stderr)
+        return 2
+    from kvsvc_client import ClientOptions
+
+    from kvsvc.cluster.indexer import Indexer, IndexerOptions, read_sources_file
+    from kvsvc.cluster.indexer import watch_sources_file as watch
+    from kvsvc.cluster.metrics import IndexerMetrics
+    from kvsvc.cluster.store import connect, parse_source
+    from kvsvc.commands._tls import client_tls_from_args
+
+    try:
+        for source in args.source:
+            parse_source(source)
+        sources = list(args.source)
+        if args.sources_file:
+            sources += read_sources_file(args.sources_file)
+        if not sources and not args.sources_file:
+            raise ValueError("give at least one --source HOST:PORT/POOL or --sources-file")
+        for flag, value in (("--lease-ttl", args.lease_ttl), ("--purge-after", args.purge_after)):
+            if value <= 0:
+                raise ValueError(f"{flag} must be > 0, got {value:g}")
+        if args.max_batch_events < 1:
+            raise ValueError(f"--max-batch-events must be >= 1, got {args.max_batch_events}")
+        metrics_address = (
+            None
+            if args.metrics_listen == "off"
+            else _host_port(args.metrics_listen, "--metrics-listen")
+        )
+        tls = client_tls_from_args(args)
+    except ValueError as exc:
+        print(f"kvsvc indexer: {exc}", file=sys.stderr)
+        return 2
+    client_options = ClientOptions(
+        role="admin",
+        token_file=args.token_file,
+        unavailable_timeout=0.0,
+        tls_ca=(tls.ca or "") if tls else "",
+        tls_cert=(tls.cert or "") if tls else "",
+        tls_key=(tls.key or "") if tls else "",
+        tls_server_name=(tls.server_name or "") if tls else "",
+    )
+    try:
+        client = connect(args.redis)
+        client.ping()
+    except (ValueError, redis.exceptions.RedisError) as exc:
+        print(f"kvsvc indexer: --redis {args.redis}: {exc}", file=sys.stderr)
+        return 1
+    metrics = IndexerMetrics()
+    metrics_port = 0
+    metrics_server = None
+    if metrics_address is not None:
+        from kvsvc.metrics_http import serve_metrics_http
+
+        try:
+            metrics_server, _ = serve_metrics_http(*metrics_address, metrics.registry)
+        except OSError as exc:
+            print(f"kvsvc indexer: --metrics-listen {args.metrics_listen}: {exc}", file=sys.stderr)
+            return 1
+        metrics_port = metrics_server.server_port
+    options = IndexerOptions(
+        lease_ttl_s=args.lease_ttl,
+        purge_after_s=args.purge_after,
+        max_batch_events=args.max_batch_events,
+        client_options=client_options,
+        keys=Keys(args.key_prefix),
+    )
+    indexer = Indexer(client, options, metrics)
+    indexer.set_sources(sources)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    watcher = None
+    if args.sources_file:
+        watcher = threading.Thread(
+            target=watch,
+            args=(args.sources_file, indexer.set_sources, stop),
+            kwargs={"extra": list(args.source)},
+            daemon=True,
+        )
+        watcher.start()
+    print(
+        f"kvsvc indexer following {len(sources)} sources into {args.redis}"
+        + (f", metrics on port {metrics_port}" if metrics_port else ""),
+        flush=True,
+    )
+    stop.wait()
+    indexer.stop()
+    if metrics_server is not None:
+        metrics_server.shutdown()
+    return 0
+
+
+# -- kvsvc router ------------------------------------------------------------------------
+
+
+def add_router_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "router",
+        help="serve ClusterIndexService.Score from the cluster index on Redis",
+        description="Answer ClusterIndexService.Score (gRPC): per indexed engine, the "
+        "cached prefix tokens of a prompt, from the index `kvsvc indexer` keeps in Redis. "
+        "Prompts are hashed with the servers' algorithm and --hash-seed-file.",
+    )
+    _redis_flags(parser)
+    _seed_flags(parser)
+    parser.add_argument(
+        "--listen",
+        default=DEFAULT_ROUTER_LISTEN,
+        metavar="HOST:PORT",
+        help=f"gRPC address (default {DEFAULT_ROUTER_LISTEN}; port 0: any free one)",
+    )
+    parser.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="bearer tokens the router accepts, one per line (# comments); none: open",
+    )
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
+    parser.set_defaults(func=run_router)
+
+
+def _read_tokens(path: str) -> list[str]:
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise ValueError(f"--token-file {path}: {exc.strerror}") from None
+    tokens = [t.strip() for t in lines if t.strip() and not t.strip().startswith("#")]
+    if not tokens:
+        raise ValueError(f"--token-file {path} holds no token")
+    return tokens
+
+
+def run_router(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        import redis
+    except ImportError:
+        print(f"kvsvc router: {_NO_REDIS}", file=sys.stderr)
+        return 2
+    from kvsvc.cluster.router import create_router
+    from kvsvc.cluster.score import Scorer
+    from kvsvc.cluster.store import connect
+
+    try:
+        seed = _read_seed(args)
+        tokens = _read_tokens(args.token_file) if args.token_file else []
+        client = connect(args.redis)
+        client.ping()
+    except ValueError as exc:
+        print(f"kvsvc router: {exc}", file=sys.stderr)
+        return 2
+    except redis.exceptions.RedisError as exc:
+        print(f"kvsvc router: --redis {args.redis}: {exc}", file=sys.stderr)
+        return 1
+    try:
+        server, port = create_router(
+            Scorer(client, seed, Keys(args.key_prefix)), args.listen, tokens
+        )
+    except (OSError, RuntimeError) as exc:
+        print(f"kvsvc router: --listen {args.listen}: {exc}", file=sys.stderr)
+        return 1
+    print(f"kvsvc router serving on port {port}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=2.0).wait()
+    return 0
+
+
+# -- kvsvc ctl score ---------------------------------------------------------------------
+
+
+def add_score_parser(commands: Any) -> None:
+    """``kvsvc ctl score``: added to ctl's subcommands."""
+    score = commands.add_parser(
+        "score",
+        help="score a prompt against the cluster index on Redis",
+        description="Per indexed engine (HOST:PORT/POOL), how many leading tokens of the "
+        "prompt in --tokens-file (whitespace-separated token ids) it has cached, from the "
+        'index in Redis. --json prints {"scores": {"HOST:PORT/POOL": cached_tokens, ...}} '
+        "with every indexed engine.",
+    )
+    _redis_flags(score)
+    _seed_flags(score)
+    score.add_argument("--tokens-file", required=True, metavar="FILE", help="the prompt")
+    score.add_argument("--cache-salt", default="", help="the prompt's cache salt, if any")
+    score.add_argument("--json", action="store_true", help="print the scores as JSON")
+
+
+def read_tokens_file(path: str) -> list[int]:
+    """Whitespace-separated token ids.
+
+    Raises:
+        ValueError: an unreadable file or a word that is not an id in [0, 2^31).
+    """
+    try:
+        words = Path(path).read_text(encoding="utf-8").split()
+    except OSError as exc:
+        raise ValueError(f"--tokens-file {path}: {exc.strerror}") from None
+    tokens = []
+    for i, word in enumerate(words):
+        if not word.isdigit() or int(word) >= 2**31:
+            raise ValueError(
+                f"--tokens-file {path}: word {i + 1} ({word[:20]!r}) is not a token id in [0, 2^31)"
+            )
+        tokens.append(int(word))
+    return tokens
+
+
+def run_score(args: argparse.Namespace) -> int:
+    try:
+        import redis
+    except ImportError:
+        print(f"kvsvc ctl: {_NO_REDIS}", file=sys.stderr)
+        return 2
+    from kvsvc.cluster.score import Scorer
+    from kvsvc.cluster.store import connect
+    from kvsvc.core.hashing import HashingContext
+    from kvsvc.errors import InvalidArgument
+
+    try:
+        tokens = read_tokens_file(args.tokens_file)
+        seed = _read_seed(args)
+        client = connect(args.redis)
+        hashing = HashingContext(cache_salt=args.cache_salt) if args.cache_salt else None
+        result = Scorer(client, seed, Keys(args.key_prefix)).score(tokens, hashing)
+    except (ValueError, InvalidArgument) as exc:
+        print(f"kvsvc ctl: {exc}", file=sys.stderr)
+        return 2
+    except redis.exceptions.RedisError as exc:
+        print(f"kvsvc ctl: --redis {args.redis}: {exc}", file=sys.stderr)
+        return 1
+    ranked = dict(sorted(result.scores.items(), key=lambda item: (-item[1], item[0])))
+    for name in result.seed_mismatch:
+        print(
+            f"kvsvc ctl: warning: {name} hashes with another seed (give --hash-seed-file)",
+            file=sys.stderr,
+        )
+    if args.json:
+        print(json.dumps({"scores": ranked}))
+        return 0
+    if not ranked:
+        print("no engine is indexed")
+        return 0
+    width = max(len(name) for name in ranked)
+    print(f"{'ENGINE':<{width}}  CACHED TOKENS  (prompt: {len(tokens)} tokens)")
+    for name, cached in ranked.items():
+        print(f"{name:<{width}}  {cached}")
+    return 0

@@ -1,0 +1,552 @@
+"""The indexer: follows every source's WatchEvents into the cluster index in Redis.
+
+One :class:`Follower` per source (``HOST:PORT/POOL``), each with two threads: a reader
+that iterates the source's event stream (the typed client, :class:`kvsvc_client.
+KVCacheClient`) into a bounded queue, and a writer that takes what has arrived (up to
+``max_batch_events`` block events) and applies it with one script call and one pipeline
+of bits (:class:`kvsvc.cluster.store.SourceStore`). A follower's life::
+
+    standby ──lease──▶ flush pending bits ──▶ state in Redis? ──no──▶ snapshot ─┐
+       ▲                                          │yes                          │
+       │                                          ▼                             │
+       └──lease lost──  follow WatchEvents from seq + 1 (epoch) ◀───────────────┘
+                         │ gap marker / hole / other epoch ──▶ snapshot, follow again
+                         │ Redis error ──▶ back off, then snapshot (Redis may have lost data)
+                         │ source unreachable ──▶ retry; past purge_after: purge it
+
+Several indexers may follow the same sources: each source's lease (in Redis) names the
+one that writes it, the others stand by and take over within ``lease_ttl_s`` of its
+holder going away, resuming from the sequence stored in Redis. Restarting an indexer
+resumes the same way (no snapshot unless the server no longer holds the batches).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvsvc.cluster.layout import Keys
+from kvsvc.cluster.metrics import IndexerMetrics
+from kvsvc.cluster.store import (
+    LeaseLost,
+    SourceMoved,
+    SourceStore,
+    Tracking,
+    parse_source,
+    source_name,
+)
+
+_log = logging.getLogger("kvsvc.cluster")
+
+# Defaults (flags of `kvsvc indexer`).
+DEFAULT_LEASE_TTL_S = 10.0
+DEFAULT_PURGE_AFTER_S = 300.0
+DEFAULT_MAX_BATCH_EVENTS = 20_000
+# Batches a reader may hold before its writer takes them (bounds memory while Redis is
+# slow: the server then holds them back, or cuts the stream with a gap marker).
+READER_QUEUE_BATCHES = 1024
+SNAPSHOT_TIMEOUT_S = 60.0
+RETRY_BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
+
+
+@dataclass(frozen=True, slots=True)
+class IndexerOptions:
+    """Attributes:
+    lease_ttl_s: a source's lease lasts this long unrenewed (renewed every third).
+    purge_after_s: a source unreachable this long is purged from the index.
+    max_batch_events: block events applied in one script call at most.
+    client_options: how to reach the sources (token of the admin role, TLS); a
+        :class:`kvsvc_client.ClientOptions`, None for its defaults with ``role="admin"``.
+    keys: the key layout (prefix).
+    """
+
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
+    purge_after_s: float = DEFAULT_PURGE_AFTER_S
+    max_batch_events: int = DEFAULT_MAX_BATCH_EVENTS
+    client_options: Any = None
+    keys: Keys = field(default_factory=Keys)
+
+
+class _NeedSnapshot(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _SourceDown(Exception):
+    pass
+
+
+def _redis_error() -> type[Exception]:
+    import redis
+
+    return redis.exceptions.RedisError  # type: ignore[no-any-return]
+
+
+def _events_to_ops(batch: Any, tracked: frozenset[int]) -> tuple[list[bytes], int, int, int]:
+    """A batch's events as script ops (tracked groups only), with its counts of stored,
+    removed and cleared events."""
+    from kvsvc_client import AllBlocksCleared, BlockRemoved, BlockStored
+
+    ops: list[bytes] = []
+    stored = removed = cleared = 0
+    for event in batch.events:
+        if isinstance(event, BlockStored):
+            stored += len(event.block_hashes)
+            if event.group_index in tracked:
+                tag = b"S" + bytes([event.group_index])
+                ops.extend(tag + h for h in event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            removed += len(event.block_hashes)
+            if event.group_index in tracked:
+                tag = b"R" + bytes([event.group_index])
+                ops.extend(tag + h for h in event.block_hashes)
+        elif isinstance(event, AllBlocksCleared):
+            cleared += 1
+            ops.append(b"C")
+    return ops, stored, removed, cleared
+
+
+class Follower:
+    """Keeps one source's part of the index (see the module's docstring)."""
+
+    def __init__(
+        self,
+        source: str,
+        client: Any,
+        options: IndexerOptions,
+        metrics: IndexerMetrics,
+        owner: str,
+    ) -> None:
+        self.target, self.pool = parse_source(source)
+        self.name = source_name(self.target, self.pool)
+        self.options = options
+        self.metrics = metrics
+        self.store = SourceStore(client, self.name, owner, options.keys, options.lease_ttl_s)
+        self.state_name = "standby"
+        self.caught_up = threading.Event()  # set once live after each (re)start
+        self._stop = threading.Event()
+        self._purge_on_stop = False
+        self._thread = threading.Thread(target=self._run, name=f"index-{self.name}", daemon=True)
+        self._kv: Any = None
+        self._down_since: float | None = None
+        self._purged = False
+        self._resync = False
+        self._tracking: Tracking | None = None
+        self._seq = 0
+        self._epoch = ""
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, purge: bool = False, timeout: float = 10.0) -> None:
+        """Stop following; with ``purge`` drop the source from the index (taken out of
+        the sources) if this indexer holds its lease, else give the lease back."""
+        self._purge_on_stop = purge
+        self._stop.set()
+        kv = self._kv
+        if kv is not None:
+            kv.close()
+        self._thread.join(timeout)
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def _set_state(self, name: str) -> None:
+        if name != self.state_name:
+            self.metrics.sources.labels(self.state_name).dec()
+            self.metrics.sources.labels(name).inc()
+            self.state_name = name
+
+    def _run(self) -> None:
+        self.metrics.sources.labels(self.state_name).inc()
+        attempt = 0
+        redis_error = _redis_error()
+        from kvsvc_client import KVCacheError
+
+        while not self._stop.is_set():
+            try:
+                if self.store.acquire() == "held":
+                    self._set_state("standby")
+                    self._stop.wait(self.options.lease_ttl_s / 3)
+                    continue
+                self._set_state("writing")
+                self._session()
+                attempt = 0
+            except LeaseLost:
+                _log.warning("%s: another indexer holds the lease now; standing by", self.name)
+                self._set_state("standby")
+            except redis_error as exc:
+                self.metrics.redis_errors.inc()
+                _log.warning("%s: Redis: %s; retrying, then resyncing", self.name, exc)
+                self._resync = True
+                self._stop.wait(RETRY_BACKOFF_S[min(attempt, len(RETRY_BACKOFF_S) - 1)])
+                attempt += 1
+            except (_SourceDown, KVCacheError) as exc:
+                self.metrics.source_errors.inc()
+                try:
+                    self._source_down(str(exc))
+                except (redis_error, LeaseLost) as inner:
+                    _log.warning("%s: while it is unreachable: %s", self.name, inner)
+                self._stop.wait(RETRY_BACKOFF_S[min(attempt, len(RETRY_BACKOFF_S) - 1)])
+                attempt += 1
+        self._finish()
+        self.metrics.sources.labels(self.state_name).dec()
+
+    def _finish(self) -> None:
+        try:
+            if self._purge_on_stop and self.store.acquire() != "held":
+                cleared = self.store.purge()
+                self.metrics.purges.labels("removed").inc()
+                _log.info("%s: removed from the sources: purged (%d blocks)", self.name, cleared)
+            self.store.release()
+        except (_redis_error(), LeaseLost) as exc:
+            _log.warning("%s: stopping: %s", self.name, exc)
+
+    def _source_down(self, why: str) -> None:
+        self._set_state("down")
+        now = time.monotonic()
+        if self._down_since is None:
+            self._down_since = now
+            _log.warning("%s: unreachable (%s); retrying", self.name, why)
+        if (
+            not self._purged
+            and now - self._down_since >= self.options.purge_after_s
+            and self.store.acquire() != "held"
+        ):
+            cleared = self.store.purge()
+            self.metrics.purges.labels("gone").inc()
+            self._purged = True
+            _log.warning(
+                "%s: gone for %.0f s: purged from the index (%d blocks)",
+                self.name,
+                now - self._down_since,
+                cleared,
+            )
+
+    def _reached(self) -> None:
+        """The source answered: it is up again."""
+        if self._down_since is not None:
+            _log.info("%s: reachable again", self.name)
+        self._down_since = None
+        self._purged = False
+
+    def _session(self) -> None:
+        """Follow the source while this indexer holds the lease (returns when stopped)."""
+        self.store.flush_pending()
+        state = self.store.state()
+        if state.epoch is None or state.tracking is None:
+            self._heal("new")
+        elif self._resync:
+            self._heal("resync")
+        else:
+            self._tracking, self._seq, self._epoch = state.tracking, state.seq, state.epoch
+            self.store._ensure_id()
+            self._register()
+        self._resync = False
+        while not self._stop.is_set():
+            try:
+                self._follow()
+                return
+            except _NeedSnapshot as need:
+                self._heal(need.reason)
+
+    def _register(self) -> None:
+        """Make sure the registry lists the source (a purge interrupted before its end
+        may have dropped it)."""
+        import json
+
+        assert self._tracking is not None
+        info = {"id": self.store._ensure_id(), **self._tracking.to_meta()}
+        self.store.client.hset(self.store.keys.sources, self.name, json.dumps(info, sort_keys=True))
+
+    # -- snapshots -----------------------------------------------------------------------
+
+    def _heal(self, reason: str) -> None:
+        """Replace the source's index by its server's SnapshotIndex."""
+        import grpc
+
+        from kvsvc.v1 import kvcache_pb2, kvcache_pb2_grpc
+
+        client_options = self._client_options()
+        try:
+            with client_options.channel(self.target) as channel:
+                stub = kvcache_pb2_grpc.KVCacheServiceStub(channel)
+                request = kvcache_pb2.SnapshotIndexRequest(pool=self.pool)
+                messages = stub.SnapshotIndex(
+                    request, timeout=SNAPSHOT_TIMEOUT_S, metadata=client_options.metadata()
+                )
+                header = None
+                counts: dict[bytes, int] = {}
+                tracked: frozenset[int] = frozenset()
+                for message in messages:
+                    if header is None:
+                        header = message
+                        tracking = Tracking.from_groups(
+                            ((g.group_index, g.group_kind, g.block_size) for g in message.groups),
+                            message.hash_block_size,
+                            message.hash_algo,
+                            message.hash_seed_fingerprint,
+                            message.medium or "GPU",
+                        )
+                        tracked = frozenset(tracking.groups)
+                    if message.group_index in tracked:
+                        prefix = bytes([message.group_index])
+                        for h, c in zip(message.block_hashes, message.block_counts, strict=True):
+                            counts[prefix + h] = c
+        except grpc.RpcError as exc:
+            code = exc.code()  # type: ignore[attr-defined]
+            if reason == "epoch" and code in (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                grpc.StatusCode.UNAVAILABLE,
+            ):
+                # Restarted without its state and not serving yet: what it held is gone.
+                cleared = self.store.purge()
+                self.metrics.purges.labels("epoch").inc()
+                _log.info("%s: new epoch, not ready: purged (%d blocks)", self.name, cleared)
+            raise _SourceDown(f"SnapshotIndex: {code.name}: {exc.details()}") from None  # type: ignore[attr-defined]
+        assert header is not None, "a SnapshotIndex stream has at least its header"
+        self._reached()
+        flips = self.store.install(header.epoch, header.sequence, tracking, counts)
+        self.metrics.snapshots.labels(reason).inc()
+        self._tracking, self._seq, self._epoch = tracking, header.sequence, header.epoch
+        self.metrics.sequence.labels(self.name).set(self._seq)
+        _log.info(
+            "%s: snapshot (%s) at %s/%d: %d hashes, %d bits changed",
+            self.name,
+            reason,
+            header.epoch,
+            header.sequence,
+            len(counts),
+            flips,
+        )
+
+    def _client_options(self) -> Any:
+        from kvsvc_client import ClientOptions
+
+        return self.options.client_options or ClientOptions(role="admin")
+
+    # -- following -----------------------------------------------------------------------
+
+    def _follow(self) -> None:
+        """Stream from the stored sequence and apply until stopped or told to heal."""
+        from kvsvc_client import KVCacheClient
+
+        self.caught_up.clear()
+        batches: queue.Queue[Any] = queue.Queue(READER_QUEUE_BATCHES)
+        kv = KVCacheClient(self.target, self.pool, options=self._client_options())
+        self._kv = kv
+        reader = threading.Thread(
+            target=self._read, args=(kv, batches), name=f"watch-{self.name}", daemon=True
+        )
+        reader.start()
+        renew_every = self.options.lease_ttl_s / 3
+        renewed = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                if time.monotonic() - renewed >= renew_every:
+                    if self.store.acquire() == "held":
+                        raise LeaseLost(self.name)
+                    renewed = time.monotonic()
+                try:
+                    first = batches.get(timeout=renew_every)
+                except queue.Empty:
+                    continue
+                run = [first]
+                size = len(first.events) if not isinstance(first, BaseException) else 0
+                while size < self.options.max_batch_events:
+                    try:
+                        item = batches.get_nowait()
+                    except queue.Empty:
+                        break
+                    run.append(item)
+                    if isinstance(item, BaseException):
+                        break
+                    size += len(item.events)
+                self._apply(run)
+        finally:
+            self._kv = None
+            kv.close()
+            reader.join(5)
+
+    def _read(self, kv: Any, out: queue.Queue[Any]) -> None:
+        """The reader thread: the stream's messages, then the error that ended it."""
+        try:
+            stream = kv.watch_events(
+                self._seq + 1, reconnect=False, epoch=self._epoch, caught_up=True
+            )
+            for batch in stream:
+                out.put(batch)
+            out.put(_SourceDown("the event stream ended"))
+        except BaseException as exc:  # handed to the writer, which decides
+            out.put(exc)
+
+    def _apply(self, run: list[Any]) -> None:
+        assert self._tracking is not None
+        tracked = frozenset(self._tracking.groups)
+        ops: list[bytes] = []
+        first = last = 0
+        stored = removed = cleared = 0
+        timestamp = 0.0
+        pending_error: BaseException | None = None
+        for item in run:
+            if isinstance(item, BaseException):
+                pending_error = item
+                break
+            self._reached()
+            if item.sequence == 0:
+                if item.gap:
+                    pending_error = _NeedSnapshot("epoch" if item.epoch != self._epoch else "gap")
+                    break
+                if item.caught_up:
+                    self.caught_up.set()
+                continue
+            if item.epoch != self._epoch:
+                pending_error = _NeedSnapshot("epoch")
+                break
+            position = last if first else self._seq
+            if item.sequence <= position:
+                continue  # applied already (a replay from before our position)
+            if item.sequence != position + 1:
+                pending_error = _NeedSnapshot("gap")
+                break
+            if not first:
+                first = item.sequence
+            last = item.sequence
+            timestamp = item.timestamp
+            batch_ops, s, r, c = _events_to_ops(item, tracked)
+            ops.extend(batch_ops)
+            stored, removed, cleared = stored + s, removed + r, cleared + c
+        if first:
+            started = time.perf_counter()
+            result = self.store.apply(self._epoch, first, last, self._tracking, ops)
+            self.metrics.apply_seconds.observe(time.perf_counter() - started)
+            if result.missing:
+                self.metrics.inconsistent.inc(result.missing)
+            self._seq = last
+            self.metrics.batches.inc(last - first + 1)
+            self.metrics.events.labels("stored").inc(stored)
+            self.metrics.events.labels("removed").inc(removed)
+            self.metrics.events.labels("cleared").inc(cleared)
+            self.metrics.sequence.labels(self.name).set(last)
+            self.metrics.lag.labels(self.name).set(max(0.0, time.time() - timestamp))
+        if pending_error is not None:
+            if isinstance(pending_error, SourceMoved):
+                raise _NeedSnapshot("gap")
+            raise pending_error
+
+
+def read_sources_file(path: str) -> list[str]:
+    """Sources in ``path``: one ``HOST:PORT/POOL`` per line; blank and ``#`` lines skip.
+
+    Raises:
+        ValueError: the file cannot be read, or a line is not a source (naming the line).
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"--sources-file {path}: {exc.strerror}") from None
+    sources = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            parse_source(line)
+        except ValueError as exc:
+            raise ValueError(f"--sources-file {path}, line {number}: {exc}") from None
+        sources.append(line)
+    return sources
+
+
+class Indexer:
+    """Followers for a set of sources that may change while it runs.
+
+    Args:
+        client: a Redis or RedisCluster client (shared by every follower).
+        options: see :class:`IndexerOptions`.
+        metrics: where to count (a fresh registry when None).
+    """
+
+    def __init__(
+        self, client: Any, options: IndexerOptions, metrics: IndexerMetrics | None = None
+    ) -> None:
+        self.client = client
+        self.options = options
+        self.metrics = metrics or IndexerMetrics()
+        self.owner = f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.followers: dict[str, Follower] = {}
+        self._lock = threading.Lock()
+
+    def set_sources(self, sources: Iterable[str]) -> None:
+        """Follow exactly ``sources``: new ones start, removed ones stop and are purged.
+
+        Raises:
+            ValueError: a source that is not ``HOST:PORT/POOL``.
+        """
+        wanted: dict[str, str] = {}
+        for source in sources:
+            target, pool = parse_source(source)
+            wanted[source_name(target, pool)] = source
+        with self._lock:
+            for name in [n for n in self.followers if n not in wanted]:
+                self.followers.pop(name).stop(purge=True)
+            for name, source in wanted.items():
+                if name not in self.followers:
+                    follower = Follower(source, self.client, self.options, self.metrics, self.owner)
+                    self.followers[name] = follower
+                    follower.start()
+
+    def wait_caught_up(self, timeout: float) -> bool:
+        """Whether every follower holding its lease got live within ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        for follower in list(self.followers.values()):
+            if follower.state_name == "standby":
+                continue
+            if not follower.caught_up.wait(max(0.0, deadline - time.monotonic())):
+                return False
+        return True
+
+    def stop(self) -> None:
+        """Stop every follower and give their leases back (a standby takes over at once)."""
+        with self._lock:
+            followers, self.followers = list(self.followers.values()), {}
+        for follower in followers:
+            follower._stop.set()
+            if follower._kv is not None:
+                follower._kv.close()
+        for follower in followers:
+            follower.stop()
+
+
+def watch_sources_file(
+    path: str,
+    apply: Callable[[list[str]], None],
+    stop: threading.Event,
+    interval: float = 1.0,
+    extra: Iterable[str] = (),
+) -> None:
+    """Re-read ``path`` every ``interval`` seconds and ``apply`` its sources (plus
+    ``extra``) when its content changed; a file that became unreadable or bad keeps the
+    last good list (and says so once)."""
+    last: list[str] | None = None
+    complained = ""
+    while not stop.wait(interval):
+        try:
+            sources = [*extra, *read_sources_file(path)]
+        except ValueError as exc:
+            if str(exc) != complained:
+                _log.warning("%s (keeping the previous sources)", exc)
+                complained = str(exc)
+            continue
+        complained = ""
+        if sources != last:
+            apply(sources)
+            last = sources
