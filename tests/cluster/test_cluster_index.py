@@ -220,7 +220,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             engine.start_worker()
         for engine in engines:
             engine.wait_ready()
+        # Two indexers on the same index: each source's lease picks its writer.
         fleet.start_indexer("indexer", redis.url)
+        fleet.start_indexer("indexer-b", redis.url)
         fleet.start_indexer("cluster-indexer", nodes[0].url)
         yield fleet
     finally:
@@ -247,6 +249,34 @@ def test_redis_restarted_empty_is_rebuilt(fleet: Fleet) -> None:
     fleet.redis.restart()  # no persistence: everything is gone
     prompts = fleet.traffic()
     assert_index_matches(fleet, fleet.redis.url, prompts)
+
+
+def metrics_of(child: Child) -> dict[str, float]:
+    """The indexer's /metrics as {series: value}."""
+    import urllib.request
+
+    port = next(line for line in child.lines if "metrics on port" in line).split()[-1]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+def test_the_indexers_share_the_sources_and_export_metrics(fleet: Fleet) -> None:
+    assert_index_matches(fleet, fleet.redis.url, fleet.traffic(6))
+    both = [metrics_of(fleet.indexers[name]) for name in ("indexer", "indexer-b")]
+    writing = sum(m['kvsvc_indexer_sources{state="writing"}'] for m in both)
+    standby = sum(m['kvsvc_indexer_sources{state="standby"}'] for m in both)
+    assert (writing, standby) == (len(fleet.live()), len(fleet.live()))
+    assert sum(m['kvsvc_indexer_events_total{kind="stored"}'] for m in both) > 0
+    assert sum(m['kvsvc_indexer_snapshots_total{reason="new"}'] for m in both) >= 1
+    for engine in fleet.live():
+        lag = max(m.get(f'kvsvc_indexer_lag_seconds{{source="{engine.source}"}}', -1) for m in both)
+        assert 0 <= lag < 10
 
 
 def test_a_killed_indexer_resumes_where_redis_says(fleet: Fleet) -> None:
