@@ -6,6 +6,7 @@
 #   deploy/images/build.sh --base local     # always the local Debian base (bootstrapped once)
 #   deploy/images/build.sh --base public    # python:3.11-slim from the registry, as docker does
 #   deploy/images/build.sh server           # one target
+#   deploy/images/build.sh prometheus       # localhost/prometheus:bookworm for compose
 #
 # The base (--base auto, the default): python:3.11-slim when podman has it or can pull it
 # (within KVSVC_PULL_TIMEOUT seconds, default 60), else the local base: a
@@ -18,6 +19,9 @@
 # The worker's torch: from a local wheel directory when one is given (--torch-wheels DIR,
 # else PIP_FIND_LINKS when it names a directory holding a torch wheel), mounted read-only
 # into the build; without one the Dockerfile's TORCH_INDEX_URL (download.pytorch.org).
+#
+# prometheus: Debian's prometheus on the local Debian base (deploy/images/prometheus.Containerfile),
+# a stand-in for compose's prom/prometheus image where no registry answers.
 #
 # Builds run with --format docker (the OCI format drops HEALTHCHECK) and --network host.
 # CONTAINERS_CONF defaults to deploy/images/containers.conf (fixed ulimits, runc). Needs
@@ -32,12 +36,13 @@ export CONTAINERS_CONF="${CONTAINERS_CONF:-$HERE/containers.conf}"
 PUBLIC_BASE="${KVSVC_PUBLIC_BASE:-docker.io/library/python:3.11-slim}"
 DEBIAN_IMAGE="localhost/debian:bookworm"
 LOCAL_BASE="localhost/kvsvc-python:3.11-bookworm"
+PROMETHEUS_IMAGE="localhost/prometheus:bookworm"
 PULL_TIMEOUT="${KVSVC_PULL_TIMEOUT:-60}"
 TAG_PREFIX="${KVSVC_IMAGE:-kvsvc}"
 
 usage() {
   sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
-  echo "options: --base auto|public|local  --rebuild-base  --torch-wheels DIR  [server] [worker]"
+  echo "options: --base auto|public|local  --rebuild-base  --torch-wheels DIR  [server] [worker] [prometheus]"
 }
 
 base_mode=auto
@@ -49,7 +54,7 @@ while [ $# -gt 0 ]; do
     --base) base_mode="${2:?--base needs auto, public or local}"; shift 2 ;;
     --rebuild-base) rebuild_base=yes; shift ;;
     --torch-wheels) torch_wheels="${2:?--torch-wheels needs a directory}"; shift 2 ;;
-    server|worker) targets+=("$1"); shift ;;
+    server|worker|prometheus) targets+=("$1"); shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "build.sh: unknown argument '$1' (--help)" >&2; exit 2 ;;
   esac
@@ -73,7 +78,10 @@ debian_mirror() {
   echo "${uri:-http://deb.debian.org/debian}"
 }
 
+bootstrapped=no
 bootstrap_local_base() {
+  [ "$bootstrapped" = no ] || return 0
+  bootstrapped=yes
   local start=$SECONDS work
   work="$(mktemp -d)"
   cleanup+=("$work")
@@ -144,10 +152,27 @@ command -v podman >/dev/null || {
   echo "build.sh: podman is not installed (apt-get install podman buildah fuse-overlayfs slirp4netns uidmap runc debootstrap)" >&2
   exit 1
 }
+build_prometheus() {
+  local start=$SECONDS
+  if [ "$rebuild_base" = yes ] || ! podman image exists "$DEBIAN_IMAGE"; then
+    bootstrap_local_base
+  fi
+  say "building $PROMETHEUS_IMAGE (Debian's prometheus)"
+  podman build --format docker --network host --pull=never \
+    --build-arg "DEBIAN_IMAGE=$DEBIAN_IMAGE" \
+    -f "$HERE/prometheus.Containerfile" -t "$PROMETHEUS_IMAGE" "$HERE"
+  say "$PROMETHEUS_IMAGE built in $((SECONDS - start)) s"
+}
+
+kvsvc_targets=()
+for target in "${targets[@]}"; do
+  if [ "$target" = prometheus ]; then build_prometheus; else kvsvc_targets+=("$target"); fi
+done
+[ "${#kvsvc_targets[@]}" -gt 0 ] || exit 0
 base=""
 choose_base
 say "base image: $base"
-for target in "${targets[@]}"; do
+for target in "${kvsvc_targets[@]}"; do
   start=$SECONDS
   extra=()
   if [ "$target" = worker ]; then

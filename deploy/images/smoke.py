@@ -13,7 +13,12 @@ changes the repository name) and removes them after:
   server container) joins the pool until ``kvsvc ctl wait-ready`` sees it READY; then both
   health checks are healthy and the agent's /metrics answers on its published port;
 - the server started with ``serve --listen 0.0.0.0:6000``: the health check follows the
-  port (healthy), while a check of the old fixed port 50051 fails there.
+  port (healthy), while a check of the old fixed port 50051 fails there;
+- where podman-compose is installed (Debian's package; 1.0.3 with bookworm's podman
+  4.3), deploy/compose.yaml: its server, worker, engine and Prometheus up, the pool READY,
+  the engine service served, both health checks healthy, Prometheus scraping the server
+  and the agent. :func:`local_compose` says what changes for a machine without registry
+  access (build.sh's images, a Debian Prometheus, no Grafana, free host ports).
 
 podman runs without systemd in containers and CI VMs, so health checks never run on a
 timer: ``podman healthcheck run`` runs the image's HEALTHCHECK once (its systemd timer
@@ -27,15 +32,19 @@ import json
 import os
 import re
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 UID = 10001
@@ -283,6 +292,142 @@ def check_health_follows_listen(server: Container, port: int) -> None:
 
 OTHER_PORT = 6000
 
+# ---------------------------------------------------------------- compose
+COMPOSE = HERE.parent / "compose.yaml"
+PROMETHEUS_IMAGE = "localhost/prometheus:bookworm"  # build.sh prometheus
+
+
+def local_compose(source: Path, image: str, project: str) -> tuple[dict[str, Any], dict[int, int]]:
+    """deploy/compose.yaml changed only where this machine needs it, and the host ports.
+
+    The kvsvc services use ``image``'s tags as they are (no ``build``: podman-compose then
+    never builds, and the Dockerfile's public base is not pulled); Prometheus runs
+    build.sh's local Debian image with the same flags and files; Grafana is left out (no
+    image without a registry); host ports become free ports on loopback and relative
+    paths absolute. Returns the compose document and container port -> host port.
+    """
+    import yaml
+
+    compose = yaml.safe_load(source.read_text())
+    compose["name"] = project
+    services = compose["services"]
+    for name in ("server", "worker", "engine"):
+        target = services[name].pop("build")["target"]
+        services[name]["image"] = f"{image}:{target}"
+    services["prometheus"]["image"] = PROMETHEUS_IMAGE
+    services.pop("grafana")
+    compose["volumes"].pop("grafana-data")
+    ports: dict[int, int] = {}
+    for service in services.values():
+        published = []
+        for entry in service.get("ports", []):
+            container = str(entry).rpartition(":")[2]
+            ports[int(container)] = free_port()
+            published.append(f"127.0.0.1:{ports[int(container)]}:{container}")
+        if published:
+            service["ports"] = published
+        service["volumes"] = [
+            f"{(source.parent / v.split(':', 1)[0]).resolve()}:{v.split(':', 1)[1]}"
+            if v.startswith(".")
+            else v
+            for v in service.get("volumes", [])
+        ]
+    return compose, ports
+
+
+@dataclass
+class ComposeProject:
+    """A compose project started by :func:`compose_up`."""
+
+    name: str
+    file: Path
+    ports: dict[int, int]  # container port -> host port
+
+    def container(self, service: str) -> Container:
+        return Container(f"{self.name}_{service}_1")
+
+    def logs(self) -> str:
+        return "\n".join(self.container(s).logs() for s in ("server", "worker", "engine"))
+
+
+def podman_compose(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["podman-compose", *args],
+        capture_output=True,
+        text=True,
+        env=podman_env(),
+        timeout=timeout,
+    )
+
+
+@contextmanager
+def compose_up(image: str, workdir: Path, source: Path = COMPOSE) -> Iterator[ComposeProject]:
+    """``podman-compose up -d`` of :func:`local_compose`'s file; ``down -v`` after."""
+    import yaml
+
+    name = f"kvsvc-smoke-{secrets.token_hex(3)}"
+    compose, ports = local_compose(source, image, name)
+    file = workdir / "compose.yaml"
+    file.write_text(yaml.safe_dump(compose, sort_keys=False))
+    project = ComposeProject(name, file, ports)
+    try:
+        result = podman_compose("-f", str(file), "-p", name, "up", "-d")
+        if result.returncode != 0:
+            raise SmokeError(f"podman-compose up failed:\n{result.stdout}{result.stderr}")
+        yield project
+    finally:
+        podman_compose("-f", str(file), "-p", name, "down", "-v", "-t", "5")
+        podman("network", "rm", "--force", f"{name}_default", check=False)
+
+
+def prometheus_api(project: ComposeProject, path: str) -> Any:
+    url = f"http://127.0.0.1:{project.ports[9090]}{path}"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())["data"]
+
+
+def check_compose(project: ComposeProject) -> None:
+    """The stack of deploy/compose.yaml: the pool READY, the engine served, both health
+    checks healthy, Prometheus scraping the server and the agent."""
+    server = Container(project.container("server").name, {GRPC_PORT: project.ports[GRPC_PORT]})
+    result = kvsvc(
+        "ctl", "--server", f"127.0.0.1:{project.ports[GRPC_PORT]}", "wait-ready", POOL,
+        "--timeout", "180", timeout=200,
+    )  # fmt: skip
+    if result.returncode != 0:
+        raise SmokeError(f"pool {POOL} not READY: {result.stdout}{result.stderr}\n{project.logs()}")
+    engine = project.container("engine")
+    wait_for(
+        lambda: f"pool '{POOL}' is READY" in engine.logs() and "workload 1:" in engine.logs(),
+        180,
+        "the engine service to see the pool READY and finish a workload",
+        project.logs,
+    )
+    wait_healthy(server)
+    wait_healthy(project.container("worker"))
+
+    def scraped() -> bool:
+        try:
+            targets = prometheus_api(project, "/api/v1/targets")["activeTargets"]
+        except OSError:
+            return False
+        return {t["labels"]["job"]: t["health"] for t in targets} == {
+            "kvsvc-server": "up",
+            "kvsvc-worker": "up",
+        }
+
+    wait_for(scraped, 60, "Prometheus to scrape kvsvc-server and kvsvc-worker", project.logs)
+    for query, job in (
+        (f'kvsvc_pool_state{{pool="{POOL}",state="READY"}}', "kvsvc-server"),
+        ("kvsvc_agent_ready", "kvsvc-worker"),
+    ):
+
+        def answered(query: str = query, job: str = job) -> bool:
+            found = prometheus_api(project, f"/api/v1/query?query={urllib.parse.quote(query)}")
+            return [(r["metric"]["job"], r["value"][1]) for r in found["result"]] == [(job, "1")]
+
+        wait_for(answered, 30, f"Prometheus to hold {query} = 1 from {job}", project.logs)
+
 
 def other_port_command() -> list[str]:
     """The image's server command with the gRPC port moved to OTHER_PORT."""
@@ -323,6 +468,13 @@ def main() -> int:
         check_health_follows_listen(moved, OTHER_PORT)
         print(f"ok: {SERVER_IMAGE} with --listen 0.0.0.0:{OTHER_PORT}: health follows the port")
         checks += 1
+    if shutil.which("podman-compose"):
+        with tempfile.TemporaryDirectory() as workdir, compose_up(IMAGE, Path(workdir)) as project:
+            check_compose(project)
+            print("ok: deploy/compose.yaml with podman-compose: READY, engine served, scraped")
+            checks += 1
+    else:
+        print("skipped: deploy/compose.yaml (podman-compose is not installed)")
     print(f"{checks} checks passed in {time.monotonic() - start:.0f} s")
     return 0
 

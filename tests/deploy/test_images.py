@@ -4,11 +4,12 @@ podman, then deploy/images/smoke.py's checks run them (published ports, health c
 following ``--listen``).
 
 Needs podman (Debian: podman buildah fuse-overlayfs slirp4netns uidmap runc debootstrap;
-.ci/run installs them); without it the module skips, and fails under CI=true
-(:mod:`tests.tooling`). Without registry access build.sh bootstraps a local Debian base
-once (about a minute) and keeps it in podman's store; the image layers are cached there
-too, so a run after a source change rebuilds only the kvsvc layers. The images are tagged
-``kvsvc-test:server`` / ``kvsvc-test:worker``, apart from a user's ``kvsvc:*``.
+.ci/run installs them) and, for deploy/compose.yaml, podman-compose; without them the
+tests skip, and fail under CI=true (:mod:`tests.tooling`). Without registry access
+build.sh bootstraps a local Debian base once (about a minute) and keeps it in podman's
+store; the image layers are cached there too, so a run after a source change rebuilds
+only the kvsvc layers. The images are tagged ``kvsvc-test:server`` /
+``kvsvc-test:worker``, apart from a user's ``kvsvc:*``.
 """
 
 from __future__ import annotations
@@ -197,3 +198,20 @@ def test_build_sh_refuses_a_wheel_directory_without_torch(tmp_path: Path) -> Non
     )
     assert result.returncode == 2
     assert "holds no torch-*.whl" in result.stderr
+
+
+def test_the_compose_stack_runs_with_podman_compose(built: Built, tmp_path: Path) -> None:
+    """deploy/compose.yaml under podman-compose (Debian's package): the pool READY, the
+    engine service served, both health checks healthy, Prometheus scraping both."""
+    require_tool(
+        "podman-compose", "Debian package podman-compose: apt-get install podman-compose "
+        "(.ci/run installs it)"
+    )  # fmt: skip
+    env = {**smoke.podman_env(), "KVSVC_IMAGE": TEST_IMAGE}
+    result = subprocess.run(
+        [str(IMAGES / "build.sh"), "prometheus"], capture_output=True, text=True, env=env,
+        timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with smoke.compose_up(TEST_IMAGE, tmp_path) as project:
+        smoke.check_compose(project)
