@@ -25,15 +25,19 @@ Keys (``P`` is the key prefix, ``kvsvc`` by default; ``S`` a source's name,
 
 What goes together: a source's keys share one hash tag, so the scripts below, which must
 change a source's counts and sequence atomically, touch one slot. Score reads the block
-bitmaps, one key per prompt block in one pipelined round trip (on a cluster, one per
-node), plus the registry (cached, refreshed about once a second).
+bitmaps, one key per prompt block, in one MGET (on a cluster, one per slot, sent to the
+nodes in one pipelined round), plus the registry (cached, refreshed about once a second).
 
-A source's writes happen in two steps. (1) A script (one slot) applies a run of event
-batches to the counts, fenced by the source's lease and guarded by its epoch and
-sequence (a batch applied twice or out of order is refused, not applied), and returns the
-hashes whose bit must change; it records them in ``pending`` in the same step. (2) The
-indexer sets those bits (``SETBIT``, absolute values: repeating it is harmless) and the
-next script clears ``pending``. An indexer that dies between the two leaves ``pending``
+On a single Redis (not a cluster) every key is on one server, so the script that
+applies a run also sets the block bits it changes, in the same atomic step. On a Redis
+Cluster the block keys live on other nodes, so a source's writes happen in two steps.
+(1) A script (one slot) applies a run of event batches to the counts, fenced by the
+source's lease and guarded by its epoch and sequence (a batch applied twice or out of
+order is refused, not applied), and returns the hashes whose bit must change; it
+records them in ``pending`` in the same step. (2) The indexer sets those bits
+(``SETBIT``, absolute values: repeating it is harmless; a block's last bit goes with a
+one-key script that deletes the key, so no all-zero bitmap stays) and the next script
+clears ``pending``. An indexer that dies between the two leaves ``pending``
 behind, and whoever takes the lease next writes it first. Only the lease holder writes a
 source's bits, so no two indexers ever interleave them; an indexer that lost its lease
 (paused past the TTL) is refused by the next script and stops writing.
@@ -94,12 +98,16 @@ class Keys:
 
 
 # KEYS: meta, blocks, pending, lease, stage, stage_pending.
-# ARGV: owner, epoch, first_seq, last_seq, ntracked, tracked group bytes..., ops...
-# An op is one string: "S" or "R" + group byte + hash (stored / removed), or "C" (clear).
-# Returns {status, flips...}: status "ok" (flips = hash, bit, hash, bit...), "lease" (the
-# caller does not hold the lease), "epoch" (the source's epoch is another), "dup" (these
-# batches were applied already), "gap" (a batch before first_seq is missing), plus the
-# number of removals of hashes that were not there (an inconsistency; counted).
+# ARGV: owner, epoch, first_seq, last_seq, engine id (or -1), block key prefix, ntracked,
+# tracked group bytes..., ops...
+# An op is one string: "S" or "R" + group byte + hash (one block stored / removed), "D" +
+# group byte + hash followed by the count change as its own argument (several batches'
+# changes to one hash, summed), or "C" (clear).
+# Returns {status, "missing:changed", flips...}: status "ok" (flips = hash, bit, ... for
+# the two-step write; none when the script set the bits), "lease" (the caller does not
+# hold the lease), "epoch" (the source's epoch is another), "dup" (these batches were
+# applied already), "gap" (a batch before first_seq is missing); missing counts removals
+# of hashes that were not there (an inconsistency), changed the bits that changed.
 APPLY = r"""
 if redis.call('GET', KEYS[4]) ~= ARGV[1] then return {'lease'} end
 local meta = redis.call('HMGET', KEYS[1], 'epoch', 'seq')
@@ -109,9 +117,13 @@ local first, last = tonumber(ARGV[3]), tonumber(ARGV[4])
 if seq >= last then return {'dup'} end
 if seq ~= first - 1 then return {'gap', tostring(seq)} end
 redis.call('DEL', KEYS[3])
-local ntracked = tonumber(ARGV[5])
+-- ARGV[5]: the engine's id when this script sets the block bits itself (a single Redis,
+-- not a cluster: the block keys are on this server), -1 for the two-step write.
+local engine = tonumber(ARGV[5])
+local block_prefix = ARGV[6]
+local ntracked = tonumber(ARGV[7])
 local tracked = {}
-for i = 1, ntracked do tracked[i] = ARGV[5 + i] end
+for i = 1, ntracked do tracked[i] = ARGV[7 + i] end
 local function present(h)
   for i = 1, ntracked do
     local c = redis.call('HGET', KEYS[2], tracked[i] .. h)
@@ -119,56 +131,88 @@ local function present(h)
   end
   return true
 end
-local before = {}
-local order = {}
+-- One tracked group (the common case): a hash is present while its count is > 0, and
+-- HINCRBY's reply is the count, so each op is one call. Several: counts are read back.
+local single = ntracked == 1
+local before, count, order = {}, {}, {}
 local missing = 0
-local function touch(h)
-  if before[h] == nil then
-    before[h] = present(h)
-    order[#order + 1] = h
-  end
-end
-for i = 6 + ntracked, #ARGV do
+local i = 7 + ntracked
+while i < #ARGV do
+  i = i + 1
   local op = ARGV[i]
   local kind = string.sub(op, 1, 1)
   if kind == 'C' then
-    local fields = redis.call('HKEYS', KEYS[2])
-    for _, f in ipairs(fields) do touch(string.sub(f, 2)) end
+    local fields = redis.call('HGETALL', KEYS[2])
+    for j = 1, #fields, 2 do
+      local h = string.sub(fields[j], 2)
+      if before[h] == nil then
+        before[h] = (not single and present(h)) or (single and tonumber(fields[j + 1]) > 0)
+        order[#order + 1] = h
+      end
+      count[h] = 0
+    end
     redis.call('DEL', KEYS[2])
   else
     local field = string.sub(op, 2)
     local h = string.sub(op, 3)
-    if ntracked == 1 then
-      if before[h] == nil then
-        local c = redis.call('HGET', KEYS[2], field)
-        before[h] = (c ~= false) and tonumber(c) > 0
-        order[#order + 1] = h
-      end
-    else
-      touch(h)
-    end
+    local delta
     if kind == 'S' then
-      redis.call('HINCRBY', KEYS[2], field, 1)
+      delta = 1
+    elseif kind == 'R' then
+      delta = -1
     else
-      local c = redis.call('HINCRBY', KEYS[2], field, -1)
-      if c <= 0 then
-        redis.call('HDEL', KEYS[2], field)
-        if c < 0 then missing = missing + 1 end
-      end
+      i = i + 1
+      delta = tonumber(ARGV[i])
     end
+    if before[h] == nil and not single then
+      before[h] = present(h)
+      order[#order + 1] = h
+    end
+    local c = redis.call('HINCRBY', KEYS[2], field, delta)
+    if before[h] == nil then
+      before[h] = c - delta > 0
+      order[#order + 1] = h
+    end
+    if c <= 0 then
+      redis.call('HDEL', KEYS[2], field)
+      if c < 0 then missing = missing + 1 end
+      c = 0
+    end
+    count[h] = c
   end
 end
 local out = {'ok', tostring(missing)}
+local pending = {}
+local changed = 0
 for _, h in ipairs(order) do
-  local now = present(h)
+  local now
+  if single then now = count[h] > 0 else now = present(h) end
   if now ~= before[h] then
-    local bit = now and '1' or '0'
-    redis.call('HSET', KEYS[3], h, bit)
-    out[#out + 1] = h
-    out[#out + 1] = bit
+    changed = changed + 1
+    if engine >= 0 then
+      local key = block_prefix .. h
+      if now then
+        redis.call('SETBIT', key, engine, 1)
+      else
+        redis.call('SETBIT', key, engine, 0)
+        if redis.call('BITCOUNT', key) == 0 then redis.call('DEL', key) end
+      end
+    else
+      local bit = now and '1' or '0'
+      out[#out + 1] = h
+      out[#out + 1] = bit
+      pending[#pending + 1] = h
+      pending[#pending + 1] = bit
+      if #pending >= 1000 then
+        redis.call('HSET', KEYS[3], unpack(pending))
+        pending = {}
+      end
+    end
   end
 end
+if #pending > 0 then redis.call('HSET', KEYS[3], unpack(pending)) end
 redis.call('HSET', KEYS[1], 'seq', ARGV[4])
+out[2] = tostring(missing) .. ':' .. tostring(changed)
 return out
 """
 
@@ -212,6 +256,14 @@ if holder == ARGV[1] then
   return 'ok'
 end
 return 'held'
+"""
+
+# Clears engine ARGV[1]'s bit of one block and deletes the block's key once no bit is
+# left (an all-zero bitmap would stay forever otherwise). One key: any slot.
+CLEAR_BIT = r"""
+redis.call('SETBIT', KEYS[1], ARGV[1], 0)
+if redis.call('BITCOUNT', KEYS[1]) == 0 then redis.call('DEL', KEYS[1]) end
+return 0
 """
 
 # Gives the lease back (ARGV: owner).

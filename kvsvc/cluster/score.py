@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvsvc.cluster.hashing import PromptHasher
 from kvsvc.cluster.layout import Keys
@@ -151,13 +152,7 @@ class Scorer:
             hashes_of[family] = hashes
             wanted.update(dict.fromkeys(hashes))
         order = list(wanted)
-        if order:
-            pipe = self.client.pipeline(transaction=False)  # type: ignore[attr-defined]
-            for block_hash in order:
-                pipe.get(self.keys.block(block_hash))
-            values = pipe.execute()
-        else:
-            values = []
+        values = self._read_bitmaps(order) if order else []
         bitmaps = dict(zip(order, values, strict=True))
         width = registry.max_id // 8 + 1
         top = width * 8 - 1
@@ -181,6 +176,16 @@ class Scorer:
             if alive:
                 self._settle(scores, by_id, alive, top, blocks * block_size)
         return ScoreResult(scores, len(order), tuple(mismatch))
+
+    def _read_bitmaps(self, hashes: list[bytes]) -> list[bytes | None]:
+        """The blocks' bitmaps in one MGET: on a cluster, one per slot, sent to all the
+        nodes in one pipelined round (redis-py's ``mget_nonatomic``). One MGET costs a
+        fraction of 256 pipelined GETs in the client."""
+        names = [self.keys.block(h) for h in hashes]
+        client: Any = self.client
+        if hasattr(client, "mget_nonatomic"):
+            return client.mget_nonatomic(names)  # type: ignore[no-any-return]
+        return client.mget(names)  # type: ignore[no-any-return]
 
     @staticmethod
     def _settle(

@@ -27,6 +27,39 @@ _log = logging.getLogger("kvsvc.cluster")
 PIPELINE_CHUNK = 4096
 
 
+def compact_ops(ops: Sequence[bytes]) -> list[bytes]:
+    """The same change as ``ops`` with each hash's stores and removals summed between
+    clears: a block stored and evicted within one run costs the script nothing, a run
+    that catches up after a pause writes each hash once. (A removal of a hash the source
+    did not hold is then netted against a later store instead of being counted apart:
+    that only happens on a stream that lost events without a gap marker.)"""
+    out: list[bytes] = []
+    deltas: dict[bytes, int] = {}
+
+    def flush() -> None:
+        for field, delta in deltas.items():
+            if delta == 1:
+                out.append(b"S" + field)
+            elif delta == -1:
+                out.append(b"R" + field)
+            elif delta:
+                out.append(b"D" + field)
+                out.append(str(delta).encode())
+        deltas.clear()
+
+    get = deltas.get
+    for op in ops:
+        kind = op[:1]
+        if kind == b"C":
+            flush()
+            out.append(op)
+            continue
+        field = op[1:]
+        deltas[field] = get(field, 0) + (1 if kind == b"S" else -1)
+    flush()
+    return out
+
+
 class LeaseLost(Exception):
     """Another indexer holds the source's lease now: this one must stop writing it."""
 
@@ -216,7 +249,10 @@ class SourceStore:
         self._clear_pending = client.register_script(layout.CLEAR_PENDING)
         self._lease = client.register_script(layout.LEASE)
         self._release = client.register_script(layout.RELEASE)
+        self._clear_bit = client.register_script(layout.CLEAR_BIT)
         self.engine_id: int | None = None
+        # A cluster client: block keys are elsewhere, bits go in the two-step write.
+        self.clustered = hasattr(client, "get_node_from_key")
 
     # -- the lease -----------------------------------------------------------------------
 
@@ -258,11 +294,45 @@ class SourceStore:
     def _write_bits(self, bits: Sequence[tuple[bytes, int]]) -> None:
         """Set the source's bit of each block (absolute values: a repeat is harmless)."""
         engine = self._ensure_id()
+        block = self.keys.block
         for start in range(0, len(bits), PIPELINE_CHUNK):
-            pipe = self.client.pipeline(transaction=False)
-            for block_hash, bit in bits[start : start + PIPELINE_CHUNK]:
-                pipe.setbit(self.keys.block(block_hash), engine, bit)
-            pipe.execute()
+            chunk = bits[start : start + PIPELINE_CHUNK]
+            if not self.clustered:
+                pipe = self.client.pipeline(transaction=False)
+                for block_hash, bit in chunk:
+                    if bit:
+                        pipe.setbit(block(block_hash), engine, 1)
+                    else:  # the last bit of a block takes its key with it
+                        self._clear_bit(keys=[block(block_hash)], args=[engine], client=pipe)
+                pipe.execute()
+                continue
+            self._write_bits_cluster([(block(h), bit) for h, bit in chunk], engine)
+
+    def _write_bits_cluster(self, bits: list[tuple[bytes, int]], engine: int) -> None:
+        """The cluster form: redis-py refuses scripts in a cluster pipeline, so the keys
+        are grouped by the node that serves their slot and each node gets a plain
+        pipeline; a key that moved meanwhile (resharding) is written on its own through
+        the cluster client, which follows the redirection."""
+        import redis
+
+        by_node: dict[str, tuple[Any, list[tuple[bytes, int]]]] = {}
+        for key, bit in bits:
+            node = self.client.get_node_from_key(key)
+            by_node.setdefault(node.name, (node, []))[1].append((key, bit))
+        for node, items in by_node.values():
+            pipe = node.redis_connection.pipeline(transaction=False)
+            for key, bit in items:
+                if bit:
+                    pipe.setbit(key, engine, 1)
+                else:
+                    pipe.eval(layout.CLEAR_BIT, 1, key, engine)
+            replies = pipe.execute(raise_on_error=False)
+            for (key, bit), reply in zip(items, replies, strict=True):
+                if isinstance(reply, redis.exceptions.ResponseError):
+                    if bit:
+                        self.client.setbit(key, engine, 1)
+                    else:
+                        self._clear_bit(keys=[key], args=[engine])
 
     def _check(self, status: Any) -> None:
         if (status.decode() if isinstance(status, bytes) else status) == "lease":
@@ -296,9 +366,13 @@ class SourceStore:
             SourceMoved: the stored epoch is another, or a batch before ``first_seq`` was
                 never applied (resync from a snapshot).
         """
-        args: list[Any] = [self.owner, epoch, first_seq, last_seq, len(tracking.groups)]
+        inline = -1 if self.clustered else self._ensure_id()
+        args: list[Any] = [
+            self.owner, epoch, first_seq, last_seq, inline, self.keys.block(b""),
+            len(tracking.groups),
+        ]  # fmt: skip
         args.extend(bytes([g]) for g in tracking.groups)
-        args.extend(ops)
+        args.extend(compact_ops(ops))
         reply = self._apply(keys=self._keys, args=args)
         status = reply[0].decode()
         if status == "lease":
@@ -307,10 +381,11 @@ class SourceStore:
             return ApplyResult(duplicate=True)
         if status in ("epoch", "gap"):
             raise SourceMoved(f"{self.name}: stored {status} differs from batch {first_seq}")
+        missing, changed = (int(x) for x in reply[1].split(b":"))
         flips = [(bytes(reply[i]), int(reply[i + 1])) for i in range(2, len(reply), 2)]
         if flips:
             self._write_bits(flips)
-        return ApplyResult(flips=len(flips), missing=int(reply[1]))
+        return ApplyResult(flips=changed, missing=missing)
 
     def install(self, epoch: str, seq: int, tracking: Tracking, counts: dict[bytes, int]) -> int:
         """Replace the source's index with a snapshot's (``counts``: group byte + hash ->

@@ -103,6 +103,9 @@ def test_a_block_cached_twice_stays_until_both_copies_leave(redis_url: str, keys
     assert scorer.score(tokens, max_registry_age=0).scores == {"h:1/p": 32}
     a.apply("e1", 4, 4, TRACKING, removed(tokens, 0, 1))
     assert scorer.score(tokens).scores == {"h:1/p": 0}
+    # The block's last bit took its key with it: no all-zero bitmap stays behind.
+    first = HASHER.block_hashes(tokens, 16, 16)[0]
+    assert not client.exists(keys.block(first))
     a.apply("e1", 5, 5, TRACKING, [*stored(tokens, 0, 1), b"C"])
     assert a.counts() == {}
     assert scorer.score(tokens).scores == {"h:1/p": 0}
@@ -144,7 +147,8 @@ def test_bits_a_crashed_writer_decided_are_written_by_the_next(redis_url: str, k
     # The script's step alone, as if the writer died before setting the bits.
     script = client.register_script(APPLY)
     reply = script(
-        keys=keys.source_keys("h:1/p"), args=["a", "e1", 1, 1, 1, b"\0", *stored(tokens)]
+        keys=keys.source_keys("h:1/p"),
+        args=["a", "e1", 1, 1, -1, keys.block(b""), 1, b"\0", *stored(tokens)],
     )
     assert reply[0] == b"ok" and len(reply) == 2 + 2 * 3
     scorer = Scorer(client, SEED, keys)
@@ -200,3 +204,11 @@ def test_tracking_ignores_windowed_groups() -> None:
 def test_a_bad_redis_url_names_the_flag(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--redis"):
         connect("localhost:6379")
+
+
+def test_runs_are_compacted_per_hash_between_clears() -> None:
+    from kvsvc.cluster.store import compact_ops
+
+    a, b = b"\0" + b"a" * 16, b"\0" + b"b" * 16
+    ops = [b"S" + a, b"S" + b, b"R" + a, b"S" + b, b"C", b"S" + a, b"R" + b, b"R" + b]
+    assert compact_ops(ops) == [b"D" + b, b"2", b"C", b"S" + a, b"D" + b, b"-2"]
