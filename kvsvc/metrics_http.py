@@ -47,6 +47,11 @@ class MetricsHTTPServer(ThreadingWSGIServer):
     tls: ServerTlsSource | None = None
     timeout_s: float = CONNECTION_TIMEOUT_S
     max_connections: int = MAX_CONNECTIONS
+    # The listen backlog (socketserver's default is 5): past it the kernel holds a
+    # client's handshake back and retries it after a second or more, so a burst of
+    # connections (a flood, or many scrapers at once) made every connection past the
+    # fifth wait ~1-3 s before it was even accepted, to be served or refused.
+    request_queue_size = 128
 
     def server_activate(self) -> None:
         super().server_activate()

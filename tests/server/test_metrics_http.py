@@ -15,6 +15,13 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from kvsvc.metrics_http import MetricsHTTPServer, serve_metrics_http
 
+# The endpoint fixture's server, for a test that must see how many slots are taken.
+servers: list[MetricsHTTPServer] = []
+
+
+def free_slots(server: MetricsHTTPServer) -> int:
+    return int(server._slots._value)  # type: ignore[attr-defined]
+
 
 @pytest.fixture
 def endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
@@ -25,6 +32,7 @@ def endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
     registry = CollectorRegistry()
     Gauge("probe_value", "A value to find.", registry=registry).set(7)
     server, thread = serve_metrics_http("127.0.0.1", 0, registry)
+    servers.append(server)
     yield int(server.server_port)
     server.shutdown()
     server.server_close()
@@ -49,7 +57,12 @@ def closed_by_server(sock: socket.socket, within: float) -> bool:
 def test_connections_past_the_cap_are_closed_and_start_no_thread(endpoint: int) -> None:
     before = threading.active_count()
     idle = [socket.create_connection(("127.0.0.1", endpoint)) for _ in range(3)]
-    time.sleep(0.2)
+    # The server takes the three slots in its own thread: on a loaded machine that can
+    # take a while, and a flood that came first would get a slot instead.
+    deadline = time.monotonic() + 10
+    while free_slots(servers[-1]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert free_slots(servers[-1]) == 0
     started = time.monotonic()
     flood = [socket.create_connection(("127.0.0.1", endpoint)) for _ in range(20)]
     try:
