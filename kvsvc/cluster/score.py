@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvsvc.cluster.hashing import PromptHasher
@@ -51,6 +51,25 @@ class ScoreResult:
     scores: dict[str, int]
     num_blocks_read: int
     seed_mismatch: tuple[str, ...] = ()
+
+
+@dataclass(slots=True)
+class _Family:
+    """Engines that hash a prompt alike, and where their bits are."""
+
+    algo: str
+    hash_block_size: int
+    block_size: int
+    mask: int = 0  # every member's bit (bit i of the big-endian bitmap int)
+    by_bit: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    names: list[str]
+    families: list[_Family]
+    mismatch: tuple[str, ...]
+    width: int  # bitmap bytes read per block
 
 
 class Scorer:
@@ -115,16 +134,65 @@ class Scorer:
                 "token_ids", f"{len(token_ids)} tokens exceed the limit of {MAX_SCORE_TOKENS}"
             )
         registry = self.registry(max_registry_age)
+        plan = self._plan(registry, engines)
+        scores = dict.fromkeys(plan.names, 0)
+        if len(token_ids) < 2 or not plan.families:
+            return ScoreResult(scores, 0, plan.mismatch)
+        hashes_of: list[list[bytes]] = []
+        wanted: dict[bytes, None] = {}
+        for family in plan.families:
+            cap = (len(token_ids) - 1) // family.block_size  # >= 1 token left to compute
+            hashes = self._hasher(family.algo).block_hashes(
+                token_ids, family.hash_block_size, family.block_size, hashing
+            )[:cap]
+            hashes_of.append(hashes)
+            wanted.update(dict.fromkeys(hashes))
+        order = list(wanted)
+        values = self._read_bitmaps(order) if order else []
+        bitmaps = dict(zip(order, values, strict=True))
+        width = plan.width
+        zero = bytes(width)
+        for family, hashes in zip(plan.families, hashes_of, strict=True):
+            block_size = family.block_size
+            alive = family.mask
+            # (tokens, engines' bits) per block where some engines' runs end.
+            ends: list[tuple[int, int]] = []
+            blocks = 0
+            for block_hash in hashes:
+                raw = bitmaps[block_hash] or zero
+                present = int.from_bytes(raw[:width].ljust(width, b"\0"), "big")
+                still = alive & present
+                if still != alive:
+                    ends.append((blocks * block_size, alive ^ still))
+                    alive = still
+                    if not alive:
+                        break
+                blocks += 1
+            if alive:
+                ends.append((blocks * block_size, alive))
+            by_bit = family.by_bit
+            for tokens, bits in ends:
+                if not tokens:
+                    continue
+                while bits:
+                    low = bits & -bits
+                    scores[by_bit[low.bit_length() - 1]] = tokens
+                    bits ^= low
+        return ScoreResult(scores, len(order), plan.mismatch)
+
+    def _plan(self, registry: Registry, engines: Collection[str] | None) -> _Plan:
+        """The engines to score, grouped by how they hash (cached per registry read for
+        the common case of every engine)."""
+        if engines is None and registry.plan is not None:
+            return registry.plan  # type: ignore[no-any-return]
         chosen = {
             name: value
             for name, value in registry.engines.items()
             if engines is None or name in engines
         }
-        scores = dict.fromkeys(chosen, 0)
-        if len(token_ids) < 2 or not chosen:
-            return ScoreResult(scores, 0)
-        # Engines that hash alike share one list of hashes.
-        families: dict[tuple[str, int, int], list[tuple[str, int]]] = {}
+        width = registry.max_id // 8 + 1
+        top = width * 8 - 1
+        families: dict[tuple[str, int, int], _Family] = {}
         mismatch: list[str] = []
         for name, (engine_id, tracking) in chosen.items():
             if not tracking.groups:
@@ -133,49 +201,23 @@ class Scorer:
             if tracking.fingerprint and tracking.fingerprint != hasher.fingerprint:
                 mismatch.append(name)
                 continue
-            family = (tracking.hash_algo, tracking.hash_block_size, tracking.block_size)
-            families.setdefault(family, []).append((name, engine_id))
+            key = (tracking.hash_algo, tracking.hash_block_size, tracking.block_size)
+            family = families.get(key)
+            if family is None:
+                family = families[key] = _Family(*key)
+            bit = top - engine_id
+            family.mask |= 1 << bit
+            family.by_bit[bit] = name
         if mismatch:
             _log.warning(
                 "%d engines hash with another seed than this scorer (e.g. %s): scored 0",
                 len(mismatch),
                 mismatch[0],
             )
-        hashes_of: dict[tuple[str, int, int], list[bytes]] = {}
-        wanted: dict[bytes, None] = {}
-        for family in families:
-            algo, hash_block_size, block_size = family
-            cap = (len(token_ids) - 1) // block_size  # >= 1 token left to compute
-            hashes = self._hasher(algo).block_hashes(
-                token_ids, hash_block_size, block_size, hashing
-            )[:cap]
-            hashes_of[family] = hashes
-            wanted.update(dict.fromkeys(hashes))
-        order = list(wanted)
-        values = self._read_bitmaps(order) if order else []
-        bitmaps = dict(zip(order, values, strict=True))
-        width = registry.max_id // 8 + 1
-        top = width * 8 - 1
-        for family, members in families.items():
-            block_size = family[2]
-            by_id = {engine_id: name for name, engine_id in members}
-            alive = 0
-            for _, engine_id in members:
-                alive |= 1 << (top - engine_id)
-            blocks = 0
-            for block_hash in hashes_of[family]:
-                raw = bitmaps[block_hash]
-                present = int.from_bytes(raw[:width].ljust(width, b"\0"), "big") if raw else 0
-                still = alive & present
-                if still != alive:
-                    self._settle(scores, by_id, alive & ~still, top, blocks * block_size)
-                    alive = still
-                    if not alive:
-                        break
-                blocks += 1
-            if alive:
-                self._settle(scores, by_id, alive, top, blocks * block_size)
-        return ScoreResult(scores, len(order), tuple(mismatch))
+        plan = _Plan(list(chosen), list(families.values()), tuple(mismatch), width)
+        if engines is None:
+            registry.plan = plan
+        return plan
 
     def _read_bitmaps(self, hashes: list[bytes]) -> list[bytes | None]:
         """The blocks' bitmaps in one MGET: on a cluster, one per slot, sent to all the
@@ -186,19 +228,6 @@ class Scorer:
         if hasattr(client, "mget_nonatomic"):
             return client.mget_nonatomic(names)  # type: ignore[no-any-return]
         return client.mget(names)  # type: ignore[no-any-return]
-
-    @staticmethod
-    def _settle(
-        scores: dict[str, int], by_id: dict[int, str], bits: int, top: int, tokens: int
-    ) -> None:
-        """Give every engine whose bit is in ``bits`` the score ``tokens``."""
-        if tokens == 0:
-            return
-        while bits:
-            low = bits & -bits
-            engine_id = top - (low.bit_length() - 1)
-            scores[by_id[engine_id]] = tokens
-            bits ^= low
 
 
 def tracking_summary(tracking: Tracking) -> str:

@@ -203,6 +203,7 @@ class Registry:
     """The indexed engines: name -> (engine id, tracking), as read from Redis."""
 
     engines: dict[str, tuple[int, Tracking]] = field(default_factory=dict)
+    plan: Any = None  # the scorer's grouping of these engines, made on first use
 
     @property
     def max_id(self) -> int:
