@@ -182,10 +182,17 @@ for target in "${kvsvc_targets[@]}"; do
       extra+=(--volume "$wheels:/tmp/torch-wheels:ro" --build-arg TORCH_WHEELS=/tmp/torch-wheels)
     fi
   fi
+  previous="$(podman image inspect --format '{{.Id}}' "$TAG_PREFIX:$target" 2>/dev/null || true)"
   say "building $TAG_PREFIX:$target"
   podman build --format docker --network host --pull=never \
     --build-arg "BASE_IMAGE=$base" "${extra[@]}" \
     --target "$target" -t "$TAG_PREFIX:$target" -f "$REPO/Dockerfile" "$REPO"
+  # The image this tag named before (and its layers no other image uses) would stay as
+  # a dangling GB per rebuild; a container still running it keeps it.
+  current="$(podman image inspect --format '{{.Id}}' "$TAG_PREFIX:$target")"
+  if [ -n "$previous" ] && [ "$previous" != "$current" ]; then
+    podman rmi "$previous" >/dev/null 2>&1 || true
+  fi
   size="$(podman image inspect --format '{{.Size}}' "$TAG_PREFIX:$target")"
   say "$TAG_PREFIX:$target built in $((SECONDS - start)) s ($((size / 1000000)) MB)"
 done
