@@ -24,6 +24,7 @@ Run ``python benchmarks/cluster_bench.py`` for the table, ``--json`` for one obj
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -194,7 +195,9 @@ def bench_indexer(
     track = tracking()
     stores = []
     for i in range(engines):
-        store = SourceStore(redis_client, f"10.0.{i // 250}.{i % 250}:50051/llama", "bench", keys)
+        store = SourceStore(
+            redis_client, f"10.0.{i // 250}.{i % 250}:50051/llama", "bench", keys, 3600
+        )
         store.acquire()
         store.install("epoch", 0, track, {})
         stores.append(store)
@@ -411,6 +414,14 @@ def main(argv: list[str] | None = None) -> int:
         entries = sum(int(r.hlen(k)) for k in r.scan_iter(match="live:{live:src:*}:blocks"))
         distinct = sum(1 for _ in r.scan_iter(match="live:b:*", count=10_000))
         grown = (redis_memory(redis.url) - base) / 2
+        # Where it goes: the sources' count hashes and the block bitmaps (MEMORY USAGE of
+        # every count hash, of a sample of bitmaps).
+        counts_bytes = sum(
+            int(r.memory_usage(k, samples=0) or 0)
+            for k in r.scan_iter(match="live:{live:src:*}:blocks")
+        )
+        sample = list(itertools.islice(r.scan_iter(match="live:b:*", count=1000), 2000))
+        bitmap_bytes = statistics.mean(int(r.memory_usage(k) or 0) for k in sample)
         prompt = list(range(100, 100 + 4096))
         expected = populate_for_score(redis.url, args.engines, prompt)
         parsers = [True, False] if has_hiredis() else [False]
@@ -429,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
             "bytes": grown,
             "bytes_per_entry": grown / max(1, entries),
             "bytes_per_distinct_block": grown / max(1, distinct),
+            "count_bytes_per_entry": counts_bytes / max(1, entries),
+            "bitmap_bytes_per_block": bitmap_bytes,
         },
         "score": score,
         "real_servers": real,
@@ -472,8 +485,8 @@ def main(argv: list[str] | None = None) -> int:
         (
             f"Redis memory per indexed block ({m['entries']:,} engine-block entries, "
             f"{m['distinct_blocks']:,} distinct blocks)",
-            f"{m['bytes_per_entry']:.0f} B per entry, {m['bytes_per_distinct_block']:.0f} B "
-            "per distinct block",
+            f"{m['bytes_per_entry']:.0f} B per entry in all ({m['count_bytes_per_entry']:.0f} "
+            f"B of counts per entry, {m['bitmap_bytes_per_block']:.0f} B per block's bitmap)",
             "",
         )
     )

@@ -99,6 +99,22 @@ def add_indexer_parser(subparsers: Any) -> None:
         "added starts, one removed is purged",
     )
     parser.add_argument(
+        "--zmq-source",
+        action="append",
+        default=[],
+        metavar="tcp://HOST:PORT[,replay=tcp://HOST:PORT]",
+        help="a vLLM-format ZMQ KV event stream (vLLM's --kv-events-config publisher, or "
+        "kvsvc serve --kv-events-zmq), named by its endpoint; replay= its ROUTER endpoint, "
+        "asked when messages were missed (again for more; needs kvsvc[vllm])",
+    )
+    parser.add_argument(
+        "--zmq-hash-algo",
+        choices=("sha256_cbor", "xxh3_128"),
+        default="sha256_cbor",
+        help="how the ZMQ sources hash blocks (default sha256_cbor: vLLM's "
+        "--prefix-caching-hash-algo sha256_cbor, the only one a router can repeat)",
+    )
+    parser.add_argument(
         "--token-file",
         metavar="FILE",
         help="the sources' operator (admin) token (default: env KVSVC_ADMIN_TOKEN[_FILE], "
@@ -160,8 +176,14 @@ def run_indexer(args: argparse.Namespace) -> int:
         sources = list(args.source)
         if args.sources_file:
             sources += read_sources_file(args.sources_file)
-        if not sources and not args.sources_file:
-            raise ValueError("give at least one --source HOST:PORT/POOL or --sources-file")
+        if not sources and not args.sources_file and not args.zmq_source:
+            raise ValueError(
+                "give at least one --source HOST:PORT/POOL, --sources-file or --zmq-source"
+            )
+        from kvsvc.cluster.zmq_source import parse_zmq_source
+
+        for zmq_source in args.zmq_source:
+            parse_zmq_source(zmq_source)
         for flag, value in (("--lease-ttl", args.lease_ttl), ("--purge-after", args.purge_after)):
             if value <= 0:
                 raise ValueError(f"{flag} must be > 0, got {value:g}")
@@ -212,6 +234,13 @@ def run_indexer(args: argparse.Namespace) -> int:
     )
     indexer = Indexer(client, options, metrics)
     indexer.set_sources(sources)
+    if args.zmq_source:
+        try:
+            indexer.add_zmq_sources(args.zmq_source, args.zmq_hash_algo)
+        except ImportError as exc:
+            indexer.stop()
+            print(f"kvsvc indexer: --zmq-source: {exc}", file=sys.stderr)
+            return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -225,8 +254,8 @@ def run_indexer(args: argparse.Namespace) -> int:
         )
         watcher.start()
     print(
-        f"kvsvc indexer following {len(sources)} sources into {args.redis}"
-        + (f", metrics on port {metrics_port}" if metrics_port else ""),
+        f"kvsvc indexer following {len(sources) + len(args.zmq_source)} sources into "
+        f"{args.redis}" + (f", metrics on port {metrics_port}" if metrics_port else ""),
         flush=True,
     )
     stop.wait()

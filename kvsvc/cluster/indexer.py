@@ -483,6 +483,7 @@ class Indexer:
         self.metrics = metrics or IndexerMetrics()
         self.owner = f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.followers: dict[str, Follower] = {}
+        self.zmq_followers: dict[str, Any] = {}
         self._lock = threading.Lock()
 
     def set_sources(self, sources: Iterable[str]) -> None:
@@ -504,6 +505,27 @@ class Indexer:
                     self.followers[name] = follower
                     follower.start()
 
+    def add_zmq_sources(self, sources: Iterable[str], hash_algo: str) -> None:
+        """Follow vLLM-format ZMQ event streams too (see :mod:`kvsvc.cluster.zmq_source`).
+
+        Raises:
+            ValueError: a source that is not ``ENDPOINT[,replay=ENDPOINT]``.
+            ImportError: pyzmq or msgspec is missing (the ``vllm`` extra).
+        """
+        from kvsvc.cluster.zmq_source import ZmqFollower, parse_zmq_source
+
+        parsed = [(source, parse_zmq_source(source)) for source in sources]
+        import kvsvc.integrations.vllm.events  # noqa: F401  (says what is missing)
+
+        with self._lock:
+            for source, (endpoint, _) in parsed:
+                if endpoint not in self.zmq_followers:
+                    follower = ZmqFollower(
+                        source, self.client, self.options, self.metrics, self.owner, hash_algo
+                    )
+                    self.zmq_followers[endpoint] = follower
+                    follower.start()
+
     def wait_caught_up(self, timeout: float) -> bool:
         """Whether every follower holding its lease got live within ``timeout`` s."""
         deadline = time.monotonic() + timeout
@@ -518,6 +540,9 @@ class Indexer:
         """Stop every follower and give their leases back (a standby takes over at once)."""
         with self._lock:
             followers, self.followers = list(self.followers.values()), {}
+            zmq_followers, self.zmq_followers = list(self.zmq_followers.values()), {}
+        for zmq_follower in zmq_followers:
+            zmq_follower.stop()
         for follower in followers:
             follower._stop.set()
             if follower._kv is not None:

@@ -212,3 +212,22 @@ def test_runs_are_compacted_per_hash_between_clears() -> None:
     a, b = b"\0" + b"a" * 16, b"\0" + b"b" * 16
     ops = [b"S" + a, b"S" + b, b"R" + a, b"S" + b, b"C", b"S" + a, b"R" + b, b"R" + b]
     assert compact_ops(ops) == [b"D" + b, b"2", b"C", b"S" + a, b"D" + b, b"-2"]
+
+
+def test_a_hybrid_engine_needs_the_hash_in_every_tracked_group(redis_url: str, keys: Keys) -> None:
+    client = connect(redis_url)
+    both = Tracking((0, 1), 16, 16, "xxh3_128", HASHER.fingerprint)
+    a = SourceStore(client, "h:1/p", "a", keys)
+    assert a.acquire() == "new"
+    a.install("e1", 0, both, {})
+    tokens = prompt(2)
+    in_group = [[op[:1] + bytes([g]) + op[2:] for op in stored(tokens)] for g in (0, 1)]
+    scorer = Scorer(client, SEED, keys)
+    a.apply("e1", 1, 1, both, in_group[0])
+    assert scorer.score(tokens, max_registry_age=0).scores == {"h:1/p": 0}
+    a.apply("e1", 2, 2, both, in_group[1][:1])  # the first block in both groups
+    assert scorer.score(tokens).scores == {"h:1/p": 16}
+    a.apply("e1", 3, 3, both, in_group[1][1:])
+    assert scorer.score(tokens).scores == {"h:1/p": 32}
+    a.apply("e1", 4, 4, both, [b"R" + in_group[0][0][1:]])  # block 0 left group 0
+    assert scorer.score(tokens).scores == {"h:1/p": 0}

@@ -1,0 +1,300 @@
+"""vLLM's own ZMQ KV event streams as index sources (``kvsvc indexer --zmq-source``).
+
+An engine that does not use kvsvc (stock vLLM with ``--kv-events-config``, or kvsvc's own
+``--kv-events-zmq`` publisher) sends ``[topic, seq (8 bytes big-endian), msgpack
+KVEventBatch]`` on a PUB socket (:mod:`kvsvc.integrations.vllm.events` has the format).
+The follower SUBscribes, decodes with the same structs, and writes through the same
+:class:`~kvsvc.cluster.store.SourceStore` (lease, sequence guard, bits) as a kvsvc source;
+the source is named by its endpoint (``tcp://HOST:PORT``).
+
+What such a stream lacks, and what the follower does instead:
+
+- no snapshot: a first start, a gap or a restarted engine (its sequence goes back) starts
+  the source's index empty at that point (blocks cached before are unknown until stored
+  again: scores can only be low, never stale). With ``replay`` (the engine's ROUTER
+  endpoint) a gap is first asked for from the replay buffer.
+- no hashing settings: the algorithm is the operator's (``--zmq-hash-algo``; vLLM must run
+  with ``sha256_cbor`` and the same seed for its hashes to be the router's), the block size
+  the first BlockStored's. Hashes sent as 64-bit ints (vLLM's int-hash mode) cannot be
+  compared with a prompt's hashes: those events are skipped, with a warning.
+- no liveness: a PUB socket is silent both idle and dead, so a ZMQ source is never purged
+  for being gone, only when it clears its cache or leaves the sources.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from kvsvc.cluster.indexer import IndexerOptions
+from kvsvc.cluster.metrics import IndexerMetrics
+from kvsvc.cluster.store import LeaseLost, SourceMoved, SourceStore, Tracking
+
+_log = logging.getLogger("kvsvc.cluster")
+
+ZMQ_EPOCH = "zmq"
+# Milliseconds a SUB waits for a message before the follower renews its lease.
+POLL_MS = 500
+REPLAY_TIMEOUT_MS = 2000
+# Block size assumed until a BlockStored says (it only matters for events before one).
+DEFAULT_BLOCK_SIZE = 16
+
+
+def parse_zmq_source(text: str) -> tuple[str, str | None]:
+    """``tcp://HOST:PORT`` or ``tcp://HOST:PORT,replay=tcp://HOST:PORT`` -> (pub, replay).
+
+    Raises:
+        ValueError: not a ``tcp://``/``ipc://`` endpoint, or an unknown option.
+    """
+    pub, _, rest = text.strip().partition(",")
+    replay = None
+    if rest:
+        key, _, value = rest.partition("=")
+        if key != "replay" or not value:
+            raise ValueError(f"--zmq-source {text!r}: expected ENDPOINT[,replay=ENDPOINT]")
+        replay = value
+    for endpoint in filter(None, (pub, replay)):
+        if not endpoint.startswith(("tcp://", "ipc://")) or "*" in endpoint:
+            raise ValueError(
+                f"--zmq-source {text!r}: {endpoint!r} is not an endpoint to connect to "
+                "(tcp://HOST:PORT or ipc://PATH)"
+            )
+    if any(c in text for c in "{}"):
+        raise ValueError(f"--zmq-source {text!r}: '{{' and '}}' would break the Redis hash tags")
+    return pub, replay
+
+
+class ZmqFollower:
+    """Keeps one ZMQ event stream's part of the index (see the module's docstring).
+
+    Args:
+        source: ``tcp://HOST:PORT[,replay=tcp://HOST:PORT]``.
+        client: the Redis client.
+        options: the indexer's options (lease, batch size, keys).
+        metrics: where to count.
+        owner: the lease token of this indexer.
+        hash_algo: how the engine hashes (``sha256_cbor`` for vLLM).
+    """
+
+    def __init__(
+        self,
+        source: str,
+        client: Any,
+        options: IndexerOptions,
+        metrics: IndexerMetrics,
+        owner: str,
+        hash_algo: str = "sha256_cbor",
+    ) -> None:
+        self.endpoint, self.replay = parse_zmq_source(source)
+        self.name = self.endpoint
+        self.options = options
+        self.metrics = metrics
+        self.hash_algo = hash_algo
+        self.store = SourceStore(client, self.name, owner, options.keys, options.lease_ttl_s)
+        self.state_name = "standby"
+        self.caught_up = threading.Event()  # set once the first message was applied
+        self._stop = threading.Event()
+        self._purge_on_stop = False
+        self._thread = threading.Thread(target=self._run, name=f"zmq-{self.name}", daemon=True)
+        self._tracking: Tracking | None = None
+        self._seq = 0
+        self._warned_int = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, purge: bool = False, timeout: float = 10.0) -> None:
+        self._purge_on_stop = purge
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def _set_state(self, name: str) -> None:
+        if name != self.state_name:
+            self.metrics.sources.labels(self.state_name).dec()
+            self.metrics.sources.labels(name).inc()
+            self.state_name = name
+
+    def _run(self) -> None:
+        import redis
+        import zmq
+
+        from kvsvc.integrations.vllm.events import KVEventBatch
+        from kvsvc.integrations.vllm.events import msgspec as _msgspec
+
+        decoder = _msgspec.msgpack.Decoder(type=KVEventBatch)
+        context: Any = zmq.Context.instance()
+        self.metrics.sources.labels(self.state_name).inc()
+        while not self._stop.is_set():
+            sub = context.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(self.endpoint)
+            try:
+                if self.store.acquire() == "held":
+                    self._set_state("standby")
+                    self._stop.wait(self.options.lease_ttl_s / 3)
+                    continue
+                self._set_state("writing")
+                self._session(sub, decoder)
+            except LeaseLost:
+                self._set_state("standby")
+            except redis.exceptions.RedisError as exc:
+                self.metrics.redis_errors.inc()
+                _log.warning("%s: Redis: %s; retrying", self.name, exc)
+                self._tracking = None  # start the source afresh: Redis may have lost it
+                self._stop.wait(1.0)
+            finally:
+                sub.close(0)
+        try:
+            if self._purge_on_stop and self.store.acquire() != "held":
+                self.store.purge()
+                self.metrics.purges.labels("removed").inc()
+            self.store.release()
+        except (redis.exceptions.RedisError, LeaseLost) as exc:
+            _log.warning("%s: stopping: %s", self.name, exc)
+        self.metrics.sources.labels(self.state_name).dec()
+
+    def _session(self, sub: Any, decoder: Any) -> None:
+        import zmq
+
+        self.store.flush_pending()
+        state = self.store.state()
+        if state.epoch == ZMQ_EPOCH and state.tracking is not None and self._tracking is None:
+            self._tracking, self._seq = state.tracking, state.seq  # resume (restart)
+        elif self._tracking is None and self.replay is not None:
+            # A first start: what the engine's replay buffer still holds, from its start.
+            self._apply(self._replay(1), decoder, replayed=True)
+        renew_every = self.options.lease_ttl_s / 3
+        renewed = time.monotonic()
+        while not self._stop.is_set():
+            if time.monotonic() - renewed >= renew_every:
+                if self.store.acquire() == "held":
+                    raise LeaseLost(self.name)
+                renewed = time.monotonic()
+            if not sub.poll(POLL_MS):
+                continue
+            messages = [sub.recv_multipart()]
+            size = 0
+            while size < self.options.max_batch_events:
+                try:
+                    messages.append(sub.recv_multipart(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                size += 1
+            self._apply(messages, decoder)
+
+    def _begin(self, seq: int, block_size: int) -> None:
+        """Start the source's index empty just before ``seq`` (a first start, a gap that
+        could not be replayed, or a restarted engine)."""
+        tracking = Tracking((0,), block_size, block_size, self.hash_algo, "")
+        self.store.install(ZMQ_EPOCH, seq - 1, tracking, {})
+        self._tracking, self._seq = tracking, seq - 1
+        self.metrics.snapshots.labels("new" if seq <= 1 else "gap").inc()
+
+    def _replay(self, start: int) -> list[list[bytes]]:
+        """The held messages from index sequence ``start`` on, from the replay socket."""
+        import zmq
+
+        if self.replay is None:
+            return []
+        sock: Any = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.replay)
+        try:
+            sock.send_multipart((b"", (start - 1).to_bytes(8, "big")))
+            out = []
+            while sock.poll(REPLAY_TIMEOUT_MS):
+                frames = sock.recv_multipart()
+                if frames[-1] == b"" and frames[-2] == (-1).to_bytes(8, "big", signed=True):
+                    break
+                out.append(frames[1:])
+            return out
+        finally:
+            sock.close(0)
+
+    def _apply(self, messages: list[list[bytes]], decoder: Any, replayed: bool = False) -> None:
+        """Decode and apply messages ``[topic, seq, payload]`` in order (``replayed``:
+        they come from the replay socket, where what is held already is skipped)."""
+        from kvsvc.integrations.vllm.events import AllBlocksCleared, BlockRemoved, BlockStored
+
+        run: list[bytes] = []
+        first = last = 0
+
+        def flush() -> None:
+            nonlocal run, first, last
+            if first and self._tracking is not None:
+                try:
+                    self.store.apply(ZMQ_EPOCH, first, last, self._tracking, run)
+                except SourceMoved:
+                    self._tracking = None  # restarted below at the next message
+                else:
+                    self._seq = last
+                    self.metrics.batches.inc(last - first + 1)
+                    self.metrics.sequence.labels(self.name).set(last)
+                    self.caught_up.set()
+            run, first, last = [], 0, 0
+
+        for frames in messages:
+            if len(frames) != 3 or len(frames[1]) != 8:
+                _log.warning("%s: a message that is not [topic, seq, payload]: skipped", self.name)
+                continue
+            seq = int.from_bytes(frames[1], "big") + 1  # vLLM counts from 0, the index from 1
+            batch = decoder.decode(frames[2])
+            position = last if first else self._seq
+            if self._tracking is not None and seq <= position:
+                if replayed:
+                    continue  # the replay's part we hold already
+                # A live PUB never sends a sequence twice: the engine restarted.
+                flush()
+                self._tracking = None
+            if self._tracking is None:
+                flush()
+                stored = next((e for e in batch.events if isinstance(e, BlockStored)), None)
+                self._begin(seq, stored.block_size if stored else DEFAULT_BLOCK_SIZE)
+            elif seq != position + 1:
+                flush()
+                if not replayed:
+                    self._apply(self._replay(self._seq + 1), decoder, replayed=True)
+                if seq <= self._seq:
+                    continue
+                if seq != self._seq + 1:  # not (all) replayed: start again from here
+                    assert self._tracking is not None
+                    self._begin(seq, self._tracking.block_size)
+            if not first:
+                first = seq
+            last = seq
+            stored_n = removed_n = cleared_n = 0
+            for event in batch.events:
+                if isinstance(event, AllBlocksCleared):
+                    run.append(b"C")
+                    cleared_n += 1
+                    continue
+                hashes = event.block_hashes
+                if any(isinstance(h, int) for h in hashes):
+                    if not self._warned_int:
+                        _log.warning(
+                            "%s: block hashes sent as 64-bit ints cannot be scored; run the "
+                            "engine with hashes as bytes (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)",
+                            self.name,
+                        )
+                        self._warned_int = True
+                    continue
+                group = event.group_idx or 0
+                assert self._tracking is not None
+                tracked = group in self._tracking.groups
+                if isinstance(event, BlockStored):
+                    stored_n += len(hashes)
+                    kind = event.kv_cache_spec_kind or "full_attention"
+                    if tracked and kind in ("full_attention", "mla_attention"):
+                        run.extend(b"S" + bytes([group]) + h for h in hashes)
+                elif isinstance(event, BlockRemoved):
+                    removed_n += len(hashes)
+                    if tracked:
+                        run.extend(b"R" + bytes([group]) + h for h in hashes)
+            self.metrics.events.labels("stored").inc(stored_n)
+            self.metrics.events.labels("removed").inc(removed_n)
+            self.metrics.events.labels("cleared").inc(cleared_n)
+            self.metrics.lag.labels(self.name).set(max(0.0, time.time() - batch.ts))
+        flush()
