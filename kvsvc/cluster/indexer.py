@@ -197,6 +197,13 @@ class Follower:
                     _log.warning("%s: while it is unreachable: %s", self.name, inner)
                 self._stop.wait(RETRY_BACKOFF_S[min(attempt, len(RETRY_BACKOFF_S) - 1)])
                 attempt += 1
+            except Exception:
+                # A bug must not end the source's indexing in silence: say it, start over
+                # from a snapshot.
+                _log.exception("%s: unexpected error; resyncing", self.name)
+                self.metrics.source_errors.inc()
+                self._resync = True
+                self._stop.wait(RETRY_BACKOFF_S[-1])
         self._finish()
         self.metrics.sources.labels(self.state_name).dec()
 

@@ -145,6 +145,11 @@ class ZmqFollower:
                 _log.warning("%s: Redis: %s; retrying", self.name, exc)
                 self._tracking = None  # start the source afresh: Redis may have lost it
                 self._stop.wait(1.0)
+            except Exception:  # a payload that does not decode, or a bug: say so, go on
+                _log.exception("%s: unexpected error; starting the source again", self.name)
+                self.metrics.source_errors.inc()
+                self._tracking = None
+                self._stop.wait(1.0)
             finally:
                 sub.close(0)
         try:

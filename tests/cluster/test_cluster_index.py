@@ -9,6 +9,7 @@ gone for good; after each the index equals the union of the live engines' indexe
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -39,6 +40,8 @@ SPECS = {
 }  # fmt: skip
 MEMORY = "1536KiB"
 SYSTEM_PROMPTS = [[1000 * s + t for t in range(64)] for s in range(1, 4)]
+# How far behind the engines the index may be once their traffic pauses, seconds.
+LAG_BOUND_S = 2.0
 
 
 @dataclass
@@ -242,6 +245,41 @@ def test_score_equals_every_engines_lookup(fleet: Fleet) -> None:
 def test_the_same_on_a_three_node_redis_cluster(fleet: Fleet) -> None:
     prompts = fleet.traffic()
     assert_index_matches(fleet, fleet.cluster_nodes[0].url, prompts)
+
+
+@pytest.mark.slow
+def test_the_index_follows_running_traffic_within_a_bounded_lag(fleet: Fleet) -> None:
+    """Engines keep admitting while prompts are checked: each check passes within
+    LAG_BOUND_S of traffic pausing for it (3 s of traffic; KVSVC_SLOW=1: 60 s)."""
+    import threading
+
+    from kvsvc.cluster.score import Scorer
+    from kvsvc.cluster.store import connect
+
+    scorer = Scorer(connect(fleet.redis.url), SEED)
+    seconds = 60.0 if os.environ.get("KVSVC_SLOW") else 3.0
+    deadline = time.monotonic() + seconds
+    checks = 0
+    while time.monotonic() < deadline:
+        stop = threading.Event()
+        made: list[list[int]] = []
+
+        def drive(stop: threading.Event, made: list[list[int]]) -> None:
+            while not stop.is_set():
+                made.extend(fleet.traffic(2))
+
+        driver = threading.Thread(target=drive, args=(stop, made))
+        driver.start()
+        time.sleep(0.5)
+        stop.set()
+        driver.join(30)
+        paused = time.monotonic()
+        prompt = made[-1]
+        while scorer.score(prompt, max_registry_age=0).scores != fleet.lookups(prompt):
+            assert time.monotonic() - paused < LAG_BOUND_S, "the index lags too far behind"
+            time.sleep(0.02)
+        checks += 1
+    assert checks >= 2
 
 
 def test_redis_restarted_empty_is_rebuilt(fleet: Fleet) -> None:
