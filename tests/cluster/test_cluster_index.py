@@ -399,3 +399,40 @@ def test_the_router_serves_the_same_scores(fleet: Fleet) -> None:
             index.score(SYSTEM_PROMPTS[0])
     finally:
         router.stop(5)
+
+
+def test_a_sources_file_is_followed_while_it_changes(fleet: Fleet) -> None:
+    from kvsvc.cluster.layout import Keys
+    from kvsvc.cluster.score import Scorer
+    from kvsvc.cluster.store import connect
+
+    live = fleet.live()
+    sources = fleet.tmp / "sources.txt"
+    sources.write_text(f"# the fleet\n{live[0].source}\n")
+    indexer = spawn(
+        "file-indexer",
+        [
+            "indexer", "--redis", fleet.redis.url, "--key-prefix", "filetest",
+            "--sources-file", str(sources), "--metrics-listen", "off", "--log-level", "WARNING",
+        ],
+    )  # fmt: skip
+    try:
+        scorer = Scorer(connect(fleet.redis.url), SEED, Keys("filetest"))
+
+        def listed() -> set[str]:
+            return set(scorer.score(SYSTEM_PROMPTS[0], max_registry_age=0).scores)
+
+        wait_for(lambda: listed() == {live[0].source}, what="the first source")
+        sources.write_text(f"{live[-1].source}\n")  # one added, one removed (purged)
+        wait_for(lambda: listed() == {live[-1].source}, what="the file's new sources")
+        prompts = fleet.traffic(4)
+        wait_for(
+            lambda: all(
+                scorer.score(p, max_registry_age=0).scores
+                == {live[-1].source: fleet.lookups(p)[live[-1].source]}
+                for p in prompts
+            ),
+            what="the new source's index",
+        )
+    finally:
+        indexer.stop(5)
