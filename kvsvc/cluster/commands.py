@@ -72,7 +72,7 @@ def add_indexer_parser(subparsers: Any) -> None:
         DEFAULT_MAX_BATCH_EVENTS,
         DEFAULT_PURGE_AFTER_S,
     )
-    from kvsvc.commands._tls import add_client_tls_flags
+    from kvsvc.commands._tls import add_client_tls_flags, add_metrics_tls_flags
 
     parser = subparsers.add_parser(
         "indexer",
@@ -150,6 +150,7 @@ def add_indexer_parser(subparsers: Any) -> None:
     )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
     add_client_tls_flags(parser)
+    add_metrics_tls_flags(parser.add_argument_group("/metrics over HTTPS"))
     parser.set_defaults(func=run_indexer)
 
 
@@ -168,7 +169,7 @@ def run_indexer(args: argparse.Namespace) -> int:
     from kvsvc.cluster.indexer import watch_sources_file as watch
     from kvsvc.cluster.metrics import IndexerMetrics
     from kvsvc.cluster.store import connect, parse_source
-    from kvsvc.commands._tls import client_tls_from_args
+    from kvsvc.commands._tls import client_tls_from_args, metrics_tls_from_args
 
     try:
         for source in args.source:
@@ -195,7 +196,8 @@ def run_indexer(args: argparse.Namespace) -> int:
             else _host_port(args.metrics_listen, "--metrics-listen")
         )
         tls = client_tls_from_args(args)
-    except ValueError as exc:
+        metrics_tls = metrics_tls_from_args(args)
+    except ValueError as exc:  # TlsError is one
         print(f"kvsvc indexer: {exc}", file=sys.stderr)
         return 2
     client_options = ClientOptions(
@@ -218,9 +220,14 @@ def run_indexer(args: argparse.Namespace) -> int:
     metrics_server = None
     if metrics_address is not None:
         from kvsvc.metrics_http import serve_metrics_http
+        from kvsvc.tls import ServerTlsSource, TlsFileError
 
         try:
-            metrics_server, _ = serve_metrics_http(*metrics_address, metrics.registry)
+            source = ServerTlsSource(metrics_tls) if metrics_tls is not None else None
+            metrics_server, _ = serve_metrics_http(*metrics_address, metrics.registry, source)
+        except TlsFileError as exc:
+            print(f"kvsvc indexer: {exc}", file=sys.stderr)
+            return 1
         except OSError as exc:
             print(f"kvsvc indexer: --metrics-listen {args.metrics_listen}: {exc}", file=sys.stderr)
             return 1
@@ -289,6 +296,12 @@ def add_router_parser(subparsers: Any) -> None:
         metavar="FILE",
         help="bearer tokens the router accepts, one per line (# comments); none: open",
     )
+    tls = parser.add_argument_group("TLS", "A certificate makes the listener TLS.")
+    tls.add_argument("--tls-cert", metavar="PEM", help="the listener's certificate chain")
+    tls.add_argument("--tls-key", metavar="PEM", help="its private key, unencrypted")
+    tls.add_argument(
+        "--tls-client-ca", metavar="PEM", help="require client certificates from this CA"
+    )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
     parser.set_defaults(func=run_router)
 
@@ -316,10 +329,16 @@ def run_router(args: argparse.Namespace) -> int:
     from kvsvc.cluster.router import create_router
     from kvsvc.cluster.score import Scorer
     from kvsvc.cluster.store import connect
+    from kvsvc.tls import ServerTls, TlsFileError
 
     try:
         seed = _read_seed(args)
         tokens = _read_tokens(args.token_file) if args.token_file else []
+        if (args.tls_cert is None) != (args.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if args.tls_client_ca and not args.tls_cert:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        tls = ServerTls(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
         client = connect(args.redis)
         client.ping()
     except ValueError as exc:
@@ -329,9 +348,11 @@ def run_router(args: argparse.Namespace) -> int:
         print(f"kvsvc router: --redis {args.redis}: {exc}", file=sys.stderr)
         return 1
     try:
-        server, port = create_router(
-            Scorer(client, seed, Keys(args.key_prefix)), args.listen, tokens
-        )
+        scorer = Scorer(client, seed, Keys(args.key_prefix))
+        server, port = create_router(scorer, args.listen, tokens, tls)
+    except TlsFileError as exc:
+        print(f"kvsvc router: {exc}", file=sys.stderr)
+        return 1
     except (OSError, RuntimeError) as exc:
         print(f"kvsvc router: --listen {args.listen}: {exc}", file=sys.stderr)
         return 1

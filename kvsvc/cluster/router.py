@@ -17,6 +17,7 @@ import grpc
 
 from kvsvc.cluster.score import MAX_SCORE_TOKENS, Scorer
 from kvsvc.errors import InvalidArgument
+from kvsvc.tls import ClientTls, ServerTls, ServerTlsSource, open_channel
 from kvsvc.v1 import cluster_pb2, cluster_pb2_grpc
 
 _log = logging.getLogger("kvsvc.cluster")
@@ -86,12 +87,20 @@ class _TokenCheck(grpc.ServerInterceptor):
 
 
 def create_router(
-    scorer: Scorer, listen: str, tokens: Sequence[str] = ()
+    scorer: Scorer, listen: str, tokens: Sequence[str] = (), tls: ServerTls | None = None
 ) -> tuple[grpc.Server, int]:
     """A started gRPC server with ClusterIndexService and health; ``(server, port)``.
 
+    Args:
+        scorer: what answers Score.
+        listen: ``HOST:PORT`` (port 0: any free one).
+        tokens: bearer tokens a caller must send one of (none: open).
+        tls: the listener's certificate (re-read when its files change; a client CA
+            makes it mTLS); None: plaintext.
+
     Raises:
         OSError: the address cannot be bound.
+        TlsFileError: the certificate files cannot be used.
     """
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -104,7 +113,10 @@ def create_router(
     health_servicer = health.HealthServicer()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(listen)
+    if tls is not None:
+        port = server.add_secure_port(listen, ServerTlsSource(tls).grpc_credentials())
+    else:
+        port = server.add_insecure_port(listen)
     if not port:
         raise OSError(f"cannot listen on {listen}")
     server.start()
@@ -124,10 +136,22 @@ class ClusterIndexClient:
         target: the router's ``HOST:PORT``.
         token: a bearer token of the router's ``--token-file`` (None: send none).
         timeout: deadline of each call, seconds.
+        tls: a :class:`kvsvc.tls.ClientTls` (``kvsvc.tls.client_tls(ca, cert, key)``) for
+            a router started with ``--tls-cert``; None: plaintext.
+
+    Raises:
+        TlsError: inconsistent TLS settings; TlsFileError: a TLS file cannot be read.
     """
 
-    def __init__(self, target: str, *, token: str | None = None, timeout: float = 5.0) -> None:
-        self._channel = grpc.insecure_channel(target)
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        timeout: float = 5.0,
+        tls: ClientTls | None = None,
+    ) -> None:
+        self._channel = open_channel(target, tls)
         self._stub = cluster_pb2_grpc.ClusterIndexServiceStub(self._channel)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.timeout = timeout

@@ -436,3 +436,57 @@ def test_a_sources_file_is_followed_while_it_changes(fleet: Fleet) -> None:
         )
     finally:
         indexer.stop(5)
+
+
+def test_the_router_over_tls_and_the_indexers_metrics_over_https(fleet: Fleet) -> None:
+    import ssl
+    import urllib.request
+
+    from kvsvc_client import UnavailableError
+
+    from kvsvc.cluster.router import ClusterIndexClient
+    from kvsvc.tls import client_tls
+    from kvsvc.tools.devcerts import find_openssl, make_dev_certs
+    from tests.tooling import missing
+
+    if find_openssl() is None:
+        missing("the openssl command line", "apt-get install openssl")
+    certs = make_dev_certs(fleet.tmp / "certs")
+    router = spawn(
+        "tls-router",
+        [
+            "router", "--redis", fleet.redis.url, "--listen", "127.0.0.1:0",
+            "--hash-seed-file", str(fleet.seed_file),
+            "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
+        ],
+    )  # fmt: skip
+    indexer = spawn(
+        "https-indexer",
+        [
+            "indexer", "--redis", fleet.redis.url, "--key-prefix", "httpstest",
+            "--source", fleet.live()[0].source, "--metrics-listen", "127.0.0.1:0",
+            "--metrics-tls-cert", str(certs.server_cert),
+            "--metrics-tls-key", str(certs.server_key), "--log-level", "WARNING",
+        ],
+    )  # fmt: skip
+    try:
+        wait_for(lambda: any("serving on port" in line for line in router.lines), what="router")
+        port = next(line for line in router.lines if "serving on port" in line).split()[-1]
+        prompt = SYSTEM_PROMPTS[1]
+        tls = client_tls(str(certs.ca), None, None, None)
+        with ClusterIndexClient(f"127.0.0.1:{port}", tls=tls) as index:
+            assert index.score(prompt) == fleet.lookups(prompt)
+        with (
+            ClusterIndexClient(f"127.0.0.1:{port}", timeout=2) as plain,
+            pytest.raises(UnavailableError),
+        ):
+            plain.score(prompt)  # plaintext to a TLS listener: refused
+        wait_for(lambda: any("metrics on port" in line for line in indexer.lines), what="indexer")
+        metrics_port = next(x for x in indexer.lines if "metrics on port" in x).split()[-1]
+        context = ssl.create_default_context(cafile=str(certs.ca))
+        url = f"https://127.0.0.1:{metrics_port}/metrics"
+        with urllib.request.urlopen(url, context=context, timeout=5) as response:
+            assert b"kvsvc_indexer_events_total" in response.read()
+    finally:
+        router.stop(5)
+        indexer.stop(5)
