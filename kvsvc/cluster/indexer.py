@@ -359,8 +359,7 @@ class Follower:
         try:
             while not self._stop.is_set():
                 if time.monotonic() - renewed >= renew_every:
-                    if self.store.acquire() == "held":
-                        raise LeaseLost(self.name)
+                    self._renew()
                     renewed = time.monotonic()
                 try:
                     first = batches.get(timeout=renew_every)
@@ -382,6 +381,18 @@ class Follower:
             self._kv = None
             kv.close()
             reader.join(5)
+
+    def _renew(self) -> None:
+        """Keep the lease. One taken afresh (it had expired, or Redis restarted and lost
+        it) is checked against what Redis holds now: a source Redis lost, or that another
+        writer moved meanwhile, is rebuilt, even while its server sends nothing."""
+        status = self.store.acquire()
+        if status == "held":
+            raise LeaseLost(self.name)
+        if status == "new":
+            state = self.store.state()
+            if state.epoch != self._epoch or state.seq != self._seq:
+                raise _NeedSnapshot("resync")
 
     def _read(self, kv: Any, out: queue.Queue[Any]) -> None:
         """The reader thread: the stream's messages, then the error that ended it."""

@@ -175,8 +175,14 @@ class ZmqFollower:
         renewed = time.monotonic()
         while not self._stop.is_set():
             if time.monotonic() - renewed >= renew_every:
-                if self.store.acquire() == "held":
+                status = self.store.acquire()
+                if status == "held":
                     raise LeaseLost(self.name)
+                if status == "new" and self._tracking is not None:
+                    # Taken afresh: if Redis lost the source, start it again from here.
+                    state = self.store.state()
+                    if state.epoch != ZMQ_EPOCH or state.seq != self._seq:
+                        self._tracking = None
                 renewed = time.monotonic()
             if not sub.poll(POLL_MS):
                 continue

@@ -283,10 +283,40 @@ def test_the_index_follows_running_traffic_within_a_bounded_lag(fleet: Fleet) ->
 
 
 def test_redis_restarted_empty_is_rebuilt(fleet: Fleet) -> None:
-    fleet.traffic(4)
-    fleet.redis.restart()  # no persistence: everything is gone
-    prompts = fleet.traffic()
-    assert_index_matches(fleet, fleet.redis.url, prompts)
+    from kvsvc.cluster.layout import Keys
+    from kvsvc.cluster.score import Scorer
+    from kvsvc.cluster.store import connect
+
+    # An indexer alone on its index (no standby to take over): what it finds when it
+    # renews its lease is all that tells it Redis lost everything.
+    engine = fleet.live()[0]
+    solo = spawn(
+        "solo-indexer",
+        [
+            "indexer", "--redis", fleet.redis.url, "--key-prefix", "solo", "--source",
+            engine.source, "--metrics-listen", "off", "--lease-ttl", "1.5",
+            "--log-level", "WARNING",
+        ],
+    )  # fmt: skip
+    try:
+        prompts = fleet.traffic(4)
+        solo_scorer = Scorer(connect(fleet.redis.url), SEED, Keys("solo"))
+
+        def solo_matches() -> bool:
+            return all(
+                solo_scorer.score(p, max_registry_age=0).scores
+                == {engine.source: fleet.lookups(p)[engine.source]}
+                for p in prompts
+            )
+
+        wait_for(solo_matches, what="the solo index")
+        fleet.redis.restart()  # no persistence: everything is gone
+        # Rebuilt without any new traffic, then followed again.
+        wait_for(solo_matches, what="the solo index rebuilt without traffic")
+        assert_index_matches(fleet, fleet.redis.url, prompts)
+        assert_index_matches(fleet, fleet.redis.url, fleet.traffic())
+    finally:
+        solo.stop(5)
 
 
 def metrics_of(child: Child) -> dict[str, float]:
