@@ -255,7 +255,7 @@ class Follower:
             self._heal("resync")
         else:
             self._tracking, self._seq, self._epoch = state.tracking, state.seq, state.epoch
-            self.store._ensure_id()
+            self.store.ensure_id()
             self._register()
         self._resync = False
         while not self._stop.is_set():
@@ -271,7 +271,7 @@ class Follower:
         import json
 
         assert self._tracking is not None
-        info = {"id": self.store._ensure_id(), **self._tracking.to_meta()}
+        info = {"id": self.store.ensure_id(), **self._tracking.to_meta()}
         self.store.client.hset(self.store.keys.sources, self.name, json.dumps(info, sort_keys=True))
 
     # -- snapshots -----------------------------------------------------------------------

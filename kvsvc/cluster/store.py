@@ -281,7 +281,9 @@ class SourceStore:
 
     # -- writing -------------------------------------------------------------------------
 
-    def _ensure_id(self) -> int:
+    def ensure_id(self) -> int:
+        """The source's engine id (its bit in every block bitmap), taken from the registry
+        or handed out on first use; two indexers racing for a new source agree on one."""
         if self.engine_id is not None:
             return self.engine_id
         found = self.client.hget(self.keys.ids, self.name)
@@ -294,7 +296,7 @@ class SourceStore:
 
     def _write_bits(self, bits: Sequence[tuple[bytes, int]]) -> None:
         """Set the source's bit of each block (absolute values: a repeat is harmless)."""
-        engine = self._ensure_id()
+        engine = self.ensure_id()
         block = self.keys.block
         for start in range(0, len(bits), PIPELINE_CHUNK):
             chunk = bits[start : start + PIPELINE_CHUNK]
@@ -367,7 +369,7 @@ class SourceStore:
             SourceMoved: the stored epoch is another, or a batch before ``first_seq`` was
                 never applied (resync from a snapshot).
         """
-        inline = -1 if self.clustered else self._ensure_id()
+        inline = -1 if self.clustered else self.ensure_id()
         args: list[Any] = [
             self.owner, epoch, first_seq, last_seq, inline, self.keys.block(b""),
             len(tracking.groups),
@@ -421,7 +423,7 @@ class SourceStore:
             args += [key, value]
         self._check(self._install(keys=self._keys, args=args))
         self.flush_pending()
-        engine = self._ensure_id()
+        engine = self.ensure_id()
         info = {"id": engine, **tracking.to_meta()}
         self.client.hset(self.keys.sources, self.name, json.dumps(info, sort_keys=True))
         return len(flips)
