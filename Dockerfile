@@ -8,8 +8,8 @@
 # `docker build .` without a target builds the server (the last stage).
 # Both run as the non-root user kvsvc (UID/GID 10001) and ship a HEALTHCHECK:
 # the server's asks its own grpc.health.v1 service (on the port its command listens on),
-# the worker's asks its own /metrics
-# whether the server accepted its allocation (an agent has no gRPC server of its own).
+# the worker's asks its own /metrics (on the port its --metrics-listen names) whether the
+# server accepted its allocation (an agent has no gRPC server of its own).
 # Ports: gRPC 50051 and /metrics 9400 (the server's defaults), agent /metrics 9401.
 # TLS: both HEALTHCHECKs read KVSVC_TLS_CA / KVSVC_TLS_CERT / KVSVC_TLS_KEY (the CA and the
 # client certificate of an mTLS server), and the worker's reads its /metrics over HTTPS when
@@ -84,7 +84,7 @@ ENV PATH=/opt/kvsvc/venv/bin:$PATH
 USER 10001:10001
 EXPOSE 9401
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
-    CMD ["python", "-m", "kvsvc.tools.healthcheck", "--agent-metrics", "127.0.0.1:9401"]
+    CMD ["python", "-m", "kvsvc.tools.healthcheck", "--agent-metrics", "auto"]
 ENTRYPOINT ["kvsvc"]
 # A CPU agent for the compose demo; override the arguments for a real deployment.
 CMD ["worker", "--server", "server:50051", "--pool", "demo", "--rank", "0", "--world-size", "1", "--device", "cpu", "--model-config", "llama-3.2-1b", "--kv-cache-memory", "256MiB", "--metrics-listen", "0.0.0.0:9401"]

@@ -10,6 +10,7 @@ healthy; no ``grpc_health_probe`` binary ships with kvsvc, so this is that comma
     python -m kvsvc.tools.healthcheck --server unix:/run/kvsvc/kvsvc.sock
     python -m kvsvc.tools.healthcheck --server auto   # the server image's HEALTHCHECK
     python -m kvsvc.tools.healthcheck --agent-metrics 127.0.0.1:9401
+    python -m kvsvc.tools.healthcheck --agent-metrics auto   # the worker image's HEALTHCHECK
     KVSVC_TLS_CA=/etc/kvsvc/tls/ca.crt python -m kvsvc.tools.healthcheck --server 127.0.0.1:50051
     python -m kvsvc.tools.healthcheck --agent-metrics https://127.0.0.1:9401 --tls-ca ca.crt
 
@@ -19,6 +20,8 @@ PID 1, else the only one visible) on the address it was told to listen on: its f
 loopback), else its Unix socket, else the default port. The server image's ``HEALTHCHECK``
 uses it, so a container started with ``serve --listen 0.0.0.0:6000`` is checked on 6000:
 a fixed ``--server 127.0.0.1:50051`` would call that healthy server unhealthy.
+``--agent-metrics auto`` does the same for the ``kvsvc worker`` beside the check: its
+``--metrics-listen`` (the worker image's ``HEALTHCHECK``).
 
 The server's health names (see :mod:`kvsvc.server.app`): ``""`` is SERVING while the server
 runs, ``kvsvc.v1.KVCacheService`` when every pool serves engine calls, and
@@ -101,8 +104,8 @@ class ServeProcessError(ValueError):
     """No ``kvsvc serve`` process to ask, or one whose address cannot be told: unhealthy."""
 
 
-def _serve_arguments(argv: Sequence[str]) -> list[str] | None:
-    """The arguments after ``serve`` when ``argv`` runs ``kvsvc serve``, else None.
+def _kvsvc_arguments(argv: Sequence[str], command: str) -> list[str] | None:
+    """The arguments after ``command`` when ``argv`` runs ``kvsvc COMMAND``, else None.
 
     The entry point shows as ``kvsvc serve ...``, ``.../python .../bin/kvsvc serve ...`` (a
     console script's interpreter line) or ``python -m kvsvc serve ...``.
@@ -112,8 +115,13 @@ def _serve_arguments(argv: Sequence[str]) -> list[str] | None:
             i > 0 and argv[i - 1] == "-m" and arg in ("kvsvc", "kvsvc.cli")
         )
         if is_kvsvc:
-            return list(argv[i + 2 :]) if argv[i + 1] == "serve" else None
+            return list(argv[i + 2 :]) if argv[i + 1] == command else None
     return None
+
+
+def _serve_arguments(argv: Sequence[str]) -> list[str] | None:
+    """The arguments after ``serve`` when ``argv`` runs ``kvsvc serve``, else None."""
+    return _kvsvc_arguments(argv, "serve")
 
 
 def _process_argv(proc: Path, pid: str) -> list[str]:
@@ -125,32 +133,92 @@ def _process_argv(proc: Path, pid: str) -> list[str]:
     return [part.decode(errors="replace") for part in raw.split(b"\0")[:-1]]
 
 
-def find_serve_process(proc: Path = PROC) -> tuple[str, list[str]]:
-    """``(pid, serve arguments)`` of the ``kvsvc serve`` process this check belongs to.
+def find_kvsvc_process(
+    command: str = "serve", proc: Path = PROC, flag: str = "--server"
+) -> tuple[str, list[str]]:
+    """``(pid, arguments)`` of the ``kvsvc COMMAND`` process this check belongs to.
 
     PID 1 when it is one (the container's entry point); else the only one ``proc`` shows
     (an init process such as ``podman run --init`` at PID 1, or a host).
 
     Raises:
-        ServeProcessError: none, or several (the check cannot tell which is meant).
+        ServeProcessError: none, or several (the check cannot tell which is meant); the
+            message names ``flag`` (the check's flag that said ``auto``).
     """
-    arguments = _serve_arguments(_process_argv(proc, "1"))
+    arguments = _kvsvc_arguments(_process_argv(proc, "1"), command)
     if arguments is not None:
         return "1", arguments
     found = []
     for entry in proc.iterdir():
         if entry.name.isdigit() and entry.name != str(os.getpid()):
-            arguments = _serve_arguments(_process_argv(proc, entry.name))
+            arguments = _kvsvc_arguments(_process_argv(proc, entry.name), command)
             if arguments is not None:
                 found.append((entry.name, arguments))
     if not found:
-        raise ServeProcessError("--server auto: no kvsvc serve process is running here")
+        raise ServeProcessError(f"{flag} auto: no kvsvc {command} process is running here")
     if len(found) > 1:
         pids = ", ".join(sorted((pid for pid, _ in found), key=int))
         raise ServeProcessError(
-            f"--server auto: several kvsvc serve processes ({pids}); give --server HOST:PORT"
+            f"{flag} auto: several kvsvc {command} processes ({pids}); give {flag} HOST:PORT"
         )
     return found[0]
+
+
+def find_serve_process(proc: Path = PROC) -> tuple[str, list[str]]:
+    """``(pid, serve arguments)`` of the ``kvsvc serve`` process this check belongs to
+    (see :func:`find_kvsvc_process`)."""
+    return find_kvsvc_process("serve", proc)
+
+
+def _loopback(host: str) -> str:
+    """The host to ask for a server bound to ``host`` (a wildcard is asked on loopback)."""
+    host = host.strip("[]")
+    if host in ("", "0.0.0.0", "*"):
+        return "127.0.0.1"
+    if host == "::":
+        return "::1"
+    return host
+
+
+def agent_metrics_address(arguments: Sequence[str]) -> str:
+    """The ``/metrics`` address of an agent started with ``kvsvc worker ARGUMENTS``: its
+    ``--metrics-listen``, a wildcard host replaced by loopback.
+
+    Raises:
+        ServeProcessError: no ``--metrics-listen`` (the agent serves no /metrics: nothing
+            to ask), a value without it, or port 0.
+    """
+    # Only the flag asked about (the worker's full parser would also insist on flags this
+    # check does not need); the worker itself refuses an abbreviation of it as ambiguous.
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    parser.add_argument("--metrics-listen")
+    try:
+        args, _ = parser.parse_known_args(list(arguments))
+    except argparse.ArgumentError as exc:
+        raise ServeProcessError(
+            f"--agent-metrics auto: cannot read the worker command: {exc}"
+        ) from None
+    address = args.metrics_listen
+    if not address:
+        raise ServeProcessError(
+            "--agent-metrics auto: the kvsvc worker serves no /metrics (no --metrics-listen)"
+        )
+    host, _, port = address.rpartition(":")
+    if not port.isdigit() or int(port) == 0:
+        raise ServeProcessError(
+            f"--agent-metrics auto: the worker's --metrics-listen is {address} (no fixed "
+            "port); give --agent-metrics HOST:PORT"
+        )
+    host = _loopback(host)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def resolve_auto_agent_metrics(proc: Path = PROC) -> str:
+    """``--agent-metrics auto``: the /metrics address of the ``kvsvc worker`` beside this
+    check (the worker image's HEALTHCHECK: a worker started with another
+    ``--metrics-listen`` port is checked there, not on a fixed 9401)."""
+    _, arguments = find_kvsvc_process("worker", proc, flag="--agent-metrics")
+    return agent_metrics_address(arguments)
 
 
 def serve_address(arguments: Sequence[str], cwd: Path) -> str:
@@ -192,12 +260,7 @@ def serve_address(arguments: Sequence[str], cwd: Path) -> str:
                 f"--server auto: the server listens on {address} (a free port chosen at "
                 "start); give --server HOST:PORT"
             )
-        host = host.strip("[]")
-        if host in ("", "0.0.0.0", "*"):
-            host = "127.0.0.1"
-        elif host == "::":
-            host = "::1"
-        return f"{host}:{port}"
+        return f"{_loopback(host)}:{port}"
     unix = addresses[0]
     path = unix_path(unix)
     return unix if Path(path).is_absolute() else f"unix:{cwd / path}"
@@ -351,8 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     target.add_argument(
         "--agent-metrics",
-        metavar="[https://]HOST:PORT",
-        help="worker agent /metrics address (https:// for an agent with --metrics-tls-cert)",
+        metavar="[https://]HOST:PORT|auto",
+        help="worker agent /metrics address (https:// for an agent with --metrics-tls-cert; "
+        "auto: the --metrics-listen of the kvsvc worker process beside this check)",
     )
     parser.add_argument(
         "--service",
@@ -395,6 +459,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         else:
             address = args.agent_metrics
+            if address == AUTO:
+                try:
+                    address = resolve_auto_agent_metrics()
+                except ServeProcessError as exc:
+                    print(f"{exc}", file=sys.stderr)
+                    return UNHEALTHY
             https = address.startswith("https://") or (
                 not address.startswith("http://") and bool(os.environ.get(METRICS_TLS_CERT_ENV))
             )

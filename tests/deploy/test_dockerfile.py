@@ -109,7 +109,10 @@ def test_healthchecks_use_the_health_tool_on_the_exposed_ports(stages: dict[str,
     assert flag_value(argv, "--server") == "auto"
     worker = effective(stages, "worker", "HEALTHCHECK").exec_form()
     assert worker[:3] == ["python", "-m", "kvsvc.tools.healthcheck"]
-    assert port_of(flag_value(worker, "--agent-metrics")) == AGENT_METRICS_PORT
+    # The same for the agent: its /metrics port is the one its --metrics-listen names.
+    assert flag_value(worker, "--agent-metrics") == "auto"
+    worker_cmd = effective(stages, "worker", "CMD").exec_form()
+    assert port_of(flag_value(worker_cmd, "--metrics-listen")) == AGENT_METRICS_PORT
     for name in ("server", "worker"):
         options = effective(stages, name, "HEALTHCHECK").options()
         assert {"interval", "timeout", "start-period", "retries"} <= set(options)

@@ -19,8 +19,10 @@ import pytest
 from kvsvc.demo.processes import Child, spawn, stop_all, wait_for_ports
 from kvsvc.tools.healthcheck import (
     ServeProcessError,
+    agent_metrics_address,
     check_grpc,
     find_serve_process,
+    resolve_auto_agent_metrics,
     resolve_auto_server,
     serve_address,
 )
@@ -98,6 +100,28 @@ def test_an_address_the_command_does_not_name_is_refused(tmp_path: Path) -> None
         serve_address(["--listen", "127.0.0.1:0"], tmp_path)
     with pytest.raises(ServeProcessError, match="cannot read config file"):
         serve_address(["--config", "missing.toml"], tmp_path)
+
+
+def test_agent_metrics_auto_asks_the_workers_metrics_port(tmp_path: Path) -> None:
+    """The worker image's check: the /metrics port the container's kvsvc worker names
+    (a fixed 9401 called a worker started with --metrics-listen 0.0.0.0:9500 unhealthy)."""
+    flags = ["--server", "s:1", "--pool", "p", "--rank", "0", "--world-size", "1"]
+    flags += ["--device", "cpu"]
+    worker = [*SCRIPT, "worker", *flags]
+    proc = fake_proc(
+        tmp_path / "one",
+        {1: [*worker, "--metrics-listen", "0.0.0.0:9500"], 8: [*SCRIPT, "serve"]},
+    )
+    assert resolve_auto_agent_metrics(proc) == "127.0.0.1:9500"
+    assert agent_metrics_address([*flags, "--metrics-listen=[::]:9501"]) == "[::1]:9501"
+    assert agent_metrics_address([*flags, "--metrics-listen", "10.0.0.7:9502"]) == ("10.0.0.7:9502")
+    with pytest.raises(ServeProcessError, match="serves no /metrics"):
+        agent_metrics_address(flags)
+    with pytest.raises(ServeProcessError, match="no fixed port"):
+        agent_metrics_address([*flags, "--metrics-listen", "127.0.0.1:0"])
+    none = fake_proc(tmp_path / "none", {1: ["/bin/sh"], 5: [*SCRIPT, "serve"]})
+    with pytest.raises(ServeProcessError, match="--agent-metrics auto: no kvsvc worker process"):
+        resolve_auto_agent_metrics(none)
 
 
 @pytest.fixture
