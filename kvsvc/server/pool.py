@@ -139,7 +139,9 @@ def registration_to_dict(reg: Registration, available_bytes: int) -> dict[str, A
         "world_size": reg.world_size,
         "device": reg.device,
         "hostname": reg.hostname,
-        "specs": {name: spec_to_dict(spec) for name, spec in sorted(reg.specs.items())},
+        # A list of [name, spec], not a mapping: states are written with sorted keys, and
+        # the layers' order is part of the plan ("model.layers.10" sorts before ".2").
+        "specs": [[name, spec_to_dict(spec)] for name, spec in reg.specs.items()],
         "memory": {name: getattr(reg.memory, name) for name in _MEMORY_FIELDS},
         "tensor_parallel_size": reg.tensor_parallel_size,
         "pipeline_parallel_size": reg.pipeline_parallel_size,
@@ -149,6 +151,15 @@ def registration_to_dict(reg: Registration, available_bytes: int) -> dict[str, A
         "total_num_kv_heads": reg.total_num_kv_heads,
         "available_bytes": available_bytes,
     }
+
+
+def _layer_pairs(specs: Any) -> list[tuple[str, Any]]:
+    """A saved registration's layers in their order: ``[[name, spec], ...]``."""
+    if not isinstance(specs, list) or not all(
+        isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str) for pair in specs
+    ):
+        raise TypeError("a registration's specs must be a list of [layer name, spec] pairs")
+    return [(name, spec) for name, spec in specs]
 
 
 def registration_from_dict(data: dict[str, Any]) -> tuple[Registration, int]:
@@ -161,7 +172,7 @@ def registration_from_dict(data: dict[str, Any]) -> tuple[Registration, int]:
             hostname=data["hostname"],
             specs={
                 name: spec_from_dict(spec, where=f"layer {name}")
-                for name, spec in data["specs"].items()
+                for name, spec in _layer_pairs(data["specs"])
             },
             memory=MemoryReport(**data["memory"]),
             tensor_parallel_size=data["tensor_parallel_size"],

@@ -479,3 +479,30 @@ def test_a_new_engine_frees_what_its_dead_predecessor_left(tmp_path: Path) -> No
     with server_on(state, **tokens) as srv:
         rejoin(srv, allocation_id="B-new-process", token=agent)
         assert core_state(srv) == before
+
+
+def test_a_model_of_many_layers_comes_back_with_its_plan(tmp_path: Path) -> None:
+    """The layers' order is part of the plan: saved under sorted keys, "model.layers.10"
+    came before ".2", the plan made again from the saved inputs was another, and every
+    restart of a pool of a real model (more than ten layers) was refused."""
+    specs = llama_like_specs(num_layers=12)
+    memory = (NUM_BLOCKS + 1) * 12 * 2 * 128 * 2 * 16
+    with server_on(tmp_path) as srv:
+        ranks = bring_up(srv, kv_cache_bytes=memory, specs=specs, allocation_id="A")
+        with KVCacheClient(srv.address, pool="p", options=QUICK) as kv:
+            assert kv.allocate("a", list(range(1, 41)), 40, start=True).ok
+            table = kv.block_table("a")
+        plan = srv.run(lambda: srv.server.pools.get("p").plan.to_dict())
+        for rank in ranks:
+            rank.close()
+        crash(srv)
+    with server_on(tmp_path) as srv:
+        rank = FakeRank(srv.address, "p", 0, 1, specs, memory, allocation_id="A-0")
+        rank.register()
+        rank.open_stream()
+        assert not rank.wait_for_config().error
+        rank.report()
+        assert srv.run(lambda: srv.server.pools.get("p").plan.to_dict()) == plan
+        with KVCacheClient(srv.address, pool="p", options=QUICK) as kv:
+            assert kv.block_table("a") == table
+        rank.close()
