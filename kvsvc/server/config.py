@@ -549,6 +549,23 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def _with_seed_file(pool: dict[str, Any], where: str) -> dict[str, Any]:
+    """A pool table's ``hash_seed_file`` (the seed kept out of the config file, as
+    ``--hash-seed-file`` keeps it out of argv) read into ``hash_seed``."""
+    path = pool.pop("hash_seed_file", None)
+    if path is None:
+        return pool
+    if pool.get("hash_seed") is not None:
+        raise ConfigError(f"{where}: give hash_seed or hash_seed_file, not both")
+    from kvsvc.cluster.hashing import read_seed_file
+
+    try:
+        pool["hash_seed"] = read_seed_file(str(path), what=f"{where}.hash_seed_file")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return pool
+
+
 def server_config_from_dict(
     data: dict[str, Any], overrides: dict[str, Any] | None = None
 ) -> ServerConfig:
@@ -558,7 +575,9 @@ def server_config_from_dict(
     if not isinstance(pools_data, list):
         raise ConfigError("'pools' must be a list of tables ([[pools]] in TOML)")
     pools = [
-        _build(PoolConfig, dict(p), f"pools[{i}]") if isinstance(p, dict) else None
+        _build(PoolConfig, _with_seed_file(dict(p), f"pools[{i}]"), f"pools[{i}]")
+        if isinstance(p, dict)
+        else None
         for i, p in enumerate(pools_data)
     ]
     if any(p is None for p in pools):

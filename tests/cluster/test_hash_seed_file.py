@@ -51,3 +51,22 @@ def test_the_seed_and_its_file_exclude_each_other(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert "not allowed with argument --hash-seed" in result.stderr
+
+
+def test_a_config_files_pool_reads_its_seed_file(tmp_path: Path) -> None:
+    """``hash_seed_file`` in a ``[[pools]]`` table: the seed stays out of the config file
+    as the flag keeps it out of argv; with ``hash_seed`` beside it, or unreadable, the
+    error names the key."""
+    (tmp_path / "seed").write_text("cluster-seed\n")
+    config_file = tmp_path / "pools.toml"
+    config_file.write_text(f'[[pools]]\nname = "p"\nhash_seed_file = "{tmp_path / "seed"}"\n')
+    config = build_config(build_parser().parse_args(["serve", "--config", str(config_file)]))
+    assert config.pools[0].hash_seed == "cluster-seed"  # type: ignore[attr-defined]
+    config_file.write_text(
+        f'[[pools]]\nname = "p"\nhash_seed = "x"\nhash_seed_file = "{tmp_path / "seed"}"\n'
+    )
+    with pytest.raises(ConfigError, match=r"pools\[0\]: give hash_seed or hash_seed_file"):
+        build_config(build_parser().parse_args(["serve", "--config", str(config_file)]))
+    config_file.write_text(f'[[pools]]\nname = "p"\nhash_seed_file = "{tmp_path / "none"}"\n')
+    with pytest.raises(ConfigError, match=r"pools\[0\]\.hash_seed_file .*none"):
+        build_config(build_parser().parse_args(["serve", "--config", str(config_file)]))
