@@ -347,6 +347,67 @@ def test_the_indexers_share_the_sources_and_export_metrics(fleet: Fleet) -> None
         assert 0 <= lag < 10
 
 
+def test_the_cluster_dashboard_queries_return_data_from_the_indexers(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """A real Prometheus scrapes both indexers; every query of the cluster-index dashboard
+    (deploy/grafana/kvsvc-cluster-index.json, ``$__rate_interval`` and the variables
+    filled in as Grafana does) is valid PromQL and has data."""
+    from tests.deploy.files import CLUSTER_DASHBOARD, require_tool
+    from tests.observability.test_prometheus_e2e import RATE_INTERVAL, PrometheusAPI
+
+    binary = require_tool("prometheus")
+    ports = [
+        next(line for line in child.lines if "metrics on port" in line).split()[-1]
+        for child in (fleet.indexers["indexer"], fleet.indexers["indexer-b"])
+    ]
+    config = {
+        "global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
+        "scrape_configs": [
+            {
+                "job_name": "kvsvc-indexer",
+                "static_configs": [{"targets": [f"127.0.0.1:{port}" for port in ports]}],
+            }
+        ],
+    }
+    (tmp_path / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
+    port = free_port()
+    log = tmp_path / "prometheus.log"
+    with log.open("wb") as log_file:
+        process = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={tmp_path / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp_path / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--log.level=warn",
+            ],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    api = PrometheusAPI(f"http://127.0.0.1:{port}", process, log)
+    try:
+        api.wait_for('count_over_time(up{job="kvsvc-indexer"}[1m]) >= 6', "3 scrapes of both")
+        fleet.traffic(2)  # events while Prometheus watches
+        time.sleep(3)
+        dashboard = json.loads(CLUSTER_DASHBOARD.read_text())
+        exprs = [
+            (panel["title"], target["expr"])
+            for panel in dashboard["panels"]
+            for target in panel.get("targets", [])
+        ]
+        assert exprs
+        empty = []
+        for title, expr in exprs:
+            filled = expr.replace("$__rate_interval", RATE_INTERVAL).replace("$instance", ".*")
+            if not api.query(filled):  # fails on a PromQL error
+                empty.append((title, expr))
+        assert not empty, f"queries with no data: {empty}"
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
 def test_a_killed_indexer_resumes_where_redis_says(fleet: Fleet) -> None:
     fleet.indexers["indexer"].process.kill()
     fleet.indexers.pop("indexer").stop(5)

@@ -29,6 +29,7 @@ KUBERNETES = DEPLOY / "kubernetes"
 PROMETHEUS = DEPLOY / "prometheus"
 GRAFANA = DEPLOY / "grafana"
 DASHBOARD = GRAFANA / "kvsvc-dashboard.json"
+CLUSTER_DASHBOARD = GRAFANA / "kvsvc-cluster-index.json"
 
 # The worker agent's /metrics port in every artefact (the agent has no default of its own;
 # the server's ports are kvsvc.server.config's defaults).

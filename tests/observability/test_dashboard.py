@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.deploy.files import DASHBOARD
+from tests.deploy.files import CLUSTER_DASHBOARD, DASHBOARD
 from tests.observability.metric_names import (
     agent_metric_names,
     exported_metric_names,
@@ -188,3 +188,40 @@ def test_exported_names_come_from_both_registries() -> None:
     )
     assert {"kvsvc_agent_tensor_bytes", "kvsvc_agent_device_memory_free_bytes"} <= agent
     assert not server & agent
+
+
+def test_the_cluster_index_dashboard(dashboard: dict[str, Any]) -> None:
+    """deploy/grafana/kvsvc-cluster-index.json: its own uid, the same datasource variable,
+    an indexer filter on every query, and only series the indexer exports
+    (tests/cluster runs its queries on a real Prometheus scraping real indexers)."""
+    from kvsvc.cluster.metrics import IndexerMetrics
+    from tests.observability.metric_names import sample_names
+
+    cluster = json.loads(CLUSTER_DASHBOARD.read_text())
+    assert cluster["uid"] == "kvsvc-cluster-index" != dashboard["uid"]
+    assert "kvsvc" in cluster["tags"]
+    variables = {v["name"]: v for v in cluster["templating"]["list"]}
+    assert variables["datasource"] == next(
+        v for v in dashboard["templating"]["list"] if v["name"] == "datasource"
+    )
+    known = frozenset(sample_names(IndexerMetrics().registry))
+    seen = set()
+    for title, expr in queries(cluster):
+        if title.startswith("$"):
+            expr = variable_query_expr(expr)
+        else:
+            assert 'instance=~"$instance"' in expr, title
+        unknown = unknown_metric_names(expr, known)
+        assert not unknown, f"panel {title!r} queries {sorted(unknown)}, not exported"
+        seen |= promql_metric_names(expr)
+    for panel in panels(cluster):
+        if panel["type"] != "row":
+            assert panel.get("datasource") == DATASOURCE, panel["title"]
+    # Lag per source, events/s, snapshots, Redis errors: the issue's series.
+    for name in (
+        "kvsvc_indexer_lag_seconds",
+        "kvsvc_indexer_events_total",
+        "kvsvc_indexer_snapshots_total",
+        "kvsvc_indexer_redis_errors_total",
+    ):
+        assert name in seen, name
