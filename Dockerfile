@@ -39,9 +39,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN groupadd --system --gid 10001 kvsvc \
- && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
-        --shell /usr/sbin/nologin kvsvc
+# A base that has the user already (one built on a kvsvc image) keeps it, if it is
+# 10001:10001; any other uid fails the build.
+RUN (getent group kvsvc >/dev/null || groupadd --system --gid 10001 kvsvc) \
+ && (id -u kvsvc >/dev/null 2>&1 || useradd --system --uid 10001 --gid 10001 --no-create-home \
+        --home-dir /nonexistent --shell /usr/sbin/nologin kvsvc) \
+ && test "$(id -u kvsvc):$(id -g kvsvc)" = 10001:10001
 
 # ---------------------------------------------------------------- build: the wheel
 FROM base AS build
