@@ -354,7 +354,7 @@ def test_the_cluster_dashboard_queries_return_data_from_the_indexers(
     (deploy/grafana/kvsvc-cluster-index.json, ``$__rate_interval`` and the variables
     filled in as Grafana does) is valid PromQL and has data."""
     from tests.deploy.files import CLUSTER_DASHBOARD, require_tool
-    from tests.observability.test_prometheus_e2e import RATE_INTERVAL, PrometheusAPI
+    from tests.observability.test_prometheus_e2e import RATE_INTERVAL, run_prometheus
 
     binary = require_tool("prometheus")
     ports = [
@@ -370,23 +370,7 @@ def test_the_cluster_dashboard_queries_return_data_from_the_indexers(
             }
         ],
     }
-    (tmp_path / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
-    port = free_port()
-    log = tmp_path / "prometheus.log"
-    with log.open("wb") as log_file:
-        process = subprocess.Popen(
-            [
-                binary,
-                f"--config.file={tmp_path / 'prometheus.yml'}",
-                f"--storage.tsdb.path={tmp_path / 'data'}",
-                f"--web.listen-address=127.0.0.1:{port}",
-                "--log.level=warn",
-            ],
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-        )
-    api = PrometheusAPI(f"http://127.0.0.1:{port}", process, log)
-    try:
+    with run_prometheus(binary, config, tmp_path) as api:
         api.wait_for('count_over_time(up{job="kvsvc-indexer"}[1m]) >= 6', "3 scrapes of both")
         fleet.traffic(2)  # events while Prometheus watches
         time.sleep(3)
@@ -403,9 +387,6 @@ def test_the_cluster_dashboard_queries_return_data_from_the_indexers(
             if not api.query(filled):  # fails on a PromQL error
                 empty.append((title, expr))
         assert not empty, f"queries with no data: {empty}"
-    finally:
-        process.terminate()
-        process.wait(10)
 
 
 def test_a_killed_indexer_resumes_where_redis_says(fleet: Fleet) -> None:

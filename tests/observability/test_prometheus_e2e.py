@@ -22,6 +22,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -124,10 +125,24 @@ def prometheus(
     config = scrape_config(live, PROMETHEUS / "alerts.yml")
     expected_jobs = {"kvsvc-server"} | ({"kvsvc-worker"} if live.agent else set())
     assert {job["job_name"] for job in config["scrape_configs"]} == expected_jobs
+    live.heartbeat()
+    with run_prometheus(binary, config, workdir) as api:
+        for job in expected_jobs:
+            api.wait_for(
+                f'count_over_time(up{{job="{job}"}}[1m]) >= {SCRAPES_BEFORE_CHECKS}',
+                f"{SCRAPES_BEFORE_CHECKS} scrapes of {job}",
+            )
+            assert api.scalar(f'up{{job="{job}"}}') == 1, f"{job} is down"
+        yield api
+
+
+@contextmanager
+def run_prometheus(binary: str, config: dict[str, Any], workdir: Path) -> Iterator[PrometheusAPI]:
+    """A Prometheus on a free loopback port with ``config`` (its data and log in
+    ``workdir``), stopped after the block."""
     (workdir / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
     port = free_port()
     log = workdir / "prometheus.log"
-    live.heartbeat()
     with log.open("wb") as log_file:
         process = subprocess.Popen(
             [
@@ -140,15 +155,8 @@ def prometheus(
             stdout=log_file,
             stderr=subprocess.STDOUT,
         )
-    api = PrometheusAPI(f"http://127.0.0.1:{port}", process, log)
     try:
-        for job in expected_jobs:
-            api.wait_for(
-                f'count_over_time(up{{job="{job}"}}[1m]) >= {SCRAPES_BEFORE_CHECKS}',
-                f"{SCRAPES_BEFORE_CHECKS} scrapes of {job}",
-            )
-            assert api.scalar(f'up{{job="{job}"}}') == 1, f"{job} is down"
-        yield api
+        yield PrometheusAPI(f"http://127.0.0.1:{port}", process, log)
     finally:
         process.terminate()
         try:
