@@ -255,7 +255,15 @@ def _usage(client: Any, as_json: bool) -> int:
     rows = [
         ("blocks", f"{usage.num_blocks - usage.num_free_blocks} used / {usage.num_blocks}"),
         ("usage", f"{usage.usage:.1%}"),
-        ("requests", str(usage.num_requests)),
+        (
+            "requests",
+            f"{usage.num_requests}"
+            + (
+                f" ({usage.num_requests_needing_recompute} need recompute)"
+                if usage.num_requests_needing_recompute
+                else ""
+            ),
+        ),
         ("cached blocks", str(usage.num_cached_blocks)),
         (
             "prefix-cache hit rate",

@@ -15,6 +15,7 @@ commit left it); tests/e2e/test_crash_restart.py kills real processes with SIGKI
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
 import threading
@@ -316,6 +317,13 @@ def test_a_forced_reset_flags_the_live_requests(tmp_path: Path) -> None:
             assert "1 live requests flagged" in ctl.stdout
             assert kv.allocate("a", [1], 1).needs_recompute
             assert kv.lookup(list(range(1, 41))) == 0
+            assert kv.usage().num_requests_needing_recompute == 1
+            usage = subprocess.run(
+                [sys.executable, "-m", "kvsvc", "ctl", "--server", srv.address, "usage", "p"],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            row = re.search(r"^requests +1 \(1 need recompute\)$", usage.stdout, re.M)
+            assert row, usage.stdout
             before = core_state(srv)
         ranks[0].close()
         crash(srv)
