@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -115,6 +116,26 @@ class ClientOptions:
     def delay(self, attempt: int) -> float:
         base = min(self.max_backoff, self.backoff * (2**attempt))
         return base * (0.5 + random.random() / 2)
+
+    def retry_delay(
+        self,
+        code: grpc.StatusCode,
+        attempt: int,
+        retry: bool,
+        codes: frozenset[grpc.StatusCode],
+        patience: float,
+    ) -> float | None:
+        """Seconds to wait before attempt ``attempt + 1`` of a call that failed with
+        ``code``, or None to give up: with ``retry``, up to ``retries`` more after a status
+        in ``codes``, and more while the server answers UNAVAILABLE until the monotonic
+        time ``patience`` (a restart). The sync and asyncio clients share this rule."""
+        if not retry or code not in codes:
+            return None
+        if attempt < 1 + self.retries or (
+            code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < patience
+        ):
+            return self.delay(min(attempt - 1, 16))
+        return None
 
 
 ROLES = ("engine", "agent", "admin")

@@ -100,7 +100,6 @@ class AsyncKVCacheClient:
         """One RPC, retried as :meth:`kvsvc_client.KVCacheClient._call` does; notes the
         pool's epoch from the reply."""
         options = self.options
-        attempts = 1 + (options.retries if retry else 0)
         patience = time.monotonic() + (options.unavailable_timeout if patient else 0.0)
         attempt = 0
         while True:
@@ -110,15 +109,9 @@ class AsyncKVCacheClient:
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 attempt += 1
-                if (
-                    retry
-                    and code in codes
-                    and (
-                        attempt < attempts
-                        or (code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < patience)
-                    )
-                ):
-                    await asyncio.sleep(options.delay(min(attempt - 1, 16)))
+                wait = options.retry_delay(code, attempt, retry, codes, patience)
+                if wait is not None:
+                    await asyncio.sleep(wait)
                     continue
                 raise error_from_rpc(exc) from None
             trailing = getattr(call, "trailing_metadata", None)

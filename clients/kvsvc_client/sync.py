@@ -194,7 +194,6 @@ class KVCacheClient:
         UNAVAILABLE (a restart), for up to ``options.unavailable_timeout`` seconds; backing
         off between attempts. Notes the pool's epoch from the reply."""
         options = self.options
-        attempts = 1 + (options.retries if retry else 0)
         patience = time.monotonic() + (options.unavailable_timeout if patient else 0.0)
         attempt = 0
         while True:
@@ -205,15 +204,9 @@ class KVCacheClient:
             except grpc.RpcError as exc:
                 code = exc.code()  # type: ignore[attr-defined]
                 attempt += 1
-                if (
-                    retry
-                    and code in codes
-                    and (
-                        attempt < attempts
-                        or (code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < patience)
-                    )
-                ):
-                    time.sleep(options.delay(min(attempt - 1, 16)))
+                wait = options.retry_delay(code, attempt, retry, codes, patience)
+                if wait is not None:
+                    time.sleep(wait)
                     continue
                 raise error_from_rpc(exc) from None
             self._note_epoch(call)

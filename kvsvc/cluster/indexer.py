@@ -160,10 +160,7 @@ class Follower:
     # -- the loop ------------------------------------------------------------------------
 
     def _set_state(self, name: str) -> None:
-        if name != self.state_name:
-            self.metrics.sources.labels(self.state_name).dec()
-            self.metrics.sources.labels(name).inc()
-            self.state_name = name
+        self.state_name = self.metrics.move_source(self.state_name, name)
 
     def _run(self) -> None:
         self.metrics.sources.labels(self.state_name).inc()

@@ -92,3 +92,11 @@ class IndexerMetrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
             registry=r,
         )
+
+    def move_source(self, old: str, new: str) -> str:
+        """A source's state changes from ``old`` to ``new`` (``kvsvc_indexer_sources``);
+        returns ``new``."""
+        if new != old:
+            self.sources.labels(old).dec()
+            self.sources.labels(new).inc()
+        return new

@@ -111,10 +111,7 @@ class ZmqFollower:
         self._thread.join(timeout)
 
     def _set_state(self, name: str) -> None:
-        if name != self.state_name:
-            self.metrics.sources.labels(self.state_name).dec()
-            self.metrics.sources.labels(name).inc()
-            self.state_name = name
+        self.state_name = self.metrics.move_source(self.state_name, name)
 
     def _run(self) -> None:
         import redis

@@ -211,13 +211,22 @@ def parse_journaled(kind: int, payload: bytes) -> Any:
     Raises:
         ValueError: an unknown kind or a payload that does not parse.
     """
-    cls = _REQUEST_TYPES.get(kind)
+    return _parse_message(_REQUEST_TYPES, kind, payload, "journal row")
+
+
+def _parse_message(types: dict[int, Any], kind: int, data: bytes, what: str) -> Any:
+    """``data`` parsed as the message ``types`` gives for ``kind``.
+
+    Raises:
+        ValueError: an unknown kind or bytes that do not parse (the message names ``what``).
+    """
+    cls = types.get(kind)
     if cls is None:
-        raise ValueError(f"journal row of unknown kind {kind}")
+        raise ValueError(f"{what} of unknown kind {kind}")
     try:
-        return cls.FromString(payload)
+        return cls.FromString(data)
     except DecodeError as exc:
-        raise ValueError(f"journal row of kind {kind} does not parse: {exc}") from None
+        raise ValueError(f"{what} of kind {kind} does not parse: {exc}") from None
 
 
 def replay_call(cache: Any, kind: int, request: Any, engine: str) -> tuple[Any, bool]:
@@ -297,10 +306,4 @@ _REPLY_TYPES: dict[int, type[Message]] = {
 
 
 def _parse_reply(kind: int, data: bytes) -> Any:
-    cls = _REPLY_TYPES.get(kind)
-    if cls is None:
-        raise ValueError(f"a saved reply of unknown kind {kind}")
-    try:
-        return cls.FromString(data)
-    except DecodeError as exc:
-        raise ValueError(f"a saved reply of kind {kind} does not parse: {exc}") from None
+    return _parse_message(_REPLY_TYPES, kind, data, "a saved reply")
