@@ -141,7 +141,7 @@ def _flagged_of(cache: Any, engine: str) -> list[str]:
     """The live requests of ``engine``'s namespace that need recompute (the default
     namespace's are the ids without an engine prefix)."""
     if engine:
-        return list(cache.requests_needing_recompute(scoped_request_id("x", engine)[:-1]))
+        return cache.requests_needing_recompute(f"{engine}{NAMESPACE_SEPARATOR}")  # type: ignore[no-any-return]
     return [rid for rid in cache.requests_needing_recompute() if NAMESPACE_SEPARATOR not in rid]
 
 

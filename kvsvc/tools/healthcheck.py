@@ -119,11 +119,6 @@ def _kvsvc_arguments(argv: Sequence[str], command: str) -> list[str] | None:
     return None
 
 
-def _serve_arguments(argv: Sequence[str]) -> list[str] | None:
-    """The arguments after ``serve`` when ``argv`` runs ``kvsvc serve``, else None."""
-    return _kvsvc_arguments(argv, "serve")
-
-
 def _process_argv(proc: Path, pid: str) -> list[str]:
     """``pid``'s command line (empty when it is gone or unreadable)."""
     try:
