@@ -261,7 +261,13 @@ class SourceStore:
         """Take or renew the lease: ``"new"`` (just taken), ``"ok"`` (renewed) or
         ``"held"`` (another indexer has it)."""
         result = self._lease(keys=self._keys, args=[self.owner, self.lease_ttl_ms])
-        return result.decode() if isinstance(result, bytes) else str(result)
+        status = result.decode() if isinstance(result, bytes) else str(result)
+        if status == "new":
+            # A lease taken afresh may mean Redis lost everything (a restart without
+            # persistence), the id registry included: an id remembered from before could
+            # be handed to another source now, and both would write the same bit.
+            self.engine_id = None
+        return status
 
     def release(self) -> None:
         self._release(keys=self._keys, args=[self.owner])

@@ -231,3 +231,29 @@ def test_a_hybrid_engine_needs_the_hash_in_every_tracked_group(redis_url: str, k
     assert scorer.score(tokens).scores == {"h:1/p": 32}
     a.apply("e1", 4, 4, both, [b"R" + in_group[0][0][1:]])  # block 0 left group 0
     assert scorer.score(tokens).scores == {"h:1/p": 0}
+
+
+def test_after_redis_lost_everything_the_sources_get_ids_anew(redis_url: str, keys: Keys) -> None:
+    """Redis restarted empty: the id registry is gone too. Each source takes its lease
+    afresh and reinstalls; the ids it remembered must not be reused, or a source indexed
+    first after the loss gets an id another still writes under (both scores wrong)."""
+    client = connect(redis_url)
+    a = new_source(client, "a:1/p", keys)
+    b = new_source(client, "b:1/p", keys)
+    prompt_a, prompt_b = prompt(3, base=0), prompt(2, base=7000)
+    a.apply("e1", 1, 1, TRACKING, stored(prompt_a))
+    b.apply("e1", 1, 1, TRACKING, stored(prompt_b))
+    assert (a.engine_id, b.engine_id) == (0, 1)
+    client.flushall()
+    # B's source is taken over by another indexer (its standby), which knows no id and
+    # is the first after the loss: B gets id 0, the one A remembered. Then A.
+    b = SourceStore(client, "b:1/p", "standby", keys, lease_ttl_s=5)
+    assert b.acquire() == "new"
+    b.install("e1", 1, TRACKING, {op[1:]: 1 for op in stored(prompt_b)})
+    assert b.engine_id == 0
+    assert a.acquire() == "new"
+    a.install("e1", 1, TRACKING, {op[1:]: 1 for op in stored(prompt_a)})
+    assert a.engine_id == 1
+    scorer = Scorer(client, SEED, keys)
+    assert scorer.score(prompt_a, max_registry_age=0).scores == {"a:1/p": 48, "b:1/p": 0}
+    assert scorer.score(prompt_b, max_registry_age=0).scores == {"a:1/p": 0, "b:1/p": 32}
