@@ -394,14 +394,29 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
                     f"published within {SNAPSHOT_INDEX_PUBLISH_WAIT_S:.0f} s; retry"
                 )
             await asyncio.sleep(0.005)
+        from kvsvc.core.managers import representative_spec
+        from kvsvc.specs import SlidingWindowSpec
+
         specs = [g.kv_cache_spec for g in manager.kv_cache_config.kv_cache_groups]
+        index_groups = []
+        for i, (kind, spec) in enumerate(zip(manager.group_kinds, specs, strict=True)):
+            # The window decides a sliding-window group's hit rule, which an index must
+            # reproduce (a full-attention spec's own sliding_window does not: it hits as
+            # full attention).
+            rule = representative_spec(spec)
+            window = rule.sliding_window if isinstance(rule, SlidingWindowSpec) else 0
+            index_groups.append(
+                kvcache_pb2.IndexGroup(
+                    group_index=i,
+                    group_kind=kind,
+                    block_size=spec.block_size,
+                    sliding_window=window,
+                )
+            )
         yield kvcache_pb2.SnapshotIndexResponse(
             epoch=epoch,
             sequence=sequence,
-            groups=[
-                kvcache_pb2.IndexGroup(group_index=i, group_kind=kind, block_size=spec.block_size)
-                for i, (kind, spec) in enumerate(zip(manager.group_kinds, specs, strict=True))
-            ],
+            groups=index_groups,
             hash_block_size=manager.hash_block_size,
             hash_algo=manager.hash_algo,
             medium=block_pool.medium,

@@ -409,14 +409,16 @@ class SnapshotIndexRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., max_hashes_per_message: _Optional[int] = ...) -> None: ...
 
 class IndexGroup(_message.Message):
-    __slots__ = ("group_index", "group_kind", "block_size")
+    __slots__ = ("group_index", "group_kind", "block_size", "sliding_window")
     GROUP_INDEX_FIELD_NUMBER: _ClassVar[int]
     GROUP_KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     group_index: int
     group_kind: str
     block_size: int
-    def __init__(self, group_index: _Optional[int] = ..., group_kind: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
+    sliding_window: int
+    def __init__(self, group_index: _Optional[int] = ..., group_kind: _Optional[str] = ..., block_size: _Optional[int] = ..., sliding_window: _Optional[int] = ...) -> None: ...
 
 class SnapshotIndexResponse(_message.Message):
     __slots__ = ("epoch", "sequence", "groups", "hash_block_size", "hash_algo", "medium", "hash_seed_fingerprint", "total_hashes", "group_index", "block_hashes", "block_counts", "last")
