@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvsvc.cluster.layout import Keys
+from kvsvc.cluster.layout import SLIDING_WINDOW_KINDS, Keys
 from kvsvc.cluster.metrics import IndexerMetrics
 from kvsvc.cluster.store import (
     LeaseLost,
@@ -141,6 +141,7 @@ class Follower:
         self._purged = False
         self._resync = False
         self._tracking: Tracking | None = None
+        self._untracked_said: tuple[int, ...] = ()
         self._seq = 0
         self._epoch = ""
 
@@ -250,6 +251,10 @@ class Follower:
             self._heal("new")
         elif self._resync:
             self._heal("resync")
+        elif state.tracking.legacy:
+            # Written before the index tracked sliding windows: only a snapshot says the
+            # source's windows (its groups' classes).
+            self._heal("upgrade")
         else:
             self._tracking, self._seq, self._epoch = state.tracking, state.seq, state.epoch
             self.store.ensure_id()
@@ -294,13 +299,17 @@ class Follower:
                     if header is None:
                         header = message
                         tracking = Tracking.from_groups(
-                            ((g.group_index, g.group_kind, g.block_size) for g in message.groups),
+                            (
+                                (g.group_index, g.group_kind, g.block_size, g.sliding_window)
+                                for g in message.groups
+                            ),
                             message.hash_block_size,
                             message.hash_algo,
                             message.hash_seed_fingerprint,
                             message.medium or "GPU",
                         )
-                        tracked = frozenset(tracking.groups)
+                        tracked = tracking.tracked_groups
+                        self._say_untracked(tracking, message.groups)
                     if message.group_index in tracked:
                         prefix = bytes([message.group_index])
                         for h, c in zip(message.block_hashes, message.block_counts, strict=True):
@@ -330,6 +339,29 @@ class Follower:
             header.sequence,
             len(counts),
             flips,
+        )
+
+    def _say_untracked(self, tracking: Tracking, groups: Any) -> None:
+        """Log, once per source (and again if it changes), the groups the index cannot
+        follow: the source's scores are then upper bounds of its Lookup."""
+        if tracking.untracked == self._untracked_said:
+            return
+        self._untracked_said = tracking.untracked
+        if not tracking.untracked:
+            return
+        kinds = {g.group_index: g.group_kind for g in groups}
+        parts = []
+        for index in tracking.untracked:
+            kind = kinds.get(index, "unknown")
+            if kind in SLIDING_WINDOW_KINDS:
+                kind += " without its window: the server predates IndexGroup.sliding_window"
+            parts.append(f"{index} ({kind})")
+        described = ", ".join(parts)
+        _log.warning(
+            "%s: groups %s are not tracked (kinds the index cannot follow): its scores are "
+            "upper bounds of its Lookup",
+            self.name,
+            described,
         )
 
     def _client_options(self) -> Any:
@@ -405,7 +437,7 @@ class Follower:
 
     def _apply(self, run: list[Any]) -> None:
         assert self._tracking is not None
-        tracked = frozenset(self._tracking.groups)
+        tracked = self._tracking.tracked_groups
         ops: list[bytes] = []
         first = last = 0
         stored = removed = cleared = 0

@@ -11,22 +11,44 @@ Keys (``P`` is the key prefix, ``kvsvc`` by default; ``S`` a source's name,
 
     one slot per source, tag {P:src:S}  everything one indexer writes for one source
       P:{P:src:S}:meta                HASH   epoch, seq (the last batch applied), the
-                                             tracked groups, block sizes, hashing settings
+                                             tracked classes and their groups, block
+                                             sizes, hashing settings
       P:{P:src:S}:blocks              HASH   group byte + H -> blocks the source caches
                                              under H in that group (duplicates counted)
-      P:{P:src:S}:pending             HASH   H -> "0"/"1": block bits decided but maybe
-                                             not written yet (see below)
+      P:{P:src:S}:pending             HASH   H -> "0"/"1" (or key -> "k0"/"k1"): block
+                                             bits decided but maybe not written yet
       P:{P:src:S}:lease               STRING the indexer that may write S (with a TTL)
       P:{P:src:S}:stage, :stage_pending      a snapshot being written, renamed in at once
 
-    one slot per block hash (spread over the cluster)
+    one slot per block hash and class (spread over the cluster; no hash tag)
       P:b:H                           STRING a bitmap over engine ids: bit i is set while
-                                             engine i caches H in every tracked group
+                                             engine i caches H in every group of its
+                                             primary class
+      P:w:W:B:H                       STRING the same for the class of window W tokens
+                                             (0: full attention) and block size B tokens
+
+Tracked classes. A source's groups that hit alike are tracked together as one class: a
+block is present in a class while it is cached in every group of it. The primary class
+is the full-attention groups (full, MLA, sink) of the first such group's block size; its
+bitmaps are ``P:b:H``, the layout from before classes existed, so full-attention-only
+sources are written and scored as they always were. Every other class gets bitmaps of
+its own, named by what decides its hit rule: a sliding-window class per (window, block
+size), and full-attention groups of another block size as window 0. They cannot share
+``P:b:H``: a group of block size B indexes a block under the same chained hash as the
+full-attention group of the same size (and a coarser group under every k-th one), so one
+bitmap would mix what different rules need. A source's meta and registry entry say which
+of its groups are in which class (:class:`kvsvc.cluster.store.Tracking`); the scorer
+applies each class's rule (:mod:`kvsvc.cluster.score`). Groups of other kinds (Mamba,
+chunked local attention, cross attention, ...) are not tracked: such an engine's score
+is an upper bound of its Lookup (the tracked classes' hit, aligned to all its groups'
+block sizes), and the indexer says once per source which groups it leaves out.
 
 What goes together: a source's keys share one hash tag, so the scripts below, which must
-change a source's counts and sequence atomically, touch one slot. Score reads the block
-bitmaps, one key per prompt block, in one MGET (on a cluster, one per slot, sent to the
-nodes in one pipelined round), plus the registry (cached, refreshed about once a second).
+change a source's counts and sequence atomically, touch one slot. Block bitmaps have no
+tag: ``P:b:H`` and ``P:w:W:B:H`` of one hash may be on different nodes. Score reads the
+bitmaps, one key per prompt block and class, in one MGET (on a cluster, one per slot,
+sent to the nodes in one pipelined round), plus the registry (cached, refreshed about
+once a second).
 
 On a single Redis (not a cluster) every key is on one server, so the script that
 applies a run also sets the block bits it changes, in the same atomic step. On a Redis
@@ -37,16 +59,19 @@ order is refused, not applied), and returns the hashes whose bit must change; it
 records them in ``pending`` in the same step. (2) The indexer sets those bits
 (``SETBIT``, absolute values: repeating it is harmless; a block's last bit goes with a
 one-key script that deletes the key, so no all-zero bitmap stays) and the next script
-clears ``pending``. An indexer that dies between the two leaves ``pending``
-behind, and whoever takes the lease next writes it first. Only the lease holder writes a
-source's bits, so no two indexers ever interleave them; an indexer that lost its lease
-(paused past the TTL) is refused by the next script and stops writing.
+clears ``pending``. An indexer that dies between the two leaves ``pending`` behind, and
+whoever takes the lease next writes it first. A ``pending`` entry of the primary class is
+H -> "0"/"1" (as before classes existed, so what an older indexer left behind reads the
+same); one of another class is the bitmap's whole key -> "k0"/"k1". Only the lease
+holder writes a source's bits, so no two indexers ever interleave them; an indexer that
+lost its lease (paused past the TTL) is refused by the next script and stops writing.
 
-Bounds: a source's counts hold one field per cached block hash it tracks (a pool's
-cached blocks, at most its block count); the bitmap of a block is (highest engine id + 1)
-/ 8 bytes; engine ids grow by one for each source name ever indexed (ids are kept across
-purges so a bitmap bit never changes owner). A clear, a purge or a snapshot runs over all
-of one source's fields (one script over a million fields blocks Redis for about a second).
+Bounds: a source's counts hold one field per cached block hash and tracked group (a
+pool's cached blocks, at most its block count); the bitmap of a block is (highest engine
+id + 1) / 8 bytes, one per class that caches it; engine ids grow by one for each source
+name ever indexed (ids are kept across purges so a bitmap bit never changes owner). A
+clear, a purge or a snapshot runs over all of one source's fields (one script over a
+million fields blocks Redis for about a second).
 """
 
 from __future__ import annotations
@@ -56,9 +81,14 @@ from dataclasses import dataclass
 
 DEFAULT_PREFIX = "kvsvc"
 # Spec kinds whose hits need every block of the prefix (a hit is the longest run of
-# consecutive blocks present); groups of other kinds (sliding window, Mamba, ...) are not
-# tracked: a hybrid model's score is then its full-attention groups' (an upper bound).
-TRACKED_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+# consecutive blocks present).
+FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+# Spec kinds whose hits need only the blocks inside the window before the hit (or a run
+# from block 0), given the group's window (IndexGroup.sliding_window).
+SLIDING_WINDOW_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
+# Every kind the index tracks; groups of other kinds (Mamba, chunked local attention,
+# cross attention, ...) are not, and their engines' scores are upper bounds.
+TRACKED_KINDS = FULL_ATTENTION_KINDS | SLIDING_WINDOW_KINDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,20 +124,29 @@ class Keys:
         ]
 
     def block(self, block_hash: bytes) -> bytes:
+        """The primary class's bitmap of a hash (``block(b"")``: the prefix of them all)."""
         return self.prefix.encode() + b":b:" + block_hash
+
+    def class_block(self, window: int, block_size: int, block_hash: bytes) -> bytes:
+        """Another class's bitmap of a hash: window ``window`` tokens (0: full attention),
+        blocks of ``block_size`` tokens (``block_hash`` b"": the prefix of them all)."""
+        return f"{self.prefix}:w:{window}:{block_size}:".encode() + block_hash
 
 
 # KEYS: meta, blocks, pending, lease, stage, stage_pending.
-# ARGV: owner, epoch, first_seq, last_seq, engine id (or -1), block key prefix, ntracked,
-# tracked group bytes..., ops...
+# ARGV: owner, epoch, first_seq, last_seq, engine id (or -1), nclasses, then per tracked
+# class: its bitmap key prefix, its pending form ("h": the primary bitmap, pending field
+# = hash, value "0"/"1"; "k": another class, field = the bitmap's key, value "k0"/"k1"),
+# its number of groups, its group bytes...; then the ops.
 # An op is one string: "S" or "R" + group byte + hash (one block stored / removed), "D" +
 # group byte + hash followed by the count change as its own argument (several batches'
 # changes to one hash, summed), or "C" (clear).
-# Returns {status, "missing:changed", flips...}: status "ok" (flips = hash, bit, ... for
-# the two-step write; none when the script set the bits), "lease" (the caller does not
-# hold the lease), "epoch" (the source's epoch is another), "dup" (these batches were
-# applied already), "gap" (a batch before first_seq is missing); missing counts removals
-# of hashes that were not there (an inconsistency), changed the bits that changed.
+# Returns {status, "missing:changed", flips...}: status "ok" (flips = pending field,
+# pending value, ... for the two-step write; none when the script set the bits), "lease"
+# (the caller does not hold the lease), "epoch" (the source's epoch is another), "dup"
+# (these batches were applied already), "gap" (a batch before first_seq is missing);
+# missing counts removals of hashes that were not there (an inconsistency), changed the
+# bits that changed.
 APPLY = r"""
 if redis.call('GET', KEYS[4]) ~= ARGV[1] then return {'lease'} end
 local meta = redis.call('HMGET', KEYS[1], 'epoch', 'seq')
@@ -120,23 +159,39 @@ redis.call('DEL', KEYS[3])
 -- ARGV[5]: the engine's id when this script sets the block bits itself (a single Redis,
 -- not a cluster: the block keys are on this server), -1 for the two-step write.
 local engine = tonumber(ARGV[5])
-local block_prefix = ARGV[6]
-local ntracked = tonumber(ARGV[7])
-local tracked = {}
-for i = 1, ntracked do tracked[i] = ARGV[7 + i] end
-local function present(h)
-  for i = 1, ntracked do
-    local c = redis.call('HGET', KEYS[2], tracked[i] .. h)
-    if not c or tonumber(c) <= 0 then return false end
+local nclasses = tonumber(ARGV[6])
+local prefix, form, members, single, class_of = {}, {}, {}, {}, {}
+local i = 6
+for c = 1, nclasses do
+  prefix[c], form[c] = ARGV[i + 1], ARGV[i + 2]
+  local n = tonumber(ARGV[i + 3])
+  local groups = {}
+  for j = 1, n do
+    groups[j] = ARGV[i + 3 + j]
+    class_of[groups[j]] = c
+  end
+  members[c] = groups
+  -- One group (the common case): a hash is present while its count is > 0, and
+  -- HINCRBY's reply is the count, so each op is one call. Several: counts are read back.
+  single[c] = n == 1
+  i = i + 3 + n
+end
+local function present(c, h)
+  for _, g in ipairs(members[c]) do
+    local v = redis.call('HGET', KEYS[2], g .. h)
+    if not v or tonumber(v) <= 0 then return false end
   end
   return true
 end
--- One tracked group (the common case): a hash is present while its count is > 0, and
--- HINCRBY's reply is the count, so each op is one call. Several: counts are read back.
-local single = ntracked == 1
-local before, count, order = {}, {}, {}
+-- Per (class, hash), under the id class byte .. hash: presence before the run, the
+-- count now (one-group classes), and the order first seen.
+local before, count, order, class, hash = {}, {}, {}, {}, {}
+local function first_seen(id, c, h, was)
+  before[id] = was
+  order[#order + 1] = id
+  class[id], hash[id] = c, h
+end
 local missing = 0
-local i = 7 + ntracked
 while i < #ARGV do
   i = i + 1
   local op = ARGV[i]
@@ -144,16 +199,21 @@ while i < #ARGV do
   if kind == 'C' then
     local fields = redis.call('HGETALL', KEYS[2])
     for j = 1, #fields, 2 do
-      local h = string.sub(fields[j], 2)
-      if before[h] == nil then
-        before[h] = (not single and present(h)) or (single and tonumber(fields[j + 1]) > 0)
-        order[#order + 1] = h
+      local c = class_of[string.sub(fields[j], 1, 1)]
+      if c then
+        local h = string.sub(fields[j], 2)
+        local id = string.char(c) .. h
+        if before[id] == nil then
+          first_seen(id, c, h, (single[c] and tonumber(fields[j + 1]) > 0)
+            or (not single[c] and present(c, h)))
+        end
+        count[id] = 0
       end
-      count[h] = 0
     end
     redis.call('DEL', KEYS[2])
   else
     local field = string.sub(op, 2)
+    local c = class_of[string.sub(op, 2, 2)]
     local h = string.sub(op, 3)
     local delta
     if kind == 'S' then
@@ -164,33 +224,29 @@ while i < #ARGV do
       i = i + 1
       delta = tonumber(ARGV[i])
     end
-    if before[h] == nil and not single then
-      before[h] = present(h)
-      order[#order + 1] = h
-    end
-    local c = redis.call('HINCRBY', KEYS[2], field, delta)
-    if before[h] == nil then
-      before[h] = c - delta > 0
-      order[#order + 1] = h
-    end
-    if c <= 0 then
+    local id = c and (string.char(c) .. h)
+    if c and before[id] == nil and not single[c] then first_seen(id, c, h, present(c, h)) end
+    local n = redis.call('HINCRBY', KEYS[2], field, delta)
+    if c and before[id] == nil then first_seen(id, c, h, n - delta > 0) end
+    if n <= 0 then
       redis.call('HDEL', KEYS[2], field)
-      if c < 0 then missing = missing + 1 end
-      c = 0
+      if n < 0 then missing = missing + 1 end
+      n = 0
     end
-    count[h] = c
+    if c then count[id] = n end
   end
 end
 local out = {'ok', tostring(missing)}
 local pending = {}
 local changed = 0
-for _, h in ipairs(order) do
+for _, id in ipairs(order) do
+  local c, h = class[id], hash[id]
   local now
-  if single then now = count[h] > 0 else now = present(h) end
-  if now ~= before[h] then
+  if single[c] then now = count[id] > 0 else now = present(c, h) end
+  if now ~= before[id] then
     changed = changed + 1
+    local key = prefix[c] .. h
     if engine >= 0 then
-      local key = block_prefix .. h
       if now then
         redis.call('SETBIT', key, engine, 1)
       else
@@ -199,10 +255,12 @@ for _, h in ipairs(order) do
       end
     else
       local bit = now and '1' or '0'
-      out[#out + 1] = h
-      out[#out + 1] = bit
-      pending[#pending + 1] = h
-      pending[#pending + 1] = bit
+      local field, value = h, bit
+      if form[c] == 'k' then field, value = key, 'k' .. bit end
+      out[#out + 1] = field
+      out[#out + 1] = value
+      pending[#pending + 1] = field
+      pending[#pending + 1] = value
       if #pending >= 1000 then
         redis.call('HSET', KEYS[3], unpack(pending))
         pending = {}

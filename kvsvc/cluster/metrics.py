@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-SNAPSHOT_REASONS = ("new", "gap", "epoch", "resync")
+SNAPSHOT_REASONS = ("new", "gap", "epoch", "resync", "upgrade")
 PURGE_REASONS = ("gone", "removed", "epoch")
 STATES = ("writing", "standby", "down")
 
@@ -46,7 +46,8 @@ class IndexerMetrics:
         self.snapshots = Counter(
             "kvsvc_indexer_snapshots_total",
             "Sources healed from a SnapshotIndex (new: first indexed; gap: events lost; "
-            "epoch: the server restarted without its state; resync: after a Redis error)",
+            "epoch: the server restarted without its state; resync: after a Redis error; "
+            "upgrade: indexed by an indexer that did not track sliding windows)",
             ["reason"],
             registry=r,
         )

@@ -46,22 +46,37 @@ class ScoreResult:
     num_blocks_read: block keys read from Redis.
     seed_mismatch: engines whose servers hash with another seed than the scorer (their
         scores are 0 whatever they cache: configure the same --hash-seed-file).
+    upper_bound: engines with groups the index does not track (Mamba, chunked local or
+        cross attention, ...): their scores may exceed what their Lookup answers.
     """
 
     scores: dict[str, int]
     num_blocks_read: int
     seed_mismatch: tuple[str, ...] = ()
+    upper_bound: tuple[str, ...] = ()
+
+
+# A tracked class as the scorer sees it: (window tokens, 0 for full attention; block size;
+# whether it is the source's primary class, whose bitmaps are ``P:b:H``).
+_Rule = tuple[int, int, bool]
 
 
 @dataclass(slots=True)
 class _Family:
-    """Engines that hash a prompt alike, and where their bits are."""
+    """Engines that hash a prompt alike and hit by the same rules, and where their bits
+    are."""
 
     algo: str
     hash_block_size: int
-    block_size: int
+    align: int  # every hit is a multiple of it (the lcm of the engines' block sizes)
+    rules: tuple[_Rule, ...]  # the primary class first when there is one
     mask: int = 0  # every member's bit (bit i of the big-endian bitmap int)
     by_bit: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def full_only(self) -> bool:
+        """One full-attention class: the longest run of present blocks (today's path)."""
+        return len(self.rules) == 1 and self.rules[0][0] == 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +85,38 @@ class _Plan:
     families: list[_Family]
     mismatch: tuple[str, ...]
     width: int  # bitmap bytes read per block
+    upper_bound: tuple[str, ...] = ()
+
+
+def _window_ands(present: Sequence[int], window_blocks: int) -> list[int]:
+    """``out[k]`` = AND of ``present[max(0, k - window_blocks):k]`` for k in 0..len
+    (``out[0]`` = -1, every bit), in three ANDs per block whatever the window: the blocks
+    are cut in runs of ``window_blocks``, and a window is the suffix of one run and the
+    prefix of the next (van Herk / Gil-Werman)."""
+    size = len(present)
+    n = window_blocks
+    out = [-1] * (size + 1)
+    acc = -1
+    for k in range(min(n, size)):
+        acc &= present[k]
+        out[k + 1] = acc
+    if n >= size:
+        return out
+    head = [0] * size  # AND from the start of k's run up to k
+    tail = [0] * size  # AND from k to the end of its run
+    for start in range(0, size, n):
+        stop = min(start + n, size)
+        acc = -1
+        for k in range(start, stop):
+            acc &= present[k]
+            head[k] = acc
+        acc = -1
+        for k in range(stop - 1, start - 1, -1):
+            acc &= present[k]
+            tail[k] = acc
+    for k in range(n + 1, size + 1):
+        out[k] = tail[k - n] & head[k - 1]
+    return out
 
 
 class Scorer:
@@ -137,52 +184,139 @@ class Scorer:
         plan = self._plan(registry, engines)
         scores = dict.fromkeys(plan.names, 0)
         if len(token_ids) < 2 or not plan.families:
-            return ScoreResult(scores, 0, plan.mismatch)
-        hashes_of: list[list[bytes]] = []
+            return ScoreResult(scores, 0, plan.mismatch, plan.upper_bound)
+        max_tokens = len(token_ids) - 1  # >= 1 token left to compute, as Lookup caps it
+        hashed: dict[tuple[str, int, int], list[bytes]] = {}
+        # Per family, per rule: the bitmap keys of the blocks a hit can use.
+        keys_of: list[list[list[bytes]]] = []
         wanted: dict[bytes, None] = {}
         for family in plan.families:
-            cap = (len(token_ids) - 1) // family.block_size  # >= 1 token left to compute
-            hashes = self._hasher(family.algo).block_hashes(
-                token_ids, family.hash_block_size, family.block_size, hashing
-            )[:cap]
-            hashes_of.append(hashes)
-            wanted.update(dict.fromkeys(hashes))
+            family_keys = []
+            for window, block_size, primary in family.rules:
+                source = (family.algo, family.hash_block_size, block_size)
+                hashes = hashed.get(source)
+                if hashes is None:
+                    hashes = hashed[source] = self._hasher(family.algo).block_hashes(
+                        token_ids, family.hash_block_size, block_size, hashing
+                    )
+                if family.full_only:
+                    count = max_tokens // block_size
+                else:  # up to the longest aligned hit
+                    count = max_tokens // family.align * family.align // block_size
+                if primary:
+                    prefix = self.keys.block(b"")
+                else:
+                    prefix = self.keys.class_block(window, block_size, b"")
+                rule_keys = [prefix + h for h in hashes[:count]]
+                family_keys.append(rule_keys)
+                wanted.update(dict.fromkeys(rule_keys))
+            keys_of.append(family_keys)
         order = list(wanted)
         values = self._read_bitmaps(order) if order else []
-        bitmaps = dict(zip(order, values, strict=True))
         width = plan.width
-        zero = bytes(width)
-        for family, hashes in zip(plan.families, hashes_of, strict=True):
-            block_size = family.block_size
+        bitmaps = {
+            key: int.from_bytes(raw[:width].ljust(width, b"\0"), "big")
+            for key, raw in zip(order, values, strict=True)
+            if raw
+        }
+        for family, family_keys in zip(plan.families, keys_of, strict=True):
+            present = [[bitmaps.get(key, 0) for key in rule_keys] for rule_keys in family_keys]
+            if family.full_only:
+                self._score_run(family, present[0], scores)
+            else:
+                self._score_rules(family, present, max_tokens // family.align, scores)
+        return ScoreResult(scores, len(order), plan.mismatch, plan.upper_bound)
+
+    @staticmethod
+    def _score_run(family: _Family, present: list[int], scores: dict[str, int]) -> None:
+        """Full attention alone: an engine's hit is the block at which its bit first
+        drops out (one big-int AND per block, stopping once no engine is left)."""
+        block_size = family.rules[0][1]
+        align = family.align
+        alive = family.mask
+        # (tokens, engines' bits) per block where some engines' runs end.
+        ends: list[tuple[int, int]] = []
+        blocks = 0
+        for bits in present:
+            still = alive & bits
+            if still != alive:
+                ends.append((blocks * block_size, alive ^ still))
+                alive = still
+                if not alive:
+                    break
+            blocks += 1
+        if alive:
+            ends.append((blocks * block_size, alive))
+        by_bit = family.by_bit
+        for tokens, bits in ends:
+            tokens = tokens // align * align  # untracked groups' block sizes still align
+            if not tokens:
+                continue
+            while bits:
+                low = bits & -bits
+                scores[by_bit[low.bit_length() - 1]] = tokens
+                bits ^= low
+
+    @staticmethod
+    def _score_rules(
+        family: _Family, present: list[list[int]], max_hits: int, scores: dict[str, int]
+    ) -> None:
+        """The hybrid rule (the server's ``HybridCoordinator.find_longest_cache_hit``):
+        the hit is the longest length ``m * align`` (at most ``max_hits`` aligns) that
+        every class accepts. A full-attention class accepts it while its first
+        ``m * align / block_size`` blocks are all present; a sliding-window class while
+        the ``cdiv(window - 1, block_size)`` blocks before it are (all of them, from
+        block 0, when there are fewer). Each class's acceptance is a bitmap per length
+        (prefix ANDs; windowed ANDs in three ANDs per block), and the lengths are tried
+        longest first, each engine taking the first that all its classes accept."""
+        align = family.align
+        bound = max_hits
+        # Per class: (blocks per align, acceptance bitmaps indexed by block count).
+        accept: list[tuple[int, list[int]]] = []
+        windowed: list[tuple[int, int, list[int]]] = []
+        for (window, block_size, _), bits in zip(family.rules, present, strict=True):
+            step = align // block_size
+            needed = max(1, -(-(window - 1) // block_size)) if window else 0
+            if window and needed < len(bits):
+                windowed.append((step, needed, bits))
+                continue
+            # A prefix rule (full attention, or a window wider than the prompt): stop
+            # where no engine is left; no longer hit is possible past that.
+            ands = [-1]
             alive = family.mask
-            # (tokens, engines' bits) per block where some engines' runs end.
-            ends: list[tuple[int, int]] = []
-            blocks = 0
-            for block_hash in hashes:
-                raw = bitmaps[block_hash] or zero
-                present = int.from_bytes(raw[:width].ljust(width, b"\0"), "big")
-                still = alive & present
-                if still != alive:
-                    ends.append((blocks * block_size, alive ^ still))
-                    alive = still
-                    if not alive:
-                        break
-                blocks += 1
-            if alive:
-                ends.append((blocks * block_size, alive))
-            by_bit = family.by_bit
-            for tokens, bits in ends:
-                if not tokens:
-                    continue
-                while bits:
-                    low = bits & -bits
-                    scores[by_bit[low.bit_length() - 1]] = tokens
-                    bits ^= low
-        return ScoreResult(scores, len(order), plan.mismatch)
+            for value in bits:
+                alive &= value
+                if not alive:
+                    break
+                ands.append(alive)
+            bound = min(bound, (len(ands) - 1) // step)
+            accept.append((step, ands))
+        if bound <= 0:
+            return
+        for step, needed, bits in windowed:
+            accept.append((step, _window_ands(bits[: bound * step], needed)))
+        remaining = family.mask
+        by_bit = family.by_bit
+        for hits in range(bound, 0, -1):
+            found = remaining
+            for step, ands in accept:
+                found &= ands[hits * step]
+                if not found:
+                    break
+            if not found:
+                continue
+            tokens = hits * align
+            remaining ^= found
+            while found:
+                low = found & -found
+                scores[by_bit[low.bit_length() - 1]] = tokens
+                found ^= low
+            if not remaining:
+                break
 
     def _plan(self, registry: Registry, engines: Collection[str] | None) -> _Plan:
-        """The engines to score, grouped by how they hash (cached per registry read for
-        the common case of every engine)."""
+        """The engines to score, grouped by how they hash and hit (cached per registry
+        read for the common case of every engine)."""
         if engines is None and registry.plan is not None:
             return registry.plan  # type: ignore[no-any-return]
         chosen = {
@@ -192,16 +326,20 @@ class Scorer:
         }
         width = registry.max_id // 8 + 1
         top = width * 8 - 1
-        families: dict[tuple[str, int, int], _Family] = {}
+        families: dict[tuple[str, int, int, tuple[_Rule, ...]], _Family] = {}
         mismatch: list[str] = []
+        upper_bound: list[str] = []
         for name, (engine_id, tracking) in chosen.items():
-            if not tracking.groups:
-                continue  # nothing tracked (no full-attention group): nothing to hit
+            rules = _rules(tracking)
+            if not rules:
+                continue  # nothing tracked (no attention group it can follow): no hit
             hasher = self._hasher(tracking.hash_algo)
             if tracking.fingerprint and tracking.fingerprint != hasher.fingerprint:
                 mismatch.append(name)
                 continue
-            key = (tracking.hash_algo, tracking.hash_block_size, tracking.block_size)
+            if not tracking.exact:
+                upper_bound.append(name)
+            key = (tracking.hash_algo, tracking.hash_block_size, tracking.align, rules)
             family = families.get(key)
             if family is None:
                 family = families[key] = _Family(*key)
@@ -214,25 +352,42 @@ class Scorer:
                 len(mismatch),
                 mismatch[0],
             )
-        plan = _Plan(list(chosen), list(families.values()), tuple(mismatch), width)
+        plan = _Plan(
+            list(chosen), list(families.values()), tuple(mismatch), width, tuple(upper_bound)
+        )
         if engines is None:
             registry.plan = plan
         return plan
 
-    def _read_bitmaps(self, hashes: list[bytes]) -> list[bytes | None]:
-        """The blocks' bitmaps in one MGET: on a cluster, one per slot, sent to all the
-        nodes in one pipelined round (redis-py's ``mget_nonatomic``). One MGET costs a
-        fraction of 256 pipelined GETs in the client."""
-        names = [self.keys.block(h) for h in hashes]
+    def _read_bitmaps(self, names: list[bytes]) -> list[bytes | None]:
+        """The bitmaps in one MGET: on a cluster, one per slot, sent to all the nodes in
+        one pipelined round (redis-py's ``mget_nonatomic``). One MGET costs a fraction of
+        256 pipelined GETs in the client."""
         client: Any = self.client
         if hasattr(client, "mget_nonatomic"):
             return client.mget_nonatomic(names)  # type: ignore[no-any-return]
         return client.mget(names)  # type: ignore[no-any-return]
 
 
+def _rules(tracking: Tracking) -> tuple[_Rule, ...]:
+    """A source's tracked classes as scoring rules, the primary class first (the order
+    only matters for speed: prefix rules bound the lengths the windows are tried at)."""
+    rules: list[_Rule] = [(0, tracking.block_size, True)] if tracking.groups else []
+    rules += sorted((c.window, c.block_size, False) for c in tracking.classes)
+    return tuple(rules)
+
+
 def tracking_summary(tracking: Tracking) -> str:
     """One line about how an engine is scored (for logs and ``ctl score``)."""
-    return (
-        f"groups {list(tracking.groups)}, block {tracking.block_size}, hash "
-        f"{tracking.hash_algo}/{tracking.hash_block_size}"
-    )
+    parts = []
+    if tracking.groups:
+        parts.append(f"full attention groups {list(tracking.groups)}, block {tracking.block_size}")
+    for c in tracking.classes:
+        kind = f"window {c.window}" if c.window else "full attention"
+        parts.append(f"{kind} groups {list(c.groups)}, block {c.block_size}")
+    if tracking.untracked:
+        parts.append(f"untracked groups {list(tracking.untracked)} (an upper bound)")
+    if tracking.align != tracking.block_size:
+        parts.append(f"aligned to {tracking.align}")
+    parts.append(f"hash {tracking.hash_algo}/{tracking.hash_block_size}")
+    return "; ".join(parts)

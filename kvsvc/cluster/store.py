@@ -15,10 +15,11 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from math import lcm
 from typing import Any
 
 from kvsvc.cluster import layout
-from kvsvc.cluster.layout import TRACKED_KINDS, Keys
+from kvsvc.cluster.layout import FULL_ATTENTION_KINDS, SLIDING_WINDOW_KINDS, Keys
 
 _log = logging.getLogger("kvsvc.cluster")
 
@@ -117,16 +118,45 @@ def parse_source(text: str) -> tuple[str, str]:
     return target, pool
 
 
-@dataclass(slots=True)
-class Tracking:
-    """Which of a source's groups the index tracks, and how its prompts hash.
+@dataclass(frozen=True, slots=True)
+class TrackedClass:
+    """Groups of a source that hit by one rule, beside its primary class.
 
     Attributes:
-        groups: the tracked groups' indexes (full-attention kinds of one block size).
-        block_size: tokens per block of the tracked groups (what a hit is counted in).
+        window: the groups' sliding window in tokens; 0 for full attention (groups of
+            another block size than the primary class's).
+        block_size: tokens per block of the groups.
+        groups: the groups' indexes (a block is present while every one caches it).
+    """
+
+    window: int
+    block_size: int
+    groups: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class Tracking:
+    """Which of a source's groups the index tracks, in which class, and how its prompts
+    hash (layout.py's docstring has the classes).
+
+    Attributes:
+        groups: the primary class's groups (full-attention kinds of one block size; empty
+            for a model without full attention). Kept apart, and first in the meta, so
+            that an older scorer reading the registry still scores the full-attention
+            part of a hybrid model (an upper bound) rather than failing.
+        block_size: tokens per block of the primary class (the hash block size without
+            one).
         hash_block_size: tokens per hash block of the pool.
         hash_algo / fingerprint: the pool's hash algorithm and seed fingerprint.
         medium: where the pool's blocks live.
+        classes: the other tracked classes (sliding windows, full attention of another
+            block size), each with its own bitmaps.
+        align: tokens every hit is a multiple of: the lcm of all the pool's groups' block
+            sizes, tracked or not (the server aligns to it); 0: ``block_size``.
+        untracked: groups of kinds the index cannot follow (Mamba, chunked local, cross
+            attention, ...): with any, a score is an upper bound of the engine's Lookup.
+        legacy: read from a meta written before classes existed (full attention only);
+            the indexer snapshots such a source again to learn its windows.
     """
 
     groups: tuple[int, ...]
@@ -135,27 +165,68 @@ class Tracking:
     hash_algo: str
     fingerprint: str
     medium: str = "GPU"
+    classes: tuple[TrackedClass, ...] = ()
+    align: int = 0
+    untracked: tuple[int, ...] = ()
+    legacy: bool = False
+
+    def __post_init__(self) -> None:
+        if self.align <= 0:
+            self.align = self.block_size
+
+    @property
+    def tracked_groups(self) -> frozenset[int]:
+        """Every group whose events the index applies."""
+        return frozenset(self.groups).union(*(c.groups for c in self.classes))
+
+    @property
+    def exact(self) -> bool:
+        """Whether the score is the engine's Lookup (no group left untracked)."""
+        return not self.untracked
+
+    def class_prefixes(self, keys: Keys) -> list[tuple[bytes, str, tuple[int, ...]]]:
+        """Per tracked class: its bitmaps' key prefix, its pending form ("h": the primary
+        class, "k": another; see layout.APPLY) and its groups."""
+        out = [(keys.block(b""), "h", self.groups)] if self.groups else []
+        out += [
+            (keys.class_block(c.window, c.block_size, b""), "k", c.groups) for c in self.classes
+        ]
+        return out
 
     @classmethod
     def from_groups(
         cls,
-        groups: Iterable[tuple[int, str, int]],
+        groups: Iterable[tuple[int, str, int] | tuple[int, str, int, int]],
         hash_block_size: int,
         hash_algo: str,
         fingerprint: str,
         medium: str = "GPU",
     ) -> Tracking:
-        """From the pool's ``(index, kind, block size)`` groups: the full-attention ones
-        of the first such group's block size (a hit needs all of them)."""
-        full = [(i, size) for i, kind, size in groups if kind in TRACKED_KINDS]
+        """From the pool's ``(index, kind, block size[, sliding window])`` groups: the
+        primary class is the full-attention groups of the first such group's block size;
+        every other (window, block size) of a full-attention or sliding-window group is a
+        class of its own. A sliding-window group without its window (a server older than
+        IndexGroup.sliding_window) and groups of other kinds are left untracked."""
+        listed = [(int(g[0]), str(g[1]), int(g[2]), int(g[3]) if len(g) > 3 else 0) for g in groups]
+        full = [(i, size) for i, kind, size, _ in listed if kind in FULL_ATTENTION_KINDS]
         size = full[0][1] if full else hash_block_size
-        chosen = tuple(i for i, s in full if s == size)
-        if len(chosen) != len(full):
-            _log.warning(
-                "full-attention groups of several block sizes: only those of %d tokens are tracked",
-                size,
-            )
-        return cls(chosen, size, hash_block_size, hash_algo, fingerprint, medium)
+        primary = tuple(i for i, s in full if s == size)
+        by_class: dict[tuple[int, int], list[int]] = {}
+        untracked: list[int] = []
+        for index, kind, block_size, window in listed:
+            if kind in FULL_ATTENTION_KINDS:
+                if block_size != size:
+                    by_class.setdefault((0, block_size), []).append(index)
+            elif kind in SLIDING_WINDOW_KINDS and window > 0:
+                by_class.setdefault((window, block_size), []).append(index)
+            else:
+                untracked.append(index)
+        classes = tuple(TrackedClass(w, b, tuple(g)) for (w, b), g in by_class.items())
+        align = lcm(*(b for _, _, b, _ in listed)) if listed else size
+        return cls(
+            primary, size, hash_block_size, hash_algo, fingerprint, medium,
+            classes, align, tuple(untracked),
+        )  # fmt: skip
 
     def to_meta(self) -> dict[str, str]:
         return {
@@ -165,18 +236,44 @@ class Tracking:
             "hash_algo": self.hash_algo,
             "fingerprint": self.fingerprint,
             "medium": self.medium,
+            # WINDOW:BLOCK_SIZE:GROUP,GROUP;... (absent from a meta of before classes)
+            "classes": ";".join(
+                f"{c.window}:{c.block_size}:{','.join(map(str, c.groups))}" for c in self.classes
+            ),
+            "align": str(self.align),
+            "untracked": ",".join(map(str, self.untracked)),
         }
 
     @classmethod
     def from_meta(cls, meta: dict[str, str]) -> Tracking:
-        groups = meta.get("groups", "")
+        """From a source's meta or registry entry; one written before classes existed
+        (no ``align``) is its full-attention groups alone, marked ``legacy``.
+
+        Raises:
+            ValueError: a malformed ``classes`` field (the message quotes it).
+        """
+
+        def ints(text: str) -> tuple[int, ...]:
+            return tuple(int(g) for g in text.split(",") if g)
+
+        classes = []
+        for part in filter(None, meta.get("classes", "").split(";")):
+            window, _, rest = part.partition(":")
+            block_size, _, groups = rest.partition(":")
+            if not window.isdigit() or not block_size.isdigit() or not groups:
+                raise ValueError(f"tracked class {part!r}: expected WINDOW:BLOCK_SIZE:GROUPS")
+            classes.append(TrackedClass(int(window), int(block_size), ints(groups)))
         return cls(
-            tuple(int(g) for g in groups.split(",") if g),
+            ints(meta.get("groups", "")),
             int(meta["block_size"]),
             int(meta["hash_block_size"]),
             meta["hash_algo"],
             meta.get("fingerprint", ""),
             meta.get("medium", "GPU"),
+            tuple(classes),
+            int(meta.get("align", "0")),
+            ints(meta.get("untracked", "")),
+            legacy="align" not in meta,
         )
 
 
@@ -300,22 +397,37 @@ class SourceStore:
         self.engine_id = int(found)
         return self.engine_id
 
+    def _pending_entry(self, key: bytes, bit: int) -> tuple[bytes, str]:
+        """A bit to write as its ``pending`` field and value (layout.APPLY's forms)."""
+        primary = self.keys.block(b"")
+        if key.startswith(primary):
+            return key[len(primary) :], str(bit)
+        return key, f"k{bit}"
+
+    def _pending_bit(self, field: bytes, value: bytes) -> tuple[bytes, int]:
+        """A ``pending`` field and value (or a flip the script returned) as (bitmap key,
+        bit): "0"/"1" name a hash of the primary class (so an older indexer's entries
+        read the same), "k0"/"k1" a whole key of another class."""
+        if value[:1] == b"k":
+            return field, int(value[1:])
+        return self.keys.block(field), int(value)
+
     def _write_bits(self, bits: Sequence[tuple[bytes, int]]) -> None:
-        """Set the source's bit of each block (absolute values: a repeat is harmless)."""
+        """Set the source's bit in each bitmap key (absolute values: a repeat is
+        harmless)."""
         engine = self.ensure_id()
-        block = self.keys.block
         for start in range(0, len(bits), PIPELINE_CHUNK):
             chunk = bits[start : start + PIPELINE_CHUNK]
             if not self.clustered:
                 pipe = self.client.pipeline(transaction=False)
-                for block_hash, bit in chunk:
+                for key, bit in chunk:
                     if bit:
-                        pipe.setbit(block(block_hash), engine, 1)
+                        pipe.setbit(key, engine, 1)
                     else:  # the last bit of a block takes its key with it
-                        self._clear_bit(keys=[block(block_hash)], args=[engine], client=pipe)
+                        self._clear_bit(keys=[key], args=[engine], client=pipe)
                 pipe.execute()
                 continue
-            self._write_bits_cluster([(block(h), bit) for h, bit in chunk], engine)
+            self._write_bits_cluster(list(chunk), engine)
 
     def _write_bits_cluster(self, bits: list[tuple[bytes, int]], engine: int) -> None:
         """The cluster form: redis-py refuses scripts in a cluster pipeline, so the keys
@@ -351,8 +463,8 @@ class SourceStore:
         """Write the bits a previous writer decided but may not have written (after a
         takeover or an error), then clear them. Returns how many there were."""
         pending = [
-            (bytes(h), int(v))
-            for h, v in self.client.hscan_iter(self._keys[2], count=PIPELINE_CHUNK)
+            self._pending_bit(bytes(f), bytes(v))
+            for f, v in self.client.hscan_iter(self._keys[2], count=PIPELINE_CHUNK)
         ]
         if pending:
             self._write_bits(pending)
@@ -367,7 +479,8 @@ class SourceStore:
 
         Args:
             epoch / first_seq / last_seq: the batches' epoch and sequence range.
-            tracking: the source's tracked groups (ops of other groups must be left out).
+            tracking: the source's tracked classes (ops of other groups are counted but
+                set no bit; the indexer leaves them out).
             ops: ``b"S" + group byte + hash``, ``b"R" + group byte + hash`` or ``b"C"``.
 
         Raises:
@@ -376,11 +489,10 @@ class SourceStore:
                 never applied (resync from a snapshot).
         """
         inline = -1 if self.clustered else self.ensure_id()
-        args: list[Any] = [
-            self.owner, epoch, first_seq, last_seq, inline, self.keys.block(b""),
-            len(tracking.groups),
-        ]  # fmt: skip
-        args.extend(bytes([g]) for g in tracking.groups)
+        classes = tracking.class_prefixes(self.keys)
+        args: list[Any] = [self.owner, epoch, first_seq, last_seq, inline, len(classes)]
+        for prefix, form, groups in classes:
+            args += [prefix, form, len(groups), *(bytes([g]) for g in groups)]
         args.extend(compact_ops(ops))
         reply = self._apply(keys=self._keys, args=args)
         status = reply[0].decode()
@@ -391,7 +503,9 @@ class SourceStore:
         if status in ("epoch", "gap"):
             raise SourceMoved(f"{self.name}: stored {status} differs from batch {first_seq}")
         missing, changed = (int(x) for x in reply[1].split(b":"))
-        flips = [(bytes(reply[i]), int(reply[i + 1])) for i in range(2, len(reply), 2)]
+        flips = [
+            self._pending_bit(bytes(reply[i]), bytes(reply[i + 1])) for i in range(2, len(reply), 2)
+        ]
         if flips:
             self._write_bits(flips)
         return ApplyResult(flips=changed, missing=missing)
@@ -407,7 +521,10 @@ class SourceStore:
             LeaseLost: another indexer holds the lease.
         """
         self.flush_pending()
-        old = self._present(self.counts(), tracking)
+        # What is set now follows the tracking it was written under (another model's
+        # classes, after a restart with another spec, or a meta of before classes).
+        stored = self.state().tracking or tracking
+        old = self._present(self.counts(), stored)
         new = self._present(counts, tracking)
         flips = [(h, 1) for h in new - old] + [(h, 0) for h in old - new]
         # Hashes present before and after keep their bit; a bit that was lost (Redis
@@ -422,7 +539,7 @@ class SourceStore:
             pipe.execute()
         for start in range(0, len(flips), PIPELINE_CHUNK):
             chunk = flips[start : start + PIPELINE_CHUNK]
-            self.client.hset(stage_pending, mapping={h: str(b) for h, b in chunk})
+            self.client.hset(stage_pending, mapping=dict(self._pending_entry(*f) for f in chunk))
         meta = {"epoch": epoch, "seq": str(seq), **tracking.to_meta(), "updated": f"{time.time()}"}
         args: list[Any] = [self.owner]
         for key, value in meta.items():
@@ -450,18 +567,20 @@ class SourceStore:
         flips = [(h, 0) for h in old]
         for start in range(0, len(flips), PIPELINE_CHUNK):
             chunk = flips[start : start + PIPELINE_CHUNK]
-            self.client.hset(stage_pending, mapping={h: "0" for h, _ in chunk})
+            self.client.hset(stage_pending, mapping=dict(self._pending_entry(*f) for f in chunk))
         self.client.hdel(self.keys.sources, self.name)
         self._check(self._install(keys=self._keys, args=[self.owner]))
         self.flush_pending()
         return len(flips)
 
-    @staticmethod
-    def _present(counts: dict[bytes, int], tracking: Tracking) -> set[bytes]:
-        """Hashes with a block in every tracked group."""
-        by_hash: dict[bytes, int] = {}
+    def _present(self, counts: dict[bytes, int], tracking: Tracking) -> set[bytes]:
+        """The bitmap keys whose bit is set for these counts: per tracked class, the
+        hashes with a block in every group of the class."""
+        classes = tracking.class_prefixes(self.keys)
+        class_of = {g: c for c, (_, _, groups) in enumerate(classes) for g in groups}
+        by_hash: dict[tuple[int, bytes], int] = {}
         for key, count in counts.items():
-            if count > 0 and key[0] in tracking.groups:
-                by_hash[key[1:]] = by_hash.get(key[1:], 0) + 1
-        need = len(tracking.groups)
-        return {h for h, n in by_hash.items() if n >= need}
+            c = class_of.get(key[0])
+            if count > 0 and c is not None:
+                by_hash[c, key[1:]] = by_hash.get((c, key[1:]), 0) + 1
+        return {classes[c][0] + h for (c, h), n in by_hash.items() if n >= len(classes[c][2])}

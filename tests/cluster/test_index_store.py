@@ -148,7 +148,8 @@ def test_bits_a_crashed_writer_decided_are_written_by_the_next(redis_url: str, k
     script = client.register_script(APPLY)
     reply = script(
         keys=keys.source_keys("h:1/p"),
-        args=["a", "e1", 1, 1, -1, keys.block(b""), 1, b"\0", *stored(tokens)],
+        # One class: the primary one (bitmap prefix, pending form "h", group 0).
+        args=["a", "e1", 1, 1, -1, 1, keys.block(b""), "h", 1, b"\0", *stored(tokens)],
     )
     assert reply[0] == b"ok" and len(reply) == 2 + 2 * 3
     scorer = Scorer(client, SEED, keys)
@@ -191,7 +192,9 @@ def test_a_scorer_with_another_seed_scores_nothing_and_says_so(redis_url: str, k
     assert result.scores == {"h:1/p": 0} and result.seed_mismatch == ("h:1/p",)
 
 
-def test_tracking_ignores_windowed_groups() -> None:
+def test_tracking_leaves_out_a_window_it_is_not_told() -> None:
+    """Groups without their window (a server older than IndexGroup.sliding_window) are
+    not tracked: the full-attention groups are, as before."""
     tracking = Tracking.from_groups(
         [(0, "sliding_window", 16), (1, "full_attention", 32), (2, "full_attention", 32)],
         16,
@@ -199,6 +202,7 @@ def test_tracking_ignores_windowed_groups() -> None:
         "",
     )
     assert tracking.groups == (1, 2) and tracking.block_size == 32
+    assert tracking.classes == () and tracking.untracked == (0,)
 
 
 def test_a_bad_redis_url_names_the_flag(tmp_path: Path) -> None:
