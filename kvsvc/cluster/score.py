@@ -1,16 +1,34 @@
 """Score: per indexed engine, how many leading tokens of a prompt it has cached.
 
-An engine's score is what its own ``Lookup`` answers for the prompt (full-attention
-groups): the longest run of leading blocks whose hashes it caches in every tracked group,
-capped so at least one token is left to compute, in tokens. Hashes come from
-:class:`kvsvc.cluster.hashing.PromptHasher` (the servers' core code) once per distinct
-``(hash algorithm, hash block size, block size)`` among the engines; all of a prompt's
-block bitmaps are read in one pipelined round trip, then intersected in process: engine
-``i``'s score is the block at which its bit first drops out, times its block size.
+An engine's score is what its own ``Lookup`` answers for the prompt: the server's hit
+rule (``HybridCoordinator.find_longest_cache_hit``) over the classes the index tracks
+for it (layout.py), capped so at least one token is left to compute, in tokens.
 
-Cost: one Redis round trip (per node of a cluster) carrying ``blocks x bitmap bytes``
-(a 4,096-token prompt over 1,000 engines: 256 keys of 125 bytes), plus hashing the prompt
-(~70 us for 4,096 tokens with xxh3) and one big-int AND per block.
+- Full attention alone (one class, the common case): the longest run of leading blocks
+  whose hashes it caches in every group; engine ``i``'s score is the block at which its
+  bit first drops out, times its block size (one big-int AND per block).
+- Hybrid (sliding-window groups, or full attention of several block sizes): the longest
+  length, a multiple of the lcm of all its groups' block sizes, that every class
+  accepts. A full-attention class accepts a length while all its blocks before it are
+  cached; a sliding-window class of window ``w`` and block size ``b`` while the
+  ``cdiv(w - 1, b)`` blocks before it are (all of them, from block 0, when there are
+  fewer). Per class an acceptance bitmap per block count (prefix ANDs; windowed ANDs in
+  three ANDs per block whatever the window), then the lengths longest first, each engine
+  taking the first that all its classes accept: big-int operations over all engines of
+  one rule at once, never a loop over engine x block.
+- Groups of kinds the index cannot follow (Mamba, chunked local or cross attention):
+  the score is the tracked classes' hit, an upper bound of ``Lookup``
+  (``ScoreResult.upper_bound`` names those engines).
+
+Hashes come from :class:`kvsvc.cluster.hashing.PromptHasher` (the servers' core code)
+once per distinct ``(hash algorithm, hash block size, block size)`` among the engines;
+all of a prompt's bitmaps are read in one pipelined round trip, then intersected in
+process.
+
+Cost: one Redis round trip (per node of a cluster) carrying ``blocks x classes x bitmap
+bytes`` (a 4,096-token prompt over 1,000 engines: 256 keys of 125 bytes per class), plus
+hashing the prompt (~70 us for 4,096 tokens with xxh3) and a few big-int ANDs per block
+and class.
 """
 
 from __future__ import annotations
