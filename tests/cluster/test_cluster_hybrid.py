@@ -10,7 +10,7 @@ import json
 import random
 import time
 from collections.abc import Iterator
-from pathlib import Path
+from dataclasses import dataclass
 
 import pytest
 from kvsvc_client import KVCacheClient
@@ -54,8 +54,53 @@ class HybridEngine(Engine):
         )  # fmt: skip
 
 
+@dataclass
+class HybridFleet:
+    engines: list[Engine]
+    url: str
+    indexer: Child | None = None
+
+    def start_indexer(self) -> None:
+        args = ["indexer", "--redis", self.url, "--metrics-listen", "off"]
+        for engine in self.engines:
+            args += ["--source", engine.source]
+        child = spawn("hybrid-indexer", [*args, "--log-level", "INFO"])
+        wait_for(lambda: any("kvsvc indexer following" in x for x in child.lines), what="indexer")
+        self.indexer = child
+
+    def stop_indexer(self) -> None:
+        if self.indexer is not None:
+            self.indexer.process.kill()
+            self.indexer.stop(5)
+            self.indexer = None
+
+    def lookups(self, prompt: list[int]) -> dict[str, int]:
+        found = {}
+        for engine in self.engines:
+            with KVCacheClient(engine.address, pool="p") as kv:
+                found[engine.source] = kv.lookup(prompt)
+        return found
+
+    def assert_scores_are_lookups(self, checked: list[list[int]]) -> None:
+        from kvsvc.cluster.score import Scorer
+        from kvsvc.cluster.store import connect
+
+        scorer = Scorer(connect(self.url), SEED)
+
+        def matches() -> bool:
+            return all(
+                scorer.score(p, max_registry_age=0).scores == self.lookups(p) for p in checked
+            )
+
+        try:
+            wait_for(matches, timeout=20, what="the index to match the hybrid engines' lookups")
+        except AssertionError:
+            bad = next(p for p in checked if scorer.score(p).scores != self.lookups(p))
+            pytest.fail(f"score {scorer.score(bad).scores} != lookups {self.lookups(bad)}")
+
+
 @pytest.fixture(scope="module")
-def hybrid_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[Engine], str]]:
+def hybrid_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HybridFleet]:
     tmp = tmp_path_factory.mktemp("hybrid")
     seed_file = tmp / "seed"
     seed_file.write_text(f"{SEED}\n")
@@ -65,7 +110,7 @@ def hybrid_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[lis
         HybridEngine(f"h{i}", free_port(), seed_file, spec_file, None) for i in range(2)
     ]
     redis = RedisServer(tmp / "redis")
-    indexer: Child | None = None
+    fleet = HybridFleet(engines, redis.url)
     try:
         redis.start()
         for engine in engines:
@@ -73,15 +118,10 @@ def hybrid_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[lis
             engine.start_worker()
         for engine in engines:
             engine.wait_ready()
-        args = ["indexer", "--redis", redis.url, "--metrics-listen", "off"]
-        for engine in engines:
-            args += ["--source", engine.source]
-        indexer = spawn("hybrid-indexer", [*args, "--log-level", "INFO"])
-        wait_for(lambda: any("kvsvc indexer following" in x for x in indexer.lines), what="indexer")
-        yield engines, redis.url
+        fleet.start_indexer()
+        yield fleet
     finally:
-        if indexer is not None:
-            indexer.stop(5)
+        fleet.stop_indexer()
         for engine in engines:
             engine.stop()
         redis.stop()
@@ -126,13 +166,12 @@ def window_left_behind(engine: Engine, rng: random.Random) -> None:
             kv.free(f"other-{i}")
 
 
-def test_score_equals_each_hybrid_engines_lookup(
-    hybrid_fleet: tuple[list[Engine], str], tmp_path: Path
-) -> None:
+def test_score_equals_each_hybrid_engines_lookup(hybrid_fleet: HybridFleet) -> None:
     from kvsvc.cluster.score import Scorer
     from kvsvc.cluster.store import connect
 
-    engines, url = hybrid_fleet
+    fleet = hybrid_fleet
+    engines = fleet.engines
     rng = random.Random(13)
     prompts = traffic(engines, rng)
     window_left_behind(engines[0], rng)
@@ -148,31 +187,48 @@ def test_score_equals_each_hybrid_engines_lookup(
         changed = list(prompt)
         changed[rng.randrange(1, 16)] = 77_777
         checked.append(changed)
-    scorer = Scorer(connect(url), SEED)
-
-    def lookups(prompt: list[int]) -> dict[str, int]:
-        found = {}
-        for engine in engines:
-            with KVCacheClient(engine.address, pool="p") as kv:
-                found[engine.source] = kv.lookup(prompt)
-        return found
-
-    def matches() -> bool:
-        return all(scorer.score(p, max_registry_age=0).scores == lookups(p) for p in checked)
-
-    try:
-        wait_for(matches, timeout=20, what="the index to match the hybrid engines' lookups")
-    except AssertionError:
-        bad = next(p for p in checked if scorer.score(p).scores != lookups(p))
-        pytest.fail(f"score {scorer.score(bad).scores} != lookups {lookups(bad)}")
+    fleet.assert_scores_are_lookups(checked)
+    lookups = fleet.lookups
     assert any(v > 0 for p in checked for v in lookups(p).values()), "nothing cached"
     # The window's rule was needed: LONG's blocks are all cached in the full-attention
     # group (held by "long"), its sliding-window blocks 0-2 were evicted. A hit at 80
     # tokens needs window blocks 2-4: none; at 96, blocks 3-5: all there.
     assert lookups(LONG[:81])[engines[0].source] == 0
     assert lookups([*LONG, 5])[engines[0].source] == 96
+    scorer = Scorer(connect(fleet.url), SEED)
     result = scorer.score(PREFIXES[0], max_registry_age=0)
     assert result.upper_bound == (), "every group of the hybrid spec is tracked"
-    registry = scorer.registry(0)
-    for _, tracking in registry.engines.values():
+    for _, tracking in scorer.registry(0).engines.values():
         assert [(c.window, c.block_size) for c in tracking.classes] == [(40, 16)]
+
+
+def test_a_source_indexed_before_windows_were_tracked_is_upgraded(
+    hybrid_fleet: HybridFleet,
+) -> None:
+    """Redis holds the sources as an older indexer wrote them (meta and registry without
+    classes: full attention only). They load as such (an upper bound: LONG[:81] scores
+    80), and the indexer started on them snapshots them again: scores are Lookups."""
+    from kvsvc.cluster.layout import Keys
+    from kvsvc.cluster.score import Scorer
+    from kvsvc.cluster.store import connect
+
+    fleet = hybrid_fleet
+    fleet.stop_indexer()
+    client = connect(fleet.url)
+    keys = Keys()
+    new_fields = ("classes", "align", "untracked")
+    for engine in fleet.engines:
+        client.hdel(keys.source(engine.source, "meta"), *new_fields)
+        info = json.loads(client.hget(keys.sources, engine.source))
+        old = {k: v for k, v in info.items() if k not in new_fields}
+        client.hset(keys.sources, engine.source, json.dumps(old, sort_keys=True))
+    scorer = Scorer(client, SEED)
+    trackings = [t for _, t in scorer.registry(0).engines.values()]
+    assert all(t.legacy and t.classes == () for t in trackings)
+    source = fleet.engines[0].source
+    assert scorer.score(LONG[:81], max_registry_age=0).scores[source] == 80
+    fleet.start_indexer()
+    fleet.assert_scores_are_lookups([LONG[:81], [*LONG, 5], *PREFIXES])
+    assert scorer.score(LONG[:81], max_registry_age=0).scores[source] == 0
+    trackings = [t for _, t in scorer.registry(0).engines.values()]
+    assert all(not t.legacy and len(t.classes) == 1 for t in trackings)
