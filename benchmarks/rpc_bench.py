@@ -13,6 +13,10 @@ Figures (median and p99 over many calls), each over TCP and over the Unix socket
                     (prompt lengths 64..79, so block boundaries fall on different steps;
                     the lockstep row, TCP, has them all on the same step: the worst case)
   concurrent        ops/s of Allocate decode calls from 8 client processes at once (TCP)
+  in the handler    for Allocate and Step: the server's own time in the call's handler
+                    (its grpc_server_handling_seconds histogram, read around each run of
+                    the bench: a mean), and so how much of the call is the handler's work
+                    (decoding, the core, the reply) and how much gRPC, transport and client
   marginal          (step256 p50 - echo p50) / 256: the cost of one more request in a Step,
                     next to what vLLM's own in-process manager spends on one decode
                     allocation (allocate_slots(req, 1), 256 running requests of the same
@@ -40,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +139,8 @@ class Echo:
 class AllocateNew:
     """Admit a fresh 2048-token request (half of it a shared prefix), then free it."""
 
+    method = "Allocate"  # the timed call (the Free after each is not timed)
+
     def __init__(self, kv: KVCacheClient, name: str = "new", salt: int = 0) -> None:
         self.kv = kv
         self.name = name
@@ -169,6 +176,8 @@ class DecodeStep:
     step all of them take a new block.
     """
 
+    method = "Step"
+
     def __init__(
         self, kv: KVCacheClient, batch: int = 256, *, lockstep: bool = False, name: str = ""
     ) -> None:
@@ -200,17 +209,64 @@ class DecodeStep:
         self.kv.free(*[f"{self.prefix}-{r}" for r in range(self.batch)])
 
 
-def interleaved(rounds: int, **benches: tuple[Any, int]) -> dict[str, list[float]]:
+class HandlerClock:
+    """The server's own time in each method's handler, from its ``/metrics``.
+
+    ``grpc_server_handling_seconds`` (sum and count per method) is observed by the
+    server around each handler: decoding the request, the pool's work, building the reply.
+    What a call costs beyond it is gRPC's, the transport's and the client's.
+    """
+
+    def __init__(self, metrics_port: int) -> None:
+        self.url = f"http://127.0.0.1:{metrics_port}/metrics"
+
+    def read(self) -> dict[str, tuple[float, float]]:
+        """Method -> (seconds, calls) so far."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(self.url, timeout=10) as reply:
+            text = reply.read().decode()
+        totals: dict[str, list[float]] = {}
+        for family in text_string_to_metric_families(text):
+            if family.name != "grpc_server_handling_seconds":
+                continue
+            for sample in family.samples:
+                method = sample.labels.get("grpc_method", "")
+                if sample.name.endswith("_sum"):
+                    totals.setdefault(method, [0.0, 0.0])[0] = sample.value
+                elif sample.name.endswith("_count"):
+                    totals.setdefault(method, [0.0, 0.0])[1] = sample.value
+        return {method: (s, c) for method, (s, c) in totals.items()}
+
+
+def interleaved(
+    rounds: int, clock: HandlerClock | None = None, **benches: tuple[Any, int]
+) -> tuple[dict[str, list[float]], dict[str, float]]:
     """Run each bench a little in turn, ``rounds`` times.
 
     This VM's speed drifts by tens of percent over seconds; interleaving makes every
     figure (and so every ratio between them) see the same mix of fast and slow moments.
+
+    Returns the samples per bench and, with ``clock``, the server's mean handler time in
+    microseconds of each bench with a ``method`` (read around each of its runs, so the
+    other benches' calls of the same method are not counted in).
     """
     samples: dict[str, list[float]] = {name: [] for name in benches}
+    handled: dict[str, list[float]] = {}
     for _ in range(rounds):
         for name, (bench, n) in benches.items():
+            method: str = getattr(bench, "method", "")
+            before = clock.read() if clock and method else None
             samples[name].extend(bench.run(n))
-    return samples
+            if clock is not None and before is not None:
+                after = clock.read()
+                seconds, calls = after.get(method, (0.0, 0.0))
+                seconds0, calls0 = before.get(method, (0.0, 0.0))
+                total = handled.setdefault(name, [0.0, 0.0])
+                total[0] += seconds - seconds0
+                total[1] += calls - calls0
+    means = {name: 1e6 * s / c for name, (s, c) in handled.items() if c}
+    return samples, means
 
 
 def _concurrent_worker(
@@ -345,7 +401,7 @@ def main() -> int:
         echo_proc, echo_port = start_echo(server_pin, echo_socket)
         spec_file = Path(tmp) / "tiny.json"
         spec_file.write_text(json.dumps(TINY_SPECS))
-        env = {}
+        env: dict[str, str] = {}
         try:
             server = spawn(
                 "server",
@@ -356,7 +412,7 @@ def main() -> int:
                     "--listen",
                     server_socket,
                     "--metrics-listen",
-                    "off",
+                    "127.0.0.1:0",
                     "--pool",
                     "bench",
                     "--max-model-len",
@@ -367,7 +423,7 @@ def main() -> int:
                 env=env,
             )
             children.append(server)
-            port, _ = wait_for_ports(server)
+            port, metrics_port = wait_for_ports(server)
             if server_pin:
                 subprocess.run(
                     ["taskset", "-p", "-c", server_pin, str(server.process.pid)],
@@ -410,8 +466,9 @@ def main() -> int:
                 decode = DecodeStep(kv)
                 decode_unix = DecodeStep(kv_unix, name="dec-unix")
                 lockstep = DecodeStep(kv, lockstep=True)
-                samples = interleaved(
+                samples, handler_us = interleaved(
                     rounds,
+                    HandlerClock(metrics_port),
                     echo=(echo_bench, 50),
                     echo_unix=(echo_unix, 50),
                     allocate_new=(AllocateNew(kv), 10),
@@ -445,6 +502,12 @@ def main() -> int:
             f"step256{suffix}_p99_us": round(step_p99, 1),
             f"step256{suffix}_marginal_us": round((step_p50 - echo_p50) / 256, 2),
             f"allocate_new{suffix}_vs_echo": round(alloc_p50 / echo_p50, 3),
+            # The server's mean time in the handler, and what the call costs beyond it.
+            f"allocate_new{suffix}_handler_us": round(handler_us[f"allocate_new{suffix}"], 1),
+            f"step256{suffix}_handler_us": round(handler_us[f"step{suffix}"], 1),
+            f"allocate_new{suffix}_beyond_handler_vs_echo": round(
+                (alloc_p50 - handler_us[f"allocate_new{suffix}"]) / echo_p50, 3
+            ),
         }
     lock = samples["lockstep"]
     vllm_decode = vllm["decode_us"] if vllm else REFERENCE_VLLM_DECODE_US
@@ -509,6 +572,13 @@ def render(f: dict[str, Any]) -> str:
                 f"goal <= {GOAL_ALLOCATE_VS_ECHO}x echo",
             ),
             (
+                "  of it in the server's handler (mean)",
+                f"{f[f'allocate_new{suffix}_handler_us']:.0f}",
+                "",
+                f"the rest {f[f'allocate_new{suffix}_beyond_handler_vs_echo']:.2f}x echo",
+                "gRPC, transport, client",
+            ),
+            (
                 f"Step, 256-request decode, {transport}",
                 f"{step:.0f}",
                 f"{f[f'step256{suffix}_p99_us']:.0f}",
@@ -516,6 +586,13 @@ def render(f: dict[str, Any]) -> str:
                 f"goal <= {GOAL_STEP_VS_VLLM}x vLLM (then {GOAL_STEP_VS_VLLM_NEXT}x)"
                 if measured
                 else f"goal p50 < {GOAL_STEP_P50_US:.0f}, p99 < {GOAL_STEP_P99_US:.0f}",
+            ),
+            (
+                "  of it in the server's handler (mean)",
+                f"{f[f'step256{suffix}_handler_us']:.0f}",
+                "",
+                f"{f[f'step256{suffix}_handler_us'] / step:.2f} of the call",
+                "",
             ),
             (
                 "  marginal per request",

@@ -42,6 +42,18 @@ def check_relations(figures: dict[str, Any]) -> None:
             assert 0 < figures[f"{name}_p50_us"] <= figures[f"{name}_p99_us"], name
         unix_vs_tcp = figures[f"{call}_unix_p50_us"] / figures[f"{call}_p50_us"]
         assert figures[f"{call}_unix_vs_tcp"] == pytest.approx(unix_vs_tcp, rel=1e-3, abs=1e-3)
+    for transport in ("", "_unix"):
+        # The server's own handler time is part of each call: above 0, below its p99.
+        for call in ("allocate_new", "step256"):
+            handler = figures[f"{call}{transport}_handler_us"]
+            assert 0 < handler < figures[f"{call}{transport}_p99_us"], (call, transport)
+        alloc = figures[f"allocate_new{transport}_p50_us"]
+        beyond = (alloc - figures[f"allocate_new{transport}_handler_us"]) / figures[
+            f"echo{transport}_p50_us"
+        ]
+        assert figures[f"allocate_new{transport}_beyond_handler_vs_echo"] == pytest.approx(
+            beyond, rel=1e-2, abs=2e-3
+        )
     assert 0 < figures["step256_lockstep_p50_us"] <= figures["step256_lockstep_max_us"]
     assert figures["concurrent_ops_per_s"] > 0
     # Derived figures come from the printed medians (each rounded to 0.1 us).
