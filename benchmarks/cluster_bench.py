@@ -13,6 +13,8 @@ What it measures, in one run:
 - Score for a 4,096-token prompt over the 1,000 engines (each holding a different prefix
   of it): p50 / p99 of ``Scorer.score``, next to the p50 / p99 of one Redis round trip
   (PING) measured in the same run, with redis-py's hiredis parser and its pure-Python one;
+  and the same over 1,000 hybrid engines (full attention + a 1,024-token sliding window,
+  the window's blocks with holes), scored by the hybrid rule;
 - Redis memory per indexed block: ``used_memory`` grown by the index, divided by the
   (engine, block) entries it holds, and by its distinct block hashes.
 
@@ -259,11 +261,59 @@ def populate_for_score(url: str, engines: int, prompt: list[int]) -> dict[str, i
     return expected
 
 
+HYBRID_WINDOW = 1024
+
+
+def hybrid_hit(full: int, window: set[int], max_blocks: int, needed: int) -> int:
+    """The server's hit rule for one full-attention and one sliding-window group of one
+    block size, written plainly (blocks): the longest length whose full-attention blocks
+    are all cached and whose last ``needed`` window blocks (all, from block 0, when
+    fewer) are."""
+    for length in range(min(full, max_blocks), 0, -1):
+        if all(b in window for b in range(max(0, length - needed), length)):
+            return length
+    return 0
+
+
+def populate_for_hybrid_score(url: str, engines: int, prompt: list[int]) -> dict[str, int]:
+    """Hybrid engine i holds a prefix of the prompt in its full-attention group and the
+    same blocks but a few (evicted) in its sliding-window group; returns the scores the
+    rule gives."""
+    hasher = PromptHasher("xxh3_128", SEED)
+    hashes = hasher.block_hashes(prompt, BLOCK, BLOCK)
+    keys = Keys("score-hybrid")
+    redis_client = connect(url, cluster=False)
+    track = Tracking.from_groups(
+        [(0, "full_attention", BLOCK, 0), (1, "sliding_window", BLOCK, HYBRID_WINDOW)],
+        BLOCK, "xxh3_128", hasher.fingerprint,
+    )  # fmt: skip
+    rng = random.Random(2)
+    needed = -(-(HYBRID_WINDOW - 1) // BLOCK)
+    cap = (len(prompt) - 1) // BLOCK
+    expected = {}
+    for i in range(engines):
+        name = f"10.2.{i // 250}.{i % 250}:50051/gemma"
+        store = SourceStore(redis_client, name, "bench", keys)
+        store.acquire()
+        full = i % (len(hashes) + 1)
+        window = set(range(full)) - {rng.randrange(len(hashes)) for _ in range(3)}
+        counts = {b"\0" + hashes[b]: 1 for b in range(full)}
+        counts.update({b"\1" + hashes[b]: 1 for b in window})
+        store.install("epoch", 0, track, counts)
+        expected[name] = hybrid_hit(full, window, cap, needed) * BLOCK
+    return expected
+
+
 def bench_score(
-    url: str, prompt: list[int], expected: dict[str, int], calls: int, hiredis: bool
+    url: str,
+    prompt: list[int],
+    expected: dict[str, int],
+    calls: int,
+    hiredis: bool,
+    prefix: str = "score",
 ) -> dict[str, Any]:
     redis_client = client(url, hiredis)
-    scorer = Scorer(redis_client, SEED, Keys("score"))
+    scorer = Scorer(redis_client, SEED, Keys(prefix))
     assert scorer.score(prompt).scores == expected, "the scores the index should give"
     score_ms, rtt_ms = [], []
     for _ in range(calls):  # interleaved, so both see the same machine
@@ -426,6 +476,11 @@ def main(argv: list[str] | None = None) -> int:
         expected = populate_for_score(redis.url, args.engines, prompt)
         parsers = [True, False] if has_hiredis() else [False]
         score = [bench_score(redis.url, prompt, expected, args.score_calls, h) for h in parsers]
+        hybrid_expected = populate_for_hybrid_score(redis.url, args.engines, prompt)
+        hybrid = [
+            bench_score(redis.url, prompt, hybrid_expected, args.score_calls, h, "score-hybrid")
+            for h in parsers
+        ]
         real = bench_real_servers(redis.url, args.servers, 8.0) if args.servers else None
     finally:
         redis.stop()
@@ -444,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
             "bitmap_bytes_per_block": bitmap_bytes,
         },
         "score": score,
+        "score_hybrid": hybrid,
         "real_servers": real,
     }
     if args.json:
@@ -478,6 +534,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"Redis round trip (PING), p50 / p99 ({s['parser']} parser)",
                 f"{s['rtt_p50_ms']:.3f} / {s['rtt_p99_ms']:.3f} ms",
                 "",
+            )
+        )
+    for s in hybrid:
+        rows.append(
+            (
+                f"Score, 4,096 tokens over {args.engines} hybrid engines (full + "
+                f"{HYBRID_WINDOW}-token window), p50 / p99 ({s['parser']} parser)",
+                f"{s['score_p50_ms']:.2f} / {s['score_p99_ms']:.2f} ms",
+                f"RTT p99 in the same calls {s['rtt_p99_ms']:.2f} ms",
             )
         )
     m = results["memory"]
