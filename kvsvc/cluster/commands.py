@@ -434,6 +434,12 @@ def run_score(args: argparse.Namespace) -> int:
             f"kvsvc ctl: warning: {name} hashes with another seed (give --hash-seed-file)",
             file=sys.stderr,
         )
+    for name in result.upper_bound:
+        print(
+            f"kvsvc ctl: warning: {name} has KV cache groups the index does not track "
+            "(Mamba, chunked local or cross attention): its score is an upper bound",
+            file=sys.stderr,
+        )
     if args.json:
         print(json.dumps({"scores": ranked}))
         return 0

@@ -55,6 +55,7 @@ class ScoreServicer(cluster_pb2_grpc.ClusterIndexServiceServicer):
         return cluster_pb2.ScoreResponse(
             scores=[cluster_pb2.EngineScore(engine=e, num_cached_tokens=n) for e, n in ranked],
             seed_mismatch=list(result.seed_mismatch),
+            upper_bound=list(result.upper_bound),
         )
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvsvc.v1 import kvcache_pb2 as kvsvc_dot_v1_dot_kvcache__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvsvc/v1/cluster.proto\x12\x08kvsvc.v1\x1a\x16kvsvc/v1/kvcache.proto\"w\n\x0cScoreRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x18\n\x10packed_token_ids\x18\x02 \x01(\x0c\x12)\n\x07hashing\x18\x03 \x01(\x0b\x32\x18.kvsvc.v1.HashingContext\x12\x0f\n\x07\x65ngines\x18\x04 \x03(\t\"8\n\x0b\x45ngineScore\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x05\"M\n\rScoreResponse\x12%\n\x06scores\x18\x01 \x03(\x0b\x32\x15.kvsvc.v1.EngineScore\x12\x15\n\rseed_mismatch\x18\x02 \x03(\t2O\n\x13\x43lusterIndexService\x12\x38\n\x05Score\x12\x16.kvsvc.v1.ScoreRequest\x1a\x17.kvsvc.v1.ScoreResponseB\x8d\x01\n\x0c\x63om.kvsvc.v1B\x0c\x43lusterProtoP\x01Z.github.com/kvsvc/kvsvc/gen/go/kvsvc/v1;kvsvcv1\xa2\x02\x03KXX\xaa\x02\x08Kvsvc.V1\xca\x02\x08Kvsvc\\V1\xe2\x02\x14Kvsvc\\V1\\GPBMetadata\xea\x02\tKvsvc::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvsvc/v1/cluster.proto\x12\x08kvsvc.v1\x1a\x16kvsvc/v1/kvcache.proto\"w\n\x0cScoreRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x18\n\x10packed_token_ids\x18\x02 \x01(\x0c\x12)\n\x07hashing\x18\x03 \x01(\x0b\x32\x18.kvsvc.v1.HashingContext\x12\x0f\n\x07\x65ngines\x18\x04 \x03(\t\"8\n\x0b\x45ngineScore\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x05\"b\n\rScoreResponse\x12%\n\x06scores\x18\x01 \x03(\x0b\x32\x15.kvsvc.v1.EngineScore\x12\x15\n\rseed_mismatch\x18\x02 \x03(\t\x12\x13\n\x0bupper_bound\x18\x03 \x03(\t2O\n\x13\x43lusterIndexService\x12\x38\n\x05Score\x12\x16.kvsvc.v1.ScoreRequest\x1a\x17.kvsvc.v1.ScoreResponseB\x8d\x01\n\x0c\x63om.kvsvc.v1B\x0c\x43lusterProtoP\x01Z.github.com/kvsvc/kvsvc/gen/go/kvsvc/v1;kvsvcv1\xa2\x02\x03KXX\xaa\x02\x08Kvsvc.V1\xca\x02\x08Kvsvc\\V1\xe2\x02\x14Kvsvc\\V1\\GPBMetadata\xea\x02\tKvsvc::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,7 +38,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENGINESCORE']._serialized_start=181
   _globals['_ENGINESCORE']._serialized_end=237
   _globals['_SCORERESPONSE']._serialized_start=239
-  _globals['_SCORERESPONSE']._serialized_end=316
-  _globals['_CLUSTERINDEXSERVICE']._serialized_start=318
-  _globals['_CLUSTERINDEXSERVICE']._serialized_end=397
+  _globals['_SCORERESPONSE']._serialized_end=337
+  _globals['_CLUSTERINDEXSERVICE']._serialized_start=339
+  _globals['_CLUSTERINDEXSERVICE']._serialized_end=418
 # @@protoc_insertion_point(module_scope)

@@ -28,9 +28,11 @@ class EngineScore(_message.Message):
     def __init__(self, engine: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("scores", "seed_mismatch")
+    __slots__ = ("scores", "seed_mismatch", "upper_bound")
     SCORES_FIELD_NUMBER: _ClassVar[int]
     SEED_MISMATCH_FIELD_NUMBER: _ClassVar[int]
+    UPPER_BOUND_FIELD_NUMBER: _ClassVar[int]
     scores: _containers.RepeatedCompositeFieldContainer[EngineScore]
     seed_mismatch: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, scores: _Optional[_Iterable[_Union[EngineScore, _Mapping]]] = ..., seed_mismatch: _Optional[_Iterable[str]] = ...) -> None: ...
+    upper_bound: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, scores: _Optional[_Iterable[_Union[EngineScore, _Mapping]]] = ..., seed_mismatch: _Optional[_Iterable[str]] = ..., upper_bound: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -7,13 +7,17 @@ what the core's ``lookup`` (``HybridCoordinator.find_longest_cache_hit``) answer
 from __future__ import annotations
 
 import itertools
+import json
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
+from kvsvc.cli import main as cli_main
 from kvsvc.cluster.layout import Keys
+from kvsvc.cluster.router import ScoreServicer
 from kvsvc.cluster.score import Scorer, _window_ands
 from kvsvc.cluster.store import SourceStore, Tracking, connect
 from kvsvc.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -27,6 +31,7 @@ from kvsvc.specs import (
     KVCacheSpec,
     SlidingWindowSpec,
 )
+from kvsvc.v1 import cluster_pb2
 from tests.cluster.redis_procs import RedisServer, create_cluster, require_redis_package
 
 require_redis_package()
@@ -240,7 +245,9 @@ def counts_of(engine: Engine) -> dict[bytes, int]:
     return counts
 
 
-def test_an_untracked_kind_makes_the_score_an_upper_bound(redis_url: str) -> None:
+def test_an_untracked_kind_makes_the_score_an_upper_bound(
+    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Chunked local attention is not indexed: the score is the tracked classes' hit
     (at least the Lookup), and the result names the engine."""
     client = connect(redis_url)
@@ -255,6 +262,22 @@ def test_an_untracked_kind_makes_the_score_an_upper_bound(redis_url: str) -> Non
         assert set(result.upper_bound) == {e.name for e in engines}
         for engine in engines:
             assert result.scores[engine.name] >= engine.cache.lookup(prompt)
+    # A router's client hears it too (ScoreResponse.upper_bound).
+    request = cluster_pb2.ScoreRequest(token_ids=prompts_to_check(prefixes, made)[0])
+    reply = ScoreServicer(scorer).Score(request, context=None)
+    assert set(reply.upper_bound) == {e.name for e in engines}
+    # And `kvsvc ctl score` warns of each (its --json stays {"scores": ...}).
+    seed_file = tmp_path / "seed"
+    seed_file.write_text(SEED)
+    tokens_file = tmp_path / "tokens"
+    tokens_file.write_text(" ".join(map(str, request.token_ids)))
+    argv = ["ctl", "score", "--redis", redis_url, "--tokens-file", str(tokens_file)]
+    argv += ["--hash-seed-file", str(seed_file), "--key-prefix", keys.prefix, "--json"]
+    assert cli_main(argv) == 0
+    out, err = capsys.readouterr()
+    assert set(json.loads(out)) == {"scores"}
+    for engine in engines:
+        assert f"{engine.name} has KV cache groups the index does not track" in err
 
 
 def test_window_ands_are_the_ands_of_each_window() -> None:
