@@ -22,9 +22,11 @@ Figures (median and p99 over many calls), each over TCP and over the Unix socket
                     allocation (allocate_slots(req, 1), 256 running requests of the same
                     lengths).
 
-vLLM's in-process KVCacheManager runs the same work after the servers' figures: the
-same 256 decodes per step (the sum of the step's allocate_slots calls) and the same new
-2048-token admission (the request's block hashes, get_computed_blocks, allocate_slots).
+vLLM's in-process KVCacheManager runs the same work in this process, in the same
+interleaved rounds as the servers' benches (so both see the same moments of the
+machine, and the same cold caches after the other benches): the same 256 decodes per
+step (the sum of the step's allocate_slots calls) and the same new 2048-token admission
+(the request's block hashes, get_computed_blocks, allocate_slots).
 The goals are ratios of one run: a Step <= 1.0x vLLM's 256 in-process decodes (then
 0.5x), a new Allocate <= 1.5x the echo floor of its transport. Where vLLM is importable
 (.venv-vllm) its figures are measured in this run; elsewhere the decode figure is a
@@ -290,70 +292,106 @@ def _concurrent_worker(
         queue.put(ops)
 
 
-def vllm_figures(batch: int, steps: int, admissions: int) -> dict[str, Any] | None:
-    """vLLM's in-process KVCacheManager on this benchmark's work; None where vLLM cannot
-    be imported.
+class VllmManager:
+    """vLLM's in-process KVCacheManager on this benchmark's work, run in the same
+    interleaved rounds as the servers' benches (so both see the same machine moments);
+    ``make()`` gives None where vLLM cannot be imported.
 
-    Decode: ``batch`` running requests with prompts of 64..79 tokens, each step one
-    sampled token and ``allocate_slots(request, 1)`` for every request (the token's
-    arrival untimed: the engine's own bookkeeping), on vLLM's KVCacheManager built as
-    core_bench.py builds it. ``decode_us``: the median call; ``step_us``: the median of
-    each step's ``batch`` calls together, what one Step replaces.
+    Decode (:meth:`decode_steps`): ``batch`` running requests with prompts of 64..79
+    tokens, each step one sampled token and ``allocate_slots(request, 1)`` for every
+    request (the token's arrival untimed: the engine's own bookkeeping), on vLLM's
+    KVCacheManager built as core_bench.py builds it. ``decode_us``: the median call;
+    ``step_us``: the median of each step's ``batch`` calls together, what one Step
+    replaces.
 
-    Admission: what a new 2048-token Allocate does in the server, in vLLM's terms: the
-    request's block hashes (its ``Request`` with the block hasher), ``get_computed_blocks``
-    and ``allocate_slots`` for the whole prompt, half of it the prefix every admission
-    shares; then ``free`` (untimed), as the benchmark frees each one.
+    Admission (:meth:`admissions`): what a new 2048-token Allocate does in the server, in
+    vLLM's terms: the request's block hashes (its ``Request`` with the block hasher),
+    ``get_computed_blocks`` and ``allocate_slots`` for the whole prompt, half of it the
+    prefix every admission shares; then ``free`` (untimed), as the benchmark frees each.
     """
-    import core_bench  # benchmarks/, this script's directory
 
-    v = core_bench.load_vllm()
-    if v is None:
-        return None
-    block_size = 16
-    num_blocks = batch * (-(-(80 + steps) // block_size) + 1) + 4 * 4096 // block_size + 1
-    manager = core_bench.vllm_manager(v, num_blocks, block_size, 4096)
-    hasher = core_bench.vllm_hasher(v, "xxh3_128", block_size)
-    clock = time.perf_counter_ns
-    shared = list(range(1, 1025))
-    admit = []
-    for i in range(admissions):
-        prompt = shared + new_suffix(i + 1)
-        started = clock()
-        request = core_bench.vllm_request(v, f"new-{i}", prompt, hasher)
+    def __init__(self, v: Any, batch: int, steps: int) -> None:
+        import core_bench  # benchmarks/, this script's directory
+
+        self.cb = core_bench
+        self.v = v
+        self.batch = batch
+        block_size = 16
+        num_blocks = batch * (-(-(80 + steps) // block_size) + 1) + 4 * 4096 // block_size + 1
+        self.manager = core_bench.vllm_manager(v, num_blocks, block_size, 4096)
+        self.hasher = core_bench.vllm_hasher(v, "xxh3_128", block_size)
+        self.shared = list(range(1, 1025))
+        self.admitted = 0
+        self.step_index = 0
+        self.decode_ns: list[int] = []
+        self.requests = []
+        for r in range(batch):
+            length = 64 + r % 16
+            prompt = [(r * 31 + j) % 30000 + 1 for j in range(length)]
+            request = core_bench.vllm_request(v, f"dec-{r}", prompt, self.hasher)
+            hits, num_hits, _ = self.manager.get_computed_blocks(request)
+            assert self.manager.allocate_slots(request, length - num_hits, num_hits, hits)
+            request.num_computed_tokens = length
+            self.requests.append(request)
+
+    @classmethod
+    def make(cls, batch: int, steps: int) -> VllmManager | None:
+        import core_bench
+
+        v = core_bench.load_vllm()
+        return None if v is None else cls(v, batch, steps)
+
+    @property
+    def version(self) -> str:
+        return str(self.v.version)
+
+    def admissions(self) -> Any:
+        """A bench: ``run(n)`` admits (then frees) n new 2048-token requests."""
+        return _Bench(self._admit)
+
+    def decode_steps(self) -> Any:
+        """A bench: ``run(n)`` runs n steps of ``batch`` decodes; samples are step sums."""
+        return _Bench(self._step)
+
+    def _admit(self) -> float:
+        self.admitted += 1
+        i = self.admitted
+        prompt = self.shared + new_suffix(i)
+        manager = self.manager
+        started = time.perf_counter_ns()
+        request = self.cb.vllm_request(self.v, f"new-{i}", prompt, self.hasher)
         hits, num_hits, _ = manager.get_computed_blocks(request)
         blocks = manager.allocate_slots(request, len(prompt) - num_hits, num_hits, hits)
-        admit.append(clock() - started)
+        took = time.perf_counter_ns() - started
         assert blocks is not None
         manager.free(request)
-    requests = []
-    for r in range(batch):
-        length = 64 + r % 16
-        prompt = [(r * 31 + j) % 30000 + 1 for j in range(length)]
-        request = core_bench.vllm_request(v, f"dec-{r}", prompt, hasher)
-        hits, num_hits, _ = manager.get_computed_blocks(request)
-        assert manager.allocate_slots(request, length - num_hits, num_hits, hits) is not None
-        request.num_computed_tokens = length
-        requests.append(request)
-    samples = []
-    per_step = []
-    for step in range(steps):
+        return took / 1000.0
+
+    def _step(self) -> float:
+        self.step_index += 1
+        token = self.step_index % 30000 + 1
+        clock = time.perf_counter_ns
+        allocate = self.manager.allocate_slots
         total = 0
-        for request in requests:
-            request.append_output_token_ids(step % 30000 + 1)
+        for request in self.requests:
+            request.append_output_token_ids(token)
             started = clock()
-            assert manager.allocate_slots(request, 1) is not None
+            assert allocate(request, 1) is not None
             took = clock() - started
-            samples.append(took)
+            self.decode_ns.append(took)
             total += took
             request.num_computed_tokens += 1
-        per_step.append(total)
-    return {
-        "decode_us": statistics.median(samples) / 1000.0,
-        "step_us": statistics.median(per_step) / 1000.0,
-        "admission_us": statistics.median(admit) / 1000.0,
-        "version": v.version,
-    }
+        return total / 1000.0
+
+
+class _Bench:
+    """``run(n)``: n samples of ``one()`` (microseconds), as the servers' benches."""
+
+    def __init__(self, one: Any) -> None:
+        self.one = one
+
+    def run(self, n: int) -> list[float]:
+        return [self.one() for _ in range(n)]
 
 
 def bench_concurrent(address: str, pool: str, clients: int, seconds: float) -> float:
@@ -394,6 +432,9 @@ def main() -> int:
     if args.pin:
         os.sched_setaffinity(0, {0})
 
+    # vLLM's manager is built before the servers start (its import takes seconds and
+    # would compete with them) and measured in the same interleaved rounds.
+    vllm = None if args.no_vllm else VllmManager.make(256, 25 * rounds + 10)
     children: list[Child] = []
     with tempfile.TemporaryDirectory(prefix="kvsvc-bench-") as tmp:
         server_socket = f"unix:{tmp}/kvsvc.sock"
@@ -466,9 +507,16 @@ def main() -> int:
                 decode = DecodeStep(kv)
                 decode_unix = DecodeStep(kv_unix, name="dec-unix")
                 lockstep = DecodeStep(kv, lockstep=True)
+                in_process = {}
+                if vllm is not None:
+                    in_process = {
+                        "vllm_step": (vllm.decode_steps(), 25),
+                        "vllm_admission": (vllm.admissions(), 10),
+                    }
                 samples, handler_us = interleaved(
                     rounds,
                     HandlerClock(metrics_port),
+                    **in_process,
                     echo=(echo_bench, 50),
                     echo_unix=(echo_unix, 50),
                     allocate_new=(AllocateNew(kv), 10),
@@ -481,8 +529,6 @@ def main() -> int:
                 decode_unix.close()
                 lockstep.close()
             concurrent = bench_concurrent(address, "bench", 8, seconds)
-            # After the servers' figures, so vLLM's import does not compete with them.
-            vllm = None if args.no_vllm else vllm_figures(256, 25 * rounds, 10 * rounds)
         finally:
             stop_all(children)
             echo_proc.terminate()
@@ -510,14 +556,14 @@ def main() -> int:
             ),
         }
     lock = samples["lockstep"]
-    vllm_decode = vllm["decode_us"] if vllm else REFERENCE_VLLM_DECODE_US
+    vllm_decode = statistics.median(vllm.decode_ns) / 1000.0 if vllm else REFERENCE_VLLM_DECODE_US
     figures |= {
         "step256_lockstep_p50_us": round(statistics.median(lock), 1),
         "step256_lockstep_max_us": round(max(lock), 1),
         "concurrent_ops_per_s": round(concurrent),
         "vllm_decode_us_p50": round(vllm_decode, 2),
         "vllm_source": "measured" if vllm else "reference",
-        "vllm_version": vllm["version"] if vllm else None,
+        "vllm_version": vllm.version if vllm else None,
         "marginal_vs_vllm": round(figures["step256_marginal_us"] / vllm_decode, 3),
         "pinned": bool(args.pin),
     }
@@ -526,14 +572,16 @@ def main() -> int:
             figures[f"{call}_unix_p50_us"] / figures[f"{call}_p50_us"], 3
         )
     if vllm:
-        figures["vllm_step256_us_p50"] = round(vllm["step_us"], 1)
-        figures["vllm_admission_us_p50"] = round(vllm["admission_us"], 1)
+        vllm_step = statistics.median(samples["vllm_step"])
+        vllm_admission = statistics.median(samples["vllm_admission"])
+        figures["vllm_step256_us_p50"] = round(vllm_step, 1)
+        figures["vllm_admission_us_p50"] = round(vllm_admission, 1)
         for suffix in ("", "_unix"):
             figures[f"step256{suffix}_vs_vllm"] = round(
-                figures[f"step256{suffix}_p50_us"] / vllm["step_us"], 3
+                figures[f"step256{suffix}_p50_us"] / vllm_step, 3
             )
             figures[f"allocate_new{suffix}_vs_vllm"] = round(
-                figures[f"allocate_new{suffix}_p50_us"] / vllm["admission_us"], 3
+                figures[f"allocate_new{suffix}_p50_us"] / vllm_admission, 3
             )
     if args.json:
         print(json.dumps(figures))
