@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -310,3 +311,62 @@ def test_clients_resolve_their_role_token_in_order(tmp_path: Path) -> None:
     assert resolve_token("agent", environ={}) is None
     with pytest.raises(ValueError, match="role"):
         resolve_token("router")
+
+
+def _peak_rss_mib(pid: int) -> int:
+    """The process's peak resident memory (VmHWM), MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) // 1024
+    raise AssertionError(f"no VmHWM for process {pid}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_a_refused_call_is_answered_before_its_message_is_read(tmp_path: Path) -> None:
+    """An unauthenticated caller cannot make the server hold its messages: the refusal
+    goes out before the message arrives, so four concurrent 48 MiB calls (192 MiB a
+    server that read them first would hold at once) leave its peak memory almost where
+    it was."""
+    import threading
+
+    from kvsvc.demo.processes import spawn, stop_all, wait_for_ports
+
+    token_file = tmp_path / "tokens"
+    token_file.write_text(ALL_ROLES + "\n")
+    args = ["serve", "--listen", "127.0.0.1:0", "--metrics-listen", "off", "--pool", "p"]
+    args += ["--auth-token-file", str(token_file), "--log-level", "ERROR"]
+    server = spawn("server", args)
+    try:
+        port, _ = wait_for_ports(server)
+        limit = [("grpc.max_send_message_length", 64 << 20)]
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=limit) as channel:
+            allocate = channel.unary_unary("/kvsvc.v1.KVCacheService/Allocate")
+            watch = channel.unary_stream("/kvsvc.v1.KVCacheService/WatchEvents")
+            with pytest.raises(grpc.RpcError) as small:
+                allocate(b"", timeout=10)
+            assert small.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            before = _peak_rss_mib(server.process.pid)
+            big = b"\x12" + b"\xff" * (48 << 20)  # one field's bytes: never parsed
+            codes: list[grpc.StatusCode] = []
+
+            def refused(call: Any) -> None:
+                try:
+                    result = call(big, timeout=30)
+                    if not isinstance(result, bytes):  # a stream: its first message
+                        next(iter(result))
+                except grpc.RpcError as exc:
+                    codes.append(exc.code())
+
+            threads = [
+                threading.Thread(target=refused, args=(call,))
+                for call in (allocate, allocate, allocate, watch)
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+            assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 4
+            grown = _peak_rss_mib(server.process.pid) - before
+            assert grown < 64, f"the server's peak memory grew {grown} MiB for refused calls"
+    finally:
+        stop_all([server])
