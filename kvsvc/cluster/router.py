@@ -78,13 +78,16 @@ class _TokenCheck(grpc.ServerInterceptor):
         if found or handler_call_details.method.startswith("/grpc."):
             return continuation(handler_call_details)
 
-        def deny(request: Any, context: Any) -> None:
+        def deny(requests: Any, context: Any) -> None:
             context.abort(
                 grpc.StatusCode.UNAUTHENTICATED,
                 "missing or unknown token (expected 'Bearer <token>' of the router's --token-file)",
             )
 
-        return grpc.unary_unary_rpc_method_handler(deny, request_deserializer=bytes)
+        # Request-streaming and never read: the refusal goes out before the message
+        # arrives (as the server's AuthInterceptor does), so an unauthenticated caller's
+        # prompt is neither received in full nor parsed.
+        return grpc.stream_unary_rpc_method_handler(deny, request_deserializer=bytes)
 
 
 def create_router(
