@@ -23,6 +23,10 @@ class Engine:
         self.next_id = 0
         self.prefixes = [[p] * 32 for p in (1, 2)]
         self.recomputed = 0  # requests it preempted and re-admitted on RECOMPUTE
+        # Every request it freed, by any path (finished, preempted, NO_SPACE victim,
+        # RECOMPUTE): a request flagged for recompute that it happens to free first
+        # never sees the status, and needs none.
+        self.released: set[str] = set()
 
     def admit(self, rid: str, prompt: list[int], resumed: bool = False) -> Any:
         result = self.kv.allocate(rid, prompt, len(prompt), start=RequestStart(resumed=resumed))
@@ -43,6 +47,7 @@ class Engine:
             rid = rng.choice(sorted(self.tokens))
             preempted = rng.random() < 0.5
             self.kv.free(rid, preempted=preempted)
+            self.released.add(rid)
             tokens = self.tokens.pop(rid)
             del self.tables[rid], self.computed[rid]
             if preempted:
@@ -67,6 +72,7 @@ class Engine:
                 full = True
         for rid in lost:  # its KV data is gone: preempt it and admit it again
             self.kv.free(rid, preempted=True)
+            self.released.add(rid)
             tokens = self.tokens.pop(rid)
             del self.tables[rid], self.computed[rid]
             self.recomputed += 1
@@ -74,6 +80,7 @@ class Engine:
         if full and self.tokens:  # preempt the longest, as a scheduler would
             victim = max(self.tokens, key=lambda r: len(self.tokens[r]))
             self.kv.free(victim, preempted=True)
+            self.released.add(victim)
             del self.tokens[victim], self.tables[victim], self.computed[victim]
 
     def check(self, kv: KVCacheClient) -> None:
