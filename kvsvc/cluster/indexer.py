@@ -115,7 +115,58 @@ def _events_to_ops(batch: Any, tracked: frozenset[int]) -> tuple[list[bytes], in
     return ops, stored, removed, cleared
 
 
-class Follower:
+class SourceThread:
+    """What every source follower shares, whatever its stream (a kvsvc server's
+    WatchEvents, a vLLM ZMQ stream): its name in the index, its store (lease, sequence
+    guard, bits), its state in the metrics, and the thread that follows it.
+
+    Subclasses give ``_run`` (the thread's loop, until ``_stop`` is set) and may give
+    ``_interrupt`` (what wakes a loop blocked on its stream when it must stop).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        client: Any,
+        options: IndexerOptions,
+        metrics: IndexerMetrics,
+        owner: str,
+        thread_name: str,
+    ) -> None:
+        self.name = name
+        self.options = options
+        self.metrics = metrics
+        self.store = SourceStore(client, name, owner, options.keys, options.lease_ttl_s)
+        self.state_name = "standby"
+        self.caught_up = threading.Event()  # set once the source is followed live
+        self._stop = threading.Event()
+        self._purge_on_stop = False
+        self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
+        self._tracking: Tracking | None = None
+        self._seq = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, purge: bool = False, timeout: float = 10.0) -> None:
+        """Stop following; with ``purge`` drop the source from the index (taken out of
+        the sources) if this indexer holds its lease, else give the lease back."""
+        self._purge_on_stop = purge
+        self._stop.set()
+        self._interrupt()
+        self._thread.join(timeout)
+
+    def _interrupt(self) -> None:
+        """Wake the loop if it is blocked on its stream (nothing by default)."""
+
+    def _set_state(self, name: str) -> None:
+        self.state_name = self.metrics.move_source(self.state_name, name)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class Follower(SourceThread):
     """Keeps one source's part of the index (see the module's docstring)."""
 
     def __init__(
@@ -127,41 +178,21 @@ class Follower:
         owner: str,
     ) -> None:
         self.target, self.pool = parse_source(source)
-        self.name = source_name(self.target, self.pool)
-        self.options = options
-        self.metrics = metrics
-        self.store = SourceStore(client, self.name, owner, options.keys, options.lease_ttl_s)
-        self.state_name = "standby"
-        self.caught_up = threading.Event()  # set once live after each (re)start
-        self._stop = threading.Event()
-        self._purge_on_stop = False
-        self._thread = threading.Thread(target=self._run, name=f"index-{self.name}", daemon=True)
+        name = source_name(self.target, self.pool)
+        super().__init__(name, client, options, metrics, owner, f"index-{name}")
         self._kv: Any = None
         self._down_since: float | None = None
         self._purged = False
         self._resync = False
-        self._tracking: Tracking | None = None
         self._untracked_said: tuple[int, ...] = ()
-        self._seq = 0
         self._epoch = ""
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, purge: bool = False, timeout: float = 10.0) -> None:
-        """Stop following; with ``purge`` drop the source from the index (taken out of
-        the sources) if this indexer holds its lease, else give the lease back."""
-        self._purge_on_stop = purge
-        self._stop.set()
-        kv = self._kv
+    def _interrupt(self) -> None:
+        kv = self._kv  # its WatchEvents stream ends when the client closes
         if kv is not None:
             kv.close()
-        self._thread.join(timeout)
 
     # -- the loop ------------------------------------------------------------------------
-
-    def _set_state(self, name: str) -> None:
-        self.state_name = self.metrics.move_source(self.state_name, name)
 
     def _run(self) -> None:
         self.metrics.sources.labels(self.state_name).inc()

@@ -24,13 +24,12 @@ What such a stream lacks, and what the follower does instead:
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any
 
-from kvsvc.cluster.indexer import IndexerOptions
+from kvsvc.cluster.indexer import IndexerOptions, SourceThread
 from kvsvc.cluster.metrics import IndexerMetrics
-from kvsvc.cluster.store import LeaseLost, SourceMoved, SourceStore, Tracking
+from kvsvc.cluster.store import LeaseLost, SourceMoved, Tracking
 
 _log = logging.getLogger("kvsvc.cluster")
 
@@ -66,7 +65,7 @@ def parse_zmq_source(text: str) -> tuple[str, str | None]:
     return pub, replay
 
 
-class ZmqFollower:
+class ZmqFollower(SourceThread):
     """Keeps one ZMQ event stream's part of the index (see the module's docstring).
 
     Args:
@@ -88,30 +87,10 @@ class ZmqFollower:
         hash_algo: str = "sha256_cbor",
     ) -> None:
         self.endpoint, self.replay = parse_zmq_source(source)
-        self.name = self.endpoint
-        self.options = options
-        self.metrics = metrics
+        # caught_up: set once the first message was applied.
+        super().__init__(self.endpoint, client, options, metrics, owner, f"zmq-{self.endpoint}")
         self.hash_algo = hash_algo
-        self.store = SourceStore(client, self.name, owner, options.keys, options.lease_ttl_s)
-        self.state_name = "standby"
-        self.caught_up = threading.Event()  # set once the first message was applied
-        self._stop = threading.Event()
-        self._purge_on_stop = False
-        self._thread = threading.Thread(target=self._run, name=f"zmq-{self.name}", daemon=True)
-        self._tracking: Tracking | None = None
-        self._seq = 0
         self._warned_int = False
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, purge: bool = False, timeout: float = 10.0) -> None:
-        self._purge_on_stop = purge
-        self._stop.set()
-        self._thread.join(timeout)
-
-    def _set_state(self, name: str) -> None:
-        self.state_name = self.metrics.move_source(self.state_name, name)
 
     def _run(self) -> None:
         import redis

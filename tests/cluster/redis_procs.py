@@ -9,6 +9,8 @@ from __future__ import annotations
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from tests.tooling import missing, require_tool
@@ -127,3 +129,24 @@ def create_cluster(nodes: list[RedisServer]) -> None:
             return
         time.sleep(0.1)
     raise RuntimeError("the Redis Cluster did not become ok")
+
+
+@contextmanager
+def redis_deployment(base: Path, kind: str) -> Iterator[str]:
+    """A running Redis of ``kind`` ("single": one server; "cluster": a 3-node Redis
+    Cluster) under ``base``; yields the URL to connect to (a node's, for a cluster)."""
+    if kind == "single":
+        servers = [RedisServer(base / "0")]
+    elif kind == "cluster":
+        servers = [RedisServer(base / str(i), cluster=True) for i in range(3)]
+    else:
+        raise ValueError(f"unknown Redis deployment {kind!r} (single or cluster)")
+    for server in servers:
+        server.start()
+    try:
+        if kind == "cluster":
+            create_cluster(servers)
+        yield servers[0].url
+    finally:
+        for server in servers:
+            server.stop()

@@ -40,20 +40,6 @@ LONG = [9000 + t for t in range(96)]
 MEMORY = "2560KiB"
 
 
-class HybridEngine(Engine):
-    """An engine of the hybrid spec: its worker needs more memory than the full one."""
-
-    def start_worker(self) -> None:
-        self.worker = spawn(
-            f"{self.name}-worker",
-            [
-                "worker", "--server", self.address, "--pool", "p", "--rank", "0",
-                "--world-size", "1", "--device", "cpu", "--spec-file", str(self.spec_file),
-                "--kv-cache-memory", MEMORY, "--heartbeat-interval", "0.5",
-            ],
-        )  # fmt: skip
-
-
 @dataclass
 class HybridFleet:
     engines: list[Engine]
@@ -107,7 +93,8 @@ def hybrid_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HybridFle
     spec_file = tmp / "specs.json"
     spec_file.write_text(json.dumps(HYBRID_SPECS))
     engines: list[Engine] = [
-        HybridEngine(f"h{i}", free_port(), seed_file, spec_file, None) for i in range(2)
+        Engine(f"h{i}", free_port(), seed_file, spec_file, None, kv_cache_memory=MEMORY)
+        for i in range(2)
     ]
     redis = RedisServer(tmp / "redis")
     fleet = HybridFleet(engines, redis.url)

@@ -55,6 +55,7 @@ class Engine:
     state_dir: Path | None
     server: Child | None = None
     worker: Child | None = None
+    kv_cache_memory: str = MEMORY  # the worker's --kv-cache-memory
 
     @property
     def address(self) -> str:
@@ -81,7 +82,7 @@ class Engine:
             [
                 "worker", "--server", self.address, "--pool", "p", "--rank", "0",
                 "--world-size", "1", "--device", "cpu", "--spec-file", str(self.spec_file),
-                "--kv-cache-memory", MEMORY, "--heartbeat-interval", "0.5",
+                "--kv-cache-memory", self.kv_cache_memory, "--heartbeat-interval", "0.5",
             ],
         )  # fmt: skip
 

@@ -14,7 +14,7 @@ from kvsvc.cluster.hashing import PromptHasher
 from kvsvc.cluster.layout import APPLY, Keys
 from kvsvc.cluster.score import Scorer
 from kvsvc.cluster.store import LeaseLost, SourceMoved, SourceStore, Tracking, connect
-from tests.cluster.redis_procs import RedisServer, create_cluster, require_redis_package
+from tests.cluster.redis_procs import redis_deployment, require_redis_package
 
 require_redis_package()
 
@@ -28,20 +28,8 @@ _prefixes = itertools.count()
 def redis_url(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
-    base = tmp_path_factory.mktemp(f"redis-{request.param}")
-    if request.param == "single":
-        servers = [RedisServer(base / "0")]
-    else:
-        servers = [RedisServer(base / str(i), cluster=True) for i in range(3)]
-    for server in servers:
-        server.start()
-    try:
-        if request.param == "cluster":
-            create_cluster(servers)
-        yield servers[0].url
-    finally:
-        for server in servers:
-            server.stop()
+    with redis_deployment(tmp_path_factory.mktemp(f"redis-{request.param}"), request.param) as url:
+        yield url
 
 
 @pytest.fixture
