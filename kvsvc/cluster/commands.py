@@ -429,17 +429,16 @@ def run_score(args: argparse.Namespace) -> int:
         print(f"kvsvc ctl: --redis {args.redis}: {exc}", file=sys.stderr)
         return 1
     ranked = dict(sorted(result.scores.items(), key=lambda item: (-item[1], item[0])))
-    for name in result.seed_mismatch:
-        print(
-            f"kvsvc ctl: warning: {name} hashes with another seed (give --hash-seed-file)",
-            file=sys.stderr,
-        )
-    for name in result.upper_bound:
-        print(
-            f"kvsvc ctl: warning: {name} has KV cache groups the index does not track "
-            "(Mamba, chunked local or cross attention): its score is an upper bound",
-            file=sys.stderr,
-        )
+    warnings = [
+        f"{n} hashes with another seed (give --hash-seed-file)" for n in result.seed_mismatch
+    ]
+    warnings += [
+        f"{n} has KV cache groups the index does not track (Mamba, chunked local or cross "
+        "attention): its score is an upper bound"
+        for n in result.upper_bound
+    ]
+    for warning in warnings:
+        print(f"kvsvc ctl: warning: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps({"scores": ranked}))
         return 0

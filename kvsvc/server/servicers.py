@@ -18,6 +18,7 @@ from typing import Any, cast
 
 from kvsvc.cluster.hashing import seed_fingerprint
 from kvsvc.convert import config_to_pb, layer_specs_from_pb
+from kvsvc.core.managers import representative_spec
 from kvsvc.errors import InvalidArgument, NotFound, Unavailable, quoted
 from kvsvc.server.calls import (
     AllocateCall,
@@ -40,6 +41,7 @@ from kvsvc.server.wire import (
     hashing_from_pb,
     token_ids_of,
 )
+from kvsvc.specs import SlidingWindowSpec
 from kvsvc.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -394,9 +396,6 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
                     f"published within {SNAPSHOT_INDEX_PUBLISH_WAIT_S:.0f} s; retry"
                 )
             await asyncio.sleep(0.005)
-        from kvsvc.core.managers import representative_spec
-        from kvsvc.specs import SlidingWindowSpec
-
         specs = [g.kv_cache_spec for g in manager.kv_cache_config.kv_cache_groups]
         index_groups = []
         for i, (kind, spec) in enumerate(zip(manager.group_kinds, specs, strict=True)):
