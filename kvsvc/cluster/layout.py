@@ -85,10 +85,9 @@ DEFAULT_PREFIX = "kvsvc"
 FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
 # Spec kinds whose hits need only the blocks inside the window before the hit (or a run
 # from block 0), given the group's window (IndexGroup.sliding_window).
+# Groups of other kinds (Mamba, chunked local attention, cross attention, ...) are not
+# tracked, and their engines' scores are upper bounds.
 SLIDING_WINDOW_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
-# Every kind the index tracks; groups of other kinds (Mamba, chunked local attention,
-# cross attention, ...) are not, and their engines' scores are upper bounds.
-TRACKED_KINDS = FULL_ATTENTION_KINDS | SLIDING_WINDOW_KINDS
 
 
 @dataclass(frozen=True, slots=True)
