@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvsvc.frames.channel import FrameChannel
+from kvsvc.frames.protocol import frames_address, is_frames_target
 from kvsvc.tls import ClientTls, client_tls, open_aio_channel, open_channel
 
 # Calls that change nothing may be retried after UNAVAILABLE.
@@ -21,9 +23,10 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
 RETRYABLE_REPEATS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 # Trailing metadata of every reply of a call that names a pool: the pool's state epoch.
 EPOCH_METADATA = "kvsvc-epoch"
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS = (
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 30_000),
 )
 
@@ -104,13 +107,31 @@ class ClientOptions:
     def channel(self, target: str) -> grpc.Channel:
         """A blocking channel to ``target`` with these options' TLS (plaintext without).
 
+        ``frames:unix:PATH`` or ``frames:HOST:PORT`` is the server's framed transport
+        (``kvsvc serve --frames-listen``): the same unary calls without gRPC's per-call
+        work (see :mod:`kvsvc.frames`); streaming calls (``watch_events``) need a gRPC
+        target.
+
         Raises:
             TlsError: inconsistent TLS settings; TlsFileError: a TLS file cannot be read.
         """
-        return open_channel(target, self.tls(), CHANNEL_OPTIONS)
+        tls = self.tls()
+        if is_frames_target(target):
+            return FrameChannel(
+                frames_address(target),
+                ssl_context=tls.ssl_context() if tls is not None else None,
+                server_name=tls.server_name if tls is not None else None,
+                max_reply_bytes=MAX_MESSAGE_BYTES,
+            )
+        return open_channel(target, tls, CHANNEL_OPTIONS)
 
     def aio_channel(self, target: str) -> grpc.aio.Channel:
-        """The asyncio counterpart of :meth:`channel`."""
+        """The asyncio counterpart of :meth:`channel` (gRPC targets only)."""
+        if is_frames_target(target):
+            raise ValueError(
+                f"target {target!r}: the framed transport has a blocking client only "
+                "(KVCacheClient); give the asyncio client the server's gRPC address"
+            )
         return open_aio_channel(target, self.tls(), CHANNEL_OPTIONS)
 
     def delay(self, attempt: int) -> float:

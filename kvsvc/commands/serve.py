@@ -55,6 +55,15 @@ def add_parser(subparsers: Any) -> None:
         "both (routers and probes over TCP, the engine over the socket)",
     )
     server.add_argument(
+        "--frames-listen",
+        action="append",
+        metavar="unix:PATH|HOST:PORT",
+        help="also serve the unary engine and admin calls over kvsvc's framed transport "
+        "here (protos/kvsvc/v1/frames.proto): the same calls without gRPC's per-call "
+        "work, for an engine on the same host (clients: target frames:unix:PATH); give it "
+        "again for more; TLS on TCP when the server has --tls-cert",
+    )
+    server.add_argument(
         "--metrics-listen",
         help=f"/metrics address HOST:PORT (default {DEFAULT_METRICS_LISTEN}); 'off' disables",
     )
@@ -228,6 +237,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         overrides["listen"] = ",".join(args.listen)
     if args.metrics_listen:
         overrides["metrics_listen"] = None if args.metrics_listen == "off" else args.metrics_listen
+    if args.frames_listen:
+        overrides["frames_listen"] = ",".join(args.frames_listen)
     overrides.update(env_tokens())
     if args.auth_token:
         overrides["auth_token"] = args.auth_token
@@ -319,6 +330,8 @@ async def serve(
     sockets = server.unix_sockets if port else server.unix_sockets[1:]
     for address in sockets:
         print(f"kvsvc listening on {address}", flush=True)
+    for address in server.frames_addresses:
+        print(f"kvsvc frames on {address}", flush=True)
     print(
         f"kvsvc serving on {f'port {port}' if port else server.unix_sockets[0]}"
         + (f", metrics on port {server.metrics_port}" if server.metrics_port else ""),

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kvsvc.frames.server import FrameServer, unary_methods
 from kvsvc.ports import ListenError, check_bindable, check_unix_bindable, is_unix_address
 from kvsvc.server.auth import AuthInterceptor, load_credentials
 from kvsvc.server.config import (
@@ -128,6 +129,9 @@ class KvsvcServer:
         self.port = 0
         self.unix_sockets: list[str] = []
         self.metrics_port = 0
+        self._frames: FrameServer | None = None
+        # The framed transport's addresses as bound (a TCP port 0 resolved).
+        self.frames_addresses: list[str] = []
         self._last_health: dict[str, int] = {}
         self._freeze_gc = freeze_gc
         self._frozen_pools: set[str] = set()
@@ -191,6 +195,17 @@ class KvsvcServer:
             else:
                 host, port = split_host_port(address, "listen")
                 check_bindable(host, port, address=address, what="gRPC", flag=LISTEN_FLAG)
+        frames = (
+            listen_addresses(self.config.frames_listen, "frames_listen")
+            if self.config.frames_listen
+            else []
+        )
+        for address in frames:
+            if is_unix_address(address):
+                check_unix_bindable(address, what="frames", flag=FRAMES_LISTEN_FLAG)
+            else:
+                host, port = split_host_port(address, "frames_listen")
+                check_bindable(host, port, address=address, what="frames", flag=FRAMES_LISTEN_FLAG)
         if self.config.metrics_listen:
             metrics_host, metrics_port = split_host_port(
                 self.config.metrics_listen, "metrics_listen"
@@ -203,15 +218,13 @@ class KvsvcServer:
                 flag=METRICS_LISTEN_FLAG,
             )
         server = grpc.aio.server(options=options, interceptors=interceptors)
-        add_kvcache_service(  # WatchEvents sends bytes serialized once for all subscribers
-            KVCacheServicer(self.pools, observer, self.config.max_step_operations), server
-        )
+        kvcache = KVCacheServicer(self.pools, observer, self.config.max_step_operations)
+        admin = AdminServicer(self.pools, observer, time.monotonic)
+        add_kvcache_service(kvcache, server)  # WatchEvents: bytes serialized once for all
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(
             WorkerServicer(self.pools, observer), server
         )
-        admin_pb2_grpc.add_AdminServiceServicer_to_server(
-            AdminServicer(self.pools, observer, time.monotonic), server
-        )
+        admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         enable_reflection(  # grpc.reflection.v1 and v1alpha
             (
@@ -246,6 +259,12 @@ class KvsvcServer:
         await self._update_health()
         await server.start()
         self._server = server
+        if frames:
+            try:
+                await self._start_frames(frames, kvcache, admin)
+            except BaseException:
+                await self.stop(0)
+                raise
         if self.config.metrics_listen:
             try:
                 self._metrics_http, self.metrics_port = self.metrics.serve_http(
@@ -270,6 +289,39 @@ class KvsvcServer:
             ", ".join(self.pools.by_name),
         )
 
+    async def _start_frames(
+        self, addresses: list[str], kvcache: KVCacheServicer, admin: AdminServicer
+    ) -> None:
+        """The framed transport's listeners: the same servicers' unary methods."""
+        self._frames = FrameServer(
+            [
+                *unary_methods(kvcache_pb2.DESCRIPTOR.services_by_name["KVCacheService"], kvcache),
+                *unary_methods(admin_pb2.DESCRIPTOR.services_by_name["AdminService"], admin),
+            ],
+            self.credentials,
+            self.metrics.call_observer,
+            max_message_bytes=self.config.max_message_bytes,
+            max_connections=self.config.frames_max_connections,
+            ssl_context=self.tls.ssl_context if self.tls is not None else None,
+        )
+        self.frames_addresses = []
+        for address in addresses:
+            if is_unix_address(address):
+                await self._frames.listen(address)
+                self.frames_addresses.append(address)
+                continue
+            host, port = split_host_port(address, "frames_listen")
+            try:
+                bound = await self._frames.listen(address, host, port)
+            except OSError as exc:
+                raise ListenError(address, "frames", FRAMES_LISTEN_FLAG, exc) from None
+            self.frames_addresses.append(f"{_bracket(host)}:{bound}")
+
+    @property
+    def frames_port(self) -> int:
+        """The first framed TCP listener's port (0: none)."""
+        return self._frames.port if self._frames is not None else 0
+
     async def _watch_heartbeats(self) -> None:
         interval = min(1.0, self.config.heartbeat_timeout_s / 4)
         while True:
@@ -282,6 +334,9 @@ class KvsvcServer:
         await self.health.enter_graceful_shutdown()
         for task in self._tasks:
             task.cancel()
+        if self._frames is not None:
+            await self._frames.stop(grace)
+            self._frames = None
         if self._server is not None:
             await self._server.stop(grace)
         # After the last call: each persisted pool ends with a snapshot (no replay next time).
@@ -316,6 +371,7 @@ def freeze_long_lived() -> None:
 # What a ListenError tells the user to change (``kvsvc serve``'s flags, the config keys).
 LISTEN_FLAG = "--listen (config key listen)"
 METRICS_LISTEN_FLAG = "--metrics-listen (config key metrics_listen)"
+FRAMES_LISTEN_FLAG = "--frames-listen (config key frames_listen)"
 
 
 def _bracket(host: str) -> str:

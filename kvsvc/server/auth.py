@@ -221,6 +221,47 @@ def _peer_host(peer: str) -> str:
     return peer
 
 
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a call is refused: its status code and the message the caller gets."""
+
+    code: grpc.StatusCode
+    reason: str
+
+
+def authorize(
+    credentials: Credentials, header: str | bytes | None, method: str, allowed: frozenset[Role]
+) -> Credential | Refusal:
+    """The credential of a call of ``method`` (which ``allowed`` roles may make) carrying
+    the ``authorization`` value ``header`` (None: none), or why it is refused."""
+    credential = credentials.lookup(header) if header is not None else None
+    return decide(credential, header is not None, method, allowed)
+
+
+def decide(
+    credential: Credential | None, header_given: bool, method: str, allowed: frozenset[Role]
+) -> Credential | Refusal:
+    """:func:`authorize` for a credential already looked up (the framed transport looks
+    its connection's up once). Both transports (gRPC's interceptor, the framed listener)
+    decide by this one rule."""
+    if credential is None:
+        # Where kvsvc's own clients read a token of a role this method takes.
+        env = " or ".join(sorted(f"KVSVC_{r.value.upper()}_TOKEN" for r in allowed))
+        reason = (
+            f"missing authorization metadata (expected 'Bearer <token>'; kvsvc clients "
+            f"read it from --token-file or {env})"
+            if not header_given
+            else f"unknown token in the authorization metadata (check --token-file / {env})"
+        )
+        return Refusal(grpc.StatusCode.UNAUTHENTICATED, reason)
+    if not credential.roles & allowed:
+        names = "/".join(sorted(r.value for r in allowed))
+        held = "/".join(sorted(r.value for r in credential.roles))
+        reason = f"{method.rpartition('/')[2]} needs the {names} role; this token is {held}"
+        return Refusal(grpc.StatusCode.PERMISSION_DENIED, reason)
+    return credential
+
+
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Refuses calls to kvsvc services without a credential of a role that may make them."""
 
@@ -243,25 +284,12 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             if key == "authorization":
                 header = value
                 break
-        credential = self._credentials.lookup(header) if header is not None else None
         handler = await continuation(handler_call_details)
-        if credential is None:
-            # Where kvsvc's own clients read a token of a role this method takes.
-            env = " or ".join(sorted(f"KVSVC_{r.value.upper()}_TOKEN" for r in allowed))
-            reason = (
-                f"missing authorization metadata (expected 'Bearer <token>'; kvsvc clients "
-                f"read it from --token-file or {env})"
-                if header is None
-                else f"unknown token in the authorization metadata (check --token-file / {env})"
-            )
-            return self._deny(handler, method, grpc.StatusCode.UNAUTHENTICATED, reason)
-        if not credential.roles & allowed:
-            names = "/".join(sorted(r.value for r in allowed))
-            held = "/".join(sorted(r.value for r in credential.roles))
-            reason = f"{method.rpartition('/')[2]} needs the {names} role; this token is {held}"
-            return self._deny(handler, method, grpc.StatusCode.PERMISSION_DENIED, reason)
-        if credential.engine and Role.ENGINE in allowed:
-            return _with_engine(handler, credential.engine)
+        decision = authorize(self._credentials, header, method, allowed)
+        if isinstance(decision, Refusal):
+            return self._deny(handler, method, decision.code, decision.reason)
+        if decision.engine and Role.ENGINE in allowed:
+            return _with_engine(handler, decision.engine)
         return handler
 
     def _deny(

@@ -174,6 +174,13 @@ class ServerConfig:
             comma-separated, listen on each (``0.0.0.0:50051,unix:/run/kvsvc/kvsvc.sock``:
             routers and probes over TCP, the pod's engine over the socket).
         metrics_listen: Prometheus ``/metrics`` address, or None for no endpoint.
+        frames_listen: addresses of the framed transport (``protos/kvsvc/v1/frames.proto``),
+            the same form as ``listen`` (comma-separated ``HOST:PORT`` / ``unix:PATH``), or
+            None for none: the unary engine and admin calls without gRPC's per-call
+            machinery, for an engine next to the server. TLS on TCP when ``tls_cert`` is
+            set, like the gRPC listener.
+        frames_max_connections: framed connections open at once, at most (a client opens
+            one per thread that calls concurrently).
         pools: the pools served (names unique).
         auth_token: one token for every role (compatibility; prefer the per-role token
             files): every kvsvc call must carry ``authorization: Bearer <token>`` (health
@@ -228,6 +235,8 @@ class ServerConfig:
     pools: tuple[PoolConfig, ...]
     listen: str = DEFAULT_LISTEN
     metrics_listen: str | None = DEFAULT_METRICS_LISTEN
+    frames_listen: str | None = None
+    frames_max_connections: int = 1024
     auth_token: str | None = None
     auth_token_file: str | None = None
     engine_token: str | None = None
@@ -271,6 +280,20 @@ class ServerConfig:
         listen_addresses(self.listen)
         if self.metrics_listen:
             split_host_port(self.metrics_listen, "metrics_listen")
+        if self.frames_listen is not None:
+            frames = listen_addresses(self.frames_listen, "frames_listen")
+            shared = sorted(
+                a
+                for a in set(frames) & set(listen_addresses(self.listen))
+                if not a.endswith(":0")  # port 0: each listener picks its own
+            )
+            if shared:
+                raise ConfigError(
+                    f"frames_listen: {shared[0]} is also a gRPC address (listen); give each "
+                    "transport its own"
+                )
+        if not 1 <= self.frames_max_connections <= 1_000_000:
+            raise ConfigError("frames_max_connections must be in [1, 1000000]")
         if self.max_message_bytes < 1024:
             raise ConfigError("max_message_bytes must be at least 1024")
         if self.heartbeat_timeout_s <= 0:

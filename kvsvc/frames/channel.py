@@ -1,0 +1,395 @@
+"""The client side of the framed transport: a ``grpc.Channel`` the generated stubs take.
+
+``FrameChannel("unix:/run/kvsvc/kvsvc.sock")`` (or ``"HOST:PORT"``) answers
+``unary_unary`` with a callable that has gRPC's ``__call__`` and ``with_call``: the reply's
+trailing metadata is there, and a failure raises an ``RpcError`` with ``code()`` and
+``details()``. So every client written against the stubs (kvsvc's own
+:class:`kvsvc_client.KVCacheClient` among them) runs on it unchanged; kvsvc's clients pick
+it for a target that starts with ``frames:``.
+
+A call takes an idle connection of the channel (or opens one), sends its frame and reads
+its reply on the calling thread: no thread hop and no event loop, which is most of what
+the transport saves. Calls from several threads at once use several connections. A
+deadline that passes closes the connection it was on (its reply would come out of
+turn): UNAVAILABLE and DEADLINE_EXCEEDED are then the caller's to retry, as over gRPC.
+Streaming methods raise UNIMPLEMENTED (they are served over gRPC).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+
+from kvsvc.frames.protocol import (
+    MAGIC,
+    MAX_HEADER_BYTES,
+    PREFIX,
+    VERSION,
+    FrameHeader,
+    call_header,
+    hello_header,
+)
+from kvsvc.ports import is_unix_address, unix_path
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+DEFAULT_MAX_REPLY_BYTES = 64 * 1024 * 1024
+Metadata = tuple[tuple[str, str], ...]
+
+
+class FrameRpcError(grpc.RpcError):
+    """A framed call that failed: gRPC's status code and message (``code()``,
+    ``details()``), as ``grpc.RpcError`` raised by a gRPC channel carries them."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: Metadata = ()) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code = code
+        self._details = details
+        self._trailing = trailing
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> Metadata:
+        return self._trailing
+
+    def initial_metadata(self) -> Metadata:
+        return ()
+
+
+class FrameCallOutcome:
+    """What ``with_call`` returns beside the response (gRPC's ``Call``, the parts kept)."""
+
+    __slots__ = ("_trailing",)
+
+    def __init__(self, trailing: Metadata) -> None:
+        self._trailing = trailing
+
+    def trailing_metadata(self) -> Metadata:
+        return self._trailing
+
+    def initial_metadata(self) -> Metadata:
+        return ()
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.OK
+
+    def details(self) -> str:
+        return ""
+
+
+class _Connection:
+    """One socket, one call at a time."""
+
+    def __init__(self, sock: socket.socket, max_reply_bytes: int) -> None:
+        self.sock = sock
+        self._buffer = bytearray()
+        self._max_reply_bytes = max_reply_bytes
+        self._timeout: float | None = -1.0
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    def exchange(self, data: bytes, deadline: float | None) -> tuple[FrameHeader, bytes]:
+        """Send one frame, read the reply frame; socket errors propagate."""
+        self._set_deadline(deadline)
+        self.sock.sendall(data)
+        return self.read(deadline)
+
+    def read(self, deadline: float | None) -> tuple[FrameHeader, bytes]:
+        buffer = self._buffer
+        while len(buffer) < PREFIX.size:
+            self._fill(deadline)
+        header_size, body_size = PREFIX.unpack_from(buffer)
+        if header_size > MAX_HEADER_BYTES or body_size > self._max_reply_bytes:
+            raise _ProtocolError(
+                f"a reply frame of {header_size} + {body_size} bytes is over the client's "
+                f"bounds ({MAX_HEADER_BYTES} + {self._max_reply_bytes})"
+            )
+        end = PREFIX.size + header_size + body_size
+        while len(buffer) < end:
+            self._fill(deadline)
+        view = memoryview(buffer)
+        try:
+            header = FrameHeader.FromString(view[PREFIX.size : PREFIX.size + header_size])
+            body = bytes(view[PREFIX.size + header_size : end])
+        finally:
+            view.release()
+        del buffer[:end]
+        return header, body
+
+    def _set_deadline(self, deadline: float | None) -> None:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        # A blocking socket reads without a poll() first; set a timeout only for a deadline.
+        if timeout != self._timeout:
+            self.sock.settimeout(timeout)
+            self._timeout = timeout
+
+    def _fill(self, deadline: float | None) -> None:
+        if deadline is not None and self._timeout is not None:
+            self._set_deadline(deadline)
+        chunk = self.sock.recv(1 << 16)
+        if not chunk:
+            raise ConnectionResetError("the server closed the connection")
+        self._buffer += chunk
+
+
+class _ProtocolError(Exception):
+    """The peer does not speak the framed protocol (or broke it)."""
+
+
+class FrameChannel(grpc.Channel):
+    """A client channel over the framed transport to ``address`` (``unix:PATH`` or
+    ``HOST:PORT``); TLS on TCP when ``ssl_context`` is given (see
+    :meth:`kvsvc.tls.ClientTls.ssl_context`)."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+        server_name: str | None = None,
+        max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        self.address = address
+        self._unix = is_unix_address(address)
+        if self._unix:
+            self._path = unix_path(address)
+            if not self._path:
+                raise ValueError(f"frames target {address!r}: expected unix:PATH")
+        else:
+            host, sep, port = address.rpartition(":")
+            if not sep or not port.isdigit():
+                raise ValueError(f"frames target {address!r}: expected HOST:PORT or unix:PATH")
+            self._host, self._port = host.strip("[]"), int(port)
+        if ssl_context is not None and self._unix:
+            raise ValueError(f"frames target {address!r}: TLS is for TCP targets only")
+        self._ssl = ssl_context
+        self._server_name = server_name
+        self._max_reply_bytes = max_reply_bytes
+        self._connect_timeout = connect_timeout
+        self._idle: dict[Metadata | None, list[_Connection]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"FrameChannel({self.address!r})"
+
+    # ------------------------------------------------------------------ connections
+
+    def _connect(self, metadata: Metadata | None, deadline: float | None) -> _Connection:
+        timeout = self._connect_timeout
+        if deadline is not None:
+            timeout = min(timeout, max(0.001, deadline - time.monotonic()))
+        try:
+            if self._unix:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(timeout)
+                try:
+                    sock.connect(self._path)
+                except BaseException:
+                    sock.close()
+                    raise
+            else:
+                sock = socket.create_connection((self._host, self._port), timeout=timeout)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if self._ssl is not None:
+                    sock = self._ssl.wrap_socket(
+                        sock, server_hostname=self._server_name or self._host
+                    )
+        except ssl.SSLError as exc:
+            raise FrameRpcError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"TLS handshake with {self.address} failed: {exc.reason or exc}",
+            ) from None
+        except OSError as exc:
+            raise FrameRpcError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"failed to connect to {self.address}: {exc.strerror or exc}",
+            ) from None
+        connection = _Connection(sock, self._max_reply_bytes)
+        hello = hello_header(metadata)
+        try:
+            reply, _ = connection.exchange(
+                MAGIC + PREFIX.pack(len(hello), 0) + hello, time.monotonic() + timeout
+            )
+        except (OSError, _ProtocolError) as exc:
+            connection.close()
+            raise FrameRpcError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{self.address} did not answer the framed protocol's hello ({exc}); is it a "
+                "kvsvc --frames-listen address?",
+            ) from None
+        if reply.code:
+            connection.close()
+            raise FrameRpcError(_CODES.get(reply.code, grpc.StatusCode.UNKNOWN), reply.details)
+        if reply.version != VERSION:
+            connection.close()
+            raise FrameRpcError(
+                grpc.StatusCode.UNIMPLEMENTED,
+                f"{self.address} answered with frames protocol version {reply.version}",
+            )
+        return connection
+
+    def _take(self, metadata: Metadata | None, deadline: float | None) -> _Connection:
+        with self._lock:
+            if self._closed:
+                raise ValueError("Cannot invoke RPC on closed channel!")
+            idle = self._idle.get(metadata)
+            if idle:
+                return idle.pop()
+        return self._connect(metadata, deadline)
+
+    def _give_back(self, metadata: Metadata | None, connection: _Connection) -> None:
+        with self._lock:
+            if not self._closed:
+                self._idle.setdefault(metadata, []).append(connection)
+                return
+        connection.close()
+
+    def call(
+        self,
+        method_header: bytes,
+        body: bytes,
+        timeout: float | None,
+        metadata: Metadata | None,
+    ) -> tuple[bytes, Metadata]:
+        """One call: the reply's body and trailing metadata, or FrameRpcError."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        connection = self._take(metadata, deadline)
+        try:
+            header, reply = connection.exchange(
+                PREFIX.pack(len(method_header), len(body)) + method_header + body, deadline
+            )
+        except TimeoutError:
+            connection.close()
+            raise FrameRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        except (OSError, _ProtocolError) as exc:
+            connection.close()
+            raise FrameRpcError(
+                grpc.StatusCode.UNAVAILABLE, f"the connection to {self.address} failed: {exc}"
+            ) from None
+        except BaseException:
+            connection.close()  # interrupted mid-call: its reply would come out of turn
+            raise
+        trailing = tuple((m.key, m.value) for m in header.metadata) if header.metadata else ()
+        if header.close:
+            connection.close()
+        else:
+            self._give_back(metadata, connection)
+        if header.code:
+            raise FrameRpcError(
+                _CODES.get(header.code, grpc.StatusCode.UNKNOWN), header.details, trailing
+            )
+        return reply, trailing
+
+    # ------------------------------------------------------------------ grpc.Channel
+
+    def unary_unary(  # type: ignore[override]
+        self,
+        method: str,
+        request_serializer: Callable[[Any], bytes] | None = None,
+        response_deserializer: Callable[[bytes], Any] | None = None,
+        _registered_method: bool | None = False,
+    ) -> FrameUnaryMethod:
+        return FrameUnaryMethod(self, method, request_serializer, response_deserializer)
+
+    def unary_stream(self, method: str, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return _Unimplemented(method)
+
+    def stream_unary(self, method: str, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return _Unimplemented(method)
+
+    def stream_stream(self, method: str, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return _Unimplemented(method)
+
+    def subscribe(self, callback: Any, try_to_connect: bool = False) -> None:
+        raise NotImplementedError("a framed channel has no connectivity states")
+
+    def unsubscribe(self, callback: Any) -> None:
+        raise NotImplementedError("a framed channel has no connectivity states")
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, {}
+        for connections in idle.values():
+            for connection in connections:
+                connection.close()
+
+    def __enter__(self) -> FrameChannel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class FrameUnaryMethod:
+    """A unary method on a :class:`FrameChannel` (gRPC's ``UnaryUnaryMultiCallable``)."""
+
+    def __init__(
+        self,
+        channel: FrameChannel,
+        method: str,
+        serialize: Callable[[Any], bytes] | None,
+        deserialize: Callable[[bytes], Any] | None,
+    ) -> None:
+        self._channel = channel
+        self._header = call_header(method)
+        self._serialize = serialize or bytes
+        self._deserialize: Callable[[bytes], Any] = deserialize or (lambda data: data)
+
+    def with_call(
+        self,
+        request: Any,
+        timeout: float | None = None,
+        metadata: Sequence[tuple[str, str]] | None = None,
+        **_: Any,
+    ) -> tuple[Any, FrameCallOutcome]:
+        body, trailing = self._channel.call(
+            self._header,
+            self._serialize(request),
+            timeout,
+            tuple(metadata) if metadata is not None else None,
+        )
+        return self._deserialize(body), FrameCallOutcome(trailing)
+
+    def __call__(
+        self,
+        request: Any,
+        timeout: float | None = None,
+        metadata: Sequence[tuple[str, str]] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        return self.with_call(request, timeout, metadata, **kwargs)[0]
+
+    def future(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("a framed channel has no future(); call it from a thread")
+
+
+class _Unimplemented:
+    """A streaming method on a framed channel: served over gRPC only."""
+
+    def __init__(self, method: str) -> None:
+        self._method = method
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise FrameRpcError(
+            grpc.StatusCode.UNIMPLEMENTED,
+            f"{self._method} is a streaming method, served over gRPC only: use the server's "
+            "gRPC address (--listen) for it",
+        )
+
+    with_call = __call__
+    future = __call__
