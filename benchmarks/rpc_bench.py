@@ -58,6 +58,17 @@ sys.path.insert(0, str(REPO))
 from kvsvc_client import KVCacheClient  # noqa: E402
 
 from kvsvc.demo.processes import Child, spawn, stop_all, wait_for_ports  # noqa: E402
+from kvsvc.frames.channel import FrameChannel  # noqa: E402
+
+# Transports measured (a figure's suffix, its name in the table), and for the framed
+# ones the gRPC echo of the same socket kind, which their calls are also compared with.
+TRANSPORTS = (
+    ("", "gRPC, TCP"),
+    ("_unix", "gRPC, Unix socket"),
+    ("_frames_tcp", "frames, TCP"),
+    ("_frames", "frames, Unix socket"),
+)
+GRPC_ECHO_OF = {"_frames_tcp": "", "_frames": "_unix"}
 
 # Goals of the issue (2-core machine): marginal < 3 us, step p50 < 1.5 ms, p99 < 3 ms,
 # a new-request Allocate within 1.5x of the echo floor, a Step within 1.0x (then 0.5x)
@@ -82,10 +93,25 @@ async def main():
         "bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(echo)})
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
-    for address in sys.argv[1:]:  # unix:PATH listeners
-        server.add_insecure_port(address)
+    grpc_unix, frames_unix = sys.argv[1:3]
+    server.add_insecure_port(grpc_unix)
     await server.start()
-    print(f"echo on port {port}", flush=True)
+    # The same echo over kvsvc's framed transport, served by its own listener code.
+    from kvsvc.frames.server import FrameMethod, FrameServer
+    from kvsvc.server.auth import Credentials
+    from kvsvc.server.errors import CallObserver
+    class Raw(bytes):
+        def SerializeToString(self):
+            return bytes(self)
+    async def frames_echo(request, context):
+        return request
+    frames = FrameServer(
+        [FrameMethod("/bench.Echo/Echo", frames_echo, Raw, None)],
+        Credentials(), CallObserver(), max_message_bytes=1 << 20,
+    )
+    await frames.listen(frames_unix)
+    frames_port = await frames.listen("127.0.0.1:0", "127.0.0.1", 0)
+    print(f"echo on port {port}, frames on port {frames_port}", flush=True)
     await server.wait_for_termination()
 asyncio.run(main())
 """
@@ -117,20 +143,29 @@ def time_calls(fn, n: int, warmup: int = 50) -> list[float]:  # type: ignore[no-
     return out
 
 
-def start_echo(pin: str | None, *unix: str) -> tuple[subprocess.Popen[str], int]:
-    """The echo server on a free loopback port and on each ``unix:PATH`` of ``unix``."""
-    cmd = [sys.executable, "-c", ECHO_SERVER, *unix]
+def start_echo(
+    pin: str | None, grpc_unix: str, frames_unix: str
+) -> tuple[subprocess.Popen[str], int, int]:
+    """The echo server: gRPC on a free loopback port and ``grpc_unix``, the framed
+    transport on another free port and ``frames_unix``; returns it and the two ports."""
+    cmd = [sys.executable, "-c", ECHO_SERVER, grpc_unix, frames_unix]
     if pin:
         cmd = ["taskset", "-c", pin, *cmd]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None
-    line = proc.stdout.readline()
-    return proc, int(line.split()[-1])
+    words = proc.stdout.readline().replace(",", "").split()
+    return proc, int(words[3]), int(words[-1])
 
 
 class Echo:
+    """A 32-byte unary echo over gRPC or (a ``frames:`` target) the framed transport."""
+
     def __init__(self, target: str) -> None:
-        self.channel = grpc.insecure_channel(target)
+        if target.startswith("frames:"):
+            self.channel: Any = FrameChannel(target[len("frames:") :])
+        else:
+            self.channel = grpc.insecure_channel(target)
         self.call = self.channel.unary_unary("/bench.Echo/Echo")
         self.payload = b"x" * 32
 
@@ -409,6 +444,15 @@ def bench_concurrent(address: str, pool: str, clients: int, seconds: float) -> f
     return total / seconds
 
 
+def frames_tcp_port(server: Child) -> int:
+    """The framed TCP listener's port, from the ``kvsvc frames on HOST:PORT`` line the
+    server printed before its ``serving`` line."""
+    for line in server.lines:
+        if line.startswith("kvsvc frames on ") and not line.startswith("kvsvc frames on unix:"):
+            return int(line.rpartition(":")[2])
+    raise RuntimeError(f"the server printed no framed TCP address: {server.lines}")
+
+
 def _summary(samples: list[float]) -> tuple[float, float]:
     return statistics.median(samples), percentile(samples, 0.99)
 
@@ -438,8 +482,12 @@ def main() -> int:
     children: list[Child] = []
     with tempfile.TemporaryDirectory(prefix="kvsvc-bench-") as tmp:
         server_socket = f"unix:{tmp}/kvsvc.sock"
+        frames_socket = f"unix:{tmp}/frames.sock"
         echo_socket = f"unix:{tmp}/echo.sock"
-        echo_proc, echo_port = start_echo(server_pin, echo_socket)
+        echo_frames_socket = f"unix:{tmp}/echo-frames.sock"
+        echo_proc, echo_port, echo_frames_port = start_echo(
+            server_pin, echo_socket, echo_frames_socket
+        )
         spec_file = Path(tmp) / "tiny.json"
         spec_file.write_text(json.dumps(TINY_SPECS))
         env: dict[str, str] = {}
@@ -452,6 +500,10 @@ def main() -> int:
                     "127.0.0.1:0",
                     "--listen",
                     server_socket,
+                    "--frames-listen",
+                    frames_socket,
+                    "--frames-listen",
+                    "127.0.0.1:0",
                     "--metrics-listen",
                     "127.0.0.1:0",
                     "--pool",
@@ -465,6 +517,7 @@ def main() -> int:
             )
             children.append(server)
             port, metrics_port = wait_for_ports(server)
+            frames_port = frames_tcp_port(server)
             if server_pin:
                 subprocess.run(
                     ["taskset", "-p", "-c", server_pin, str(server.process.pid)],
@@ -498,14 +551,28 @@ def main() -> int:
             with (
                 KVCacheClient(address, pool="bench") as kv,
                 KVCacheClient(server_socket, pool="bench") as kv_unix,
+                KVCacheClient(f"frames:127.0.0.1:{frames_port}", pool="bench") as kv_frames_tcp,
+                KVCacheClient(f"frames:{frames_socket}", pool="bench") as kv_frames,
             ):
                 kv.wait_until_ready(timeout=120)
-                echo_bench = Echo(f"127.0.0.1:{echo_port}")
-                echo_unix = Echo(echo_socket)
-                echo_bench.run(100)
-                echo_unix.run(100)
-                decode = DecodeStep(kv)
-                decode_unix = DecodeStep(kv_unix, name="dec-unix")
+                clients = {
+                    "": kv,
+                    "_unix": kv_unix,
+                    "_frames_tcp": kv_frames_tcp,
+                    "_frames": kv_frames,
+                }
+                echoes = {
+                    "": Echo(f"127.0.0.1:{echo_port}"),
+                    "_unix": Echo(echo_socket),
+                    "_frames_tcp": Echo(f"frames:127.0.0.1:{echo_frames_port}"),
+                    "_frames": Echo(f"frames:{echo_frames_socket}"),
+                }
+                for echo in echoes.values():
+                    echo.run(100)
+                decodes = {
+                    suffix: DecodeStep(client, name=f"dec{suffix}")
+                    for suffix, client in clients.items()
+                }
                 lockstep = DecodeStep(kv, lockstep=True)
                 in_process = {}
                 if vllm is not None:
@@ -517,16 +584,19 @@ def main() -> int:
                     rounds,
                     HandlerClock(metrics_port),
                     **in_process,
-                    echo=(echo_bench, 50),
-                    echo_unix=(echo_unix, 50),
-                    allocate_new=(AllocateNew(kv), 10),
-                    allocate_new_unix=(AllocateNew(kv_unix, "new-unix", salt=1), 10),
-                    step=(decode, 25),
-                    step_unix=(decode_unix, 25),
+                    **{f"echo{suffix}": (echo, 50) for suffix, echo in echoes.items()},
+                    **{
+                        f"allocate_new{suffix}": (
+                            AllocateNew(client, f"new{suffix}", salt=salt),
+                            10,
+                        )
+                        for salt, (suffix, client) in enumerate(clients.items())
+                    },
+                    **{f"step{suffix}": (decode, 25) for suffix, decode in decodes.items()},
                     lockstep=(lockstep, 16),
                 )
-                decode.close()
-                decode_unix.close()
+                for decode in decodes.values():
+                    decode.close()
                 lockstep.close()
             concurrent = bench_concurrent(address, "bench", 8, seconds)
         finally:
@@ -535,7 +605,7 @@ def main() -> int:
             echo_proc.wait(5)
 
     figures: dict[str, Any] = {}
-    for suffix in ("", "_unix"):
+    for suffix, _ in TRANSPORTS:
         echo_p50, echo_p99 = _summary(samples[f"echo{suffix}"])
         alloc_p50, alloc_p99 = _summary(samples[f"allocate_new{suffix}"])
         step_p50, step_p99 = _summary(samples[f"step{suffix}"])
@@ -571,12 +641,23 @@ def main() -> int:
         figures[f"{call}_unix_vs_tcp"] = round(
             figures[f"{call}_unix_p50_us"] / figures[f"{call}_p50_us"], 3
         )
+    # The framed transport's calls against gRPC's echo on the same kind of socket (what
+    # an engine would otherwise pay for the emptiest call) and against gRPC's same call.
+    for suffix, grpc_suffix in GRPC_ECHO_OF.items():
+        grpc_echo = figures[f"echo{grpc_suffix}_p50_us"]
+        for call in ("allocate_new", "step256"):
+            figures[f"{call}{suffix}_vs_grpc_echo"] = round(
+                figures[f"{call}{suffix}_p50_us"] / grpc_echo, 3
+            )
+            figures[f"{call}{suffix}_vs_grpc"] = round(
+                figures[f"{call}{suffix}_p50_us"] / figures[f"{call}{grpc_suffix}_p50_us"], 3
+            )
     if vllm:
         vllm_step = statistics.median(samples["vllm_step"])
         vllm_admission = statistics.median(samples["vllm_admission"])
         figures["vllm_step256_us_p50"] = round(vllm_step, 1)
         figures["vllm_admission_us_p50"] = round(vllm_admission, 1)
-        for suffix in ("", "_unix"):
+        for suffix, _ in TRANSPORTS:
             figures[f"step256{suffix}_vs_vllm"] = round(
                 figures[f"step256{suffix}_p50_us"] / vllm_step, 3
             )
@@ -599,10 +680,18 @@ def render(f: dict[str, Any]) -> str:
         else "vLLM in-process (reference, not measured here)"
     )
     rows = []
-    for suffix, transport in (("", "TCP"), ("_unix", "Unix socket")):
+    for suffix, transport in TRANSPORTS:
         echo = f[f"echo{suffix}_p50_us"]
         step = f[f"step256{suffix}_p50_us"]
         step_ratio = f"{step / f['vllm_step256_us_p50']:.2f}x vLLM" if measured else ""
+        allocate_ratio = f"{f[f'allocate_new{suffix}_vs_echo']:.2f}x echo"
+        if suffix in GRPC_ECHO_OF:
+            allocate_ratio += f", {f[f'allocate_new{suffix}_vs_grpc_echo']:.2f}x gRPC echo"
+            step_ratio += (", " if step_ratio else "") + (
+                f"{f[f'step256{suffix}_vs_grpc']:.2f}x gRPC's"
+            )
+        if measured:
+            allocate_ratio += f", {f[f'allocate_new{suffix}_vs_vllm']:.2f}x vLLM"
         rows += [
             (
                 f"echo (floor), {transport}",
@@ -615,8 +704,7 @@ def render(f: dict[str, Any]) -> str:
                 f"Allocate new 2048-token, {transport}",
                 f"{f[f'allocate_new{suffix}_p50_us']:.0f}",
                 f"{f[f'allocate_new{suffix}_p99_us']:.0f}",
-                f"{f[f'allocate_new{suffix}_vs_echo']:.2f}x echo"
-                + (f", {f[f'allocate_new{suffix}_vs_vllm']:.2f}x vLLM" if measured else ""),
+                allocate_ratio,
                 f"goal <= {GOAL_ALLOCATE_VS_ECHO}x echo",
             ),
             (
@@ -624,7 +712,7 @@ def render(f: dict[str, Any]) -> str:
                 f"{f[f'allocate_new{suffix}_handler_us']:.0f}",
                 "",
                 f"the rest {f[f'allocate_new{suffix}_beyond_handler_vs_echo']:.2f}x echo",
-                "gRPC, transport, client",
+                "transport and client",
             ),
             (
                 f"Step, 256-request decode, {transport}",

@@ -20,6 +20,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "rpc_bench.py"
 REFERENCE_VLLM_DECODE_US = 5.18
+# Figure suffixes: gRPC over loopback TCP and the Unix socket, the framed transport over both.
+TRANSPORTS = ("", "_unix", "_frames_tcp", "_frames")
 
 
 def run_bench(*flags: str, python: str = sys.executable) -> dict[str, Any]:
@@ -37,12 +39,12 @@ def run_bench(*flags: str, python: str = sys.executable) -> dict[str, Any]:
 def check_relations(figures: dict[str, Any]) -> None:
     """What must hold between one report's figures, whoever ran it."""
     for call in ("echo", "allocate_new", "step256"):
-        for transport in ("", "_unix"):  # loopback TCP and the Unix socket
+        for transport in TRANSPORTS:
             name = f"{call}{transport}"
             assert 0 < figures[f"{name}_p50_us"] <= figures[f"{name}_p99_us"], name
         unix_vs_tcp = figures[f"{call}_unix_p50_us"] / figures[f"{call}_p50_us"]
         assert figures[f"{call}_unix_vs_tcp"] == pytest.approx(unix_vs_tcp, rel=1e-3, abs=1e-3)
-    for transport in ("", "_unix"):
+    for transport in TRANSPORTS:
         # The server's own handler time is part of each call: above 0, below its p99.
         for call in ("allocate_new", "step256"):
             handler = figures[f"{call}{transport}_handler_us"]
@@ -54,6 +56,14 @@ def check_relations(figures: dict[str, Any]) -> None:
         assert figures[f"allocate_new{transport}_beyond_handler_vs_echo"] == pytest.approx(
             beyond, rel=1e-2, abs=2e-3
         )
+    # The framed transport's calls against gRPC's echo and call on the same socket kind.
+    for transport, grpc_transport in (("_frames_tcp", ""), ("_frames", "_unix")):
+        for call in ("allocate_new", "step256"):
+            mine = figures[f"{call}{transport}_p50_us"]
+            vs_echo = mine / figures[f"echo{grpc_transport}_p50_us"]
+            assert figures[f"{call}{transport}_vs_grpc_echo"] == pytest.approx(vs_echo, rel=1e-2)
+            vs_grpc = mine / figures[f"{call}{grpc_transport}_p50_us"]
+            assert figures[f"{call}{transport}_vs_grpc"] == pytest.approx(vs_grpc, rel=1e-2)
     assert 0 < figures["step256_lockstep_p50_us"] <= figures["step256_lockstep_max_us"]
     assert figures["concurrent_ops_per_s"] > 0
     # Derived figures come from the printed medians (each rounded to 0.1 us).
@@ -67,7 +77,7 @@ def check_relations(figures: dict[str, Any]) -> None:
         assert figures["vllm_version"] and figures["vllm_decode_us_p50"] > 0
         # The same 256 decodes in-process: at least 256 single decodes' worth of medians.
         assert figures["vllm_step256_us_p50"] >= figures["vllm_decode_us_p50"] * 200
-        for transport in ("", "_unix"):
+        for transport in TRANSPORTS:
             step = figures[f"step256{transport}_p50_us"] / figures["vllm_step256_us_p50"]
             assert figures[f"step256{transport}_vs_vllm"] == pytest.approx(step, rel=1e-2)
             admit = figures[f"allocate_new{transport}_p50_us"] / figures["vllm_admission_us_p50"]
