@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvsvc.frames.channel import FrameChannel
+from kvsvc.frames.channel import AioFrameChannel, FrameChannel
 from kvsvc.frames.protocol import frames_address, is_frames_target
 from kvsvc.tls import ClientTls, client_tls, open_aio_channel, open_channel
 
@@ -126,13 +126,16 @@ class ClientOptions:
         return open_channel(target, tls, CHANNEL_OPTIONS)
 
     def aio_channel(self, target: str) -> grpc.aio.Channel:
-        """The asyncio counterpart of :meth:`channel` (gRPC targets only)."""
+        """The asyncio counterpart of :meth:`channel`."""
+        tls = self.tls()
         if is_frames_target(target):
-            raise ValueError(
-                f"target {target!r}: the framed transport has a blocking client only "
-                "(KVCacheClient); give the asyncio client the server's gRPC address"
+            return AioFrameChannel(
+                frames_address(target),
+                ssl_context=tls.ssl_context() if tls is not None else None,
+                server_name=tls.server_name if tls is not None else None,
+                max_reply_bytes=MAX_MESSAGE_BYTES,
             )
-        return open_aio_channel(target, self.tls(), CHANNEL_OPTIONS)
+        return open_aio_channel(target, tls, CHANNEL_OPTIONS)
 
     def delay(self, attempt: int) -> float:
         base = min(self.max_backoff, self.backoff * (2**attempt))

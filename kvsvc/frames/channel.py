@@ -13,10 +13,14 @@ the transport saves. Calls from several threads at once use several connections.
 deadline that passes closes the connection it was on (its reply would come out of
 turn): UNAVAILABLE and DEADLINE_EXCEEDED are then the caller's to retry, as over gRPC.
 Streaming methods raise UNIMPLEMENTED (they are served over gRPC).
+
+:class:`AioFrameChannel` is the same for ``grpc.aio`` stubs (kvsvc's
+:class:`kvsvc_client.AsyncKVCacheClient`): a call awaits its reply on the caller's loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import ssl
@@ -393,3 +397,271 @@ class _Unimplemented:
 
     with_call = __call__
     future = __call__
+
+
+# ---------------------------------------------------------------------- asyncio
+
+
+class _AioConnection:
+    """One asyncio stream, one call at a time."""
+
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_reply_bytes: int
+    ) -> None:
+        self.reader = reader
+        self.writer = writer
+        self._max_reply_bytes = max_reply_bytes
+
+    def close(self) -> None:
+        self.writer.close()
+
+    async def exchange(self, data: bytes) -> tuple[FrameHeader, bytes]:
+        self.writer.write(data)
+        header_size, body_size = PREFIX.unpack(await self.reader.readexactly(PREFIX.size))
+        if header_size > MAX_HEADER_BYTES or body_size > self._max_reply_bytes:
+            raise _ProtocolError(
+                f"a reply frame of {header_size} + {body_size} bytes is over the client's "
+                f"bounds ({MAX_HEADER_BYTES} + {self._max_reply_bytes})"
+            )
+        rest = await self.reader.readexactly(header_size + body_size)
+        return FrameHeader.FromString(rest[:header_size]), rest[header_size:]
+
+
+def _aio_error(code: grpc.StatusCode, details: str, trailing: Metadata = ()) -> Exception:
+    """What a grpc.aio call raises, so asyncio clients catch one exception type."""
+    return grpc.aio.AioRpcError(
+        code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details=details
+    )
+
+
+class AioFrameChannel(grpc.aio.Channel):
+    """The asyncio counterpart of :class:`FrameChannel` (``grpc.aio.Channel``'s interface,
+    the parts the generated stubs use); its connections belong to the loop that made
+    them."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+        server_name: str | None = None,
+        max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        # The address checks are the blocking channel's; it opens no socket until a call.
+        self._target = FrameChannel(address, ssl_context=ssl_context, server_name=server_name)
+        self.address = address
+        self._ssl = ssl_context
+        self._server_name = server_name
+        self._max_reply_bytes = max_reply_bytes
+        self._connect_timeout = connect_timeout
+        self._idle: dict[Metadata | None, list[_AioConnection]] = {}
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"AioFrameChannel({self.address!r})"
+
+    async def _connect(self, metadata: Metadata | None) -> _AioConnection:
+        target = self._target
+        try:
+            if target._unix:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_unix_connection(target._path), self._connect_timeout
+                )
+            else:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_connection(
+                        target._host,
+                        target._port,
+                        ssl=self._ssl,
+                        server_hostname=(self._server_name or target._host) if self._ssl else None,
+                    ),
+                    self._connect_timeout,
+                )
+        except ssl.SSLError as exc:
+            raise _aio_error(
+                grpc.StatusCode.UNAVAILABLE,
+                f"TLS handshake with {self.address} failed: {exc.reason or exc}",
+            ) from None
+        except (OSError, TimeoutError) as exc:
+            reason = getattr(exc, "strerror", None) or exc or "timed out"
+            raise _aio_error(
+                grpc.StatusCode.UNAVAILABLE, f"failed to connect to {self.address}: {reason}"
+            ) from None
+        connection = _AioConnection(reader, writer, self._max_reply_bytes)
+        hello = hello_header(metadata)
+        try:
+            reply, _ = await asyncio.wait_for(
+                connection.exchange(MAGIC + PREFIX.pack(len(hello), 0) + hello),
+                self._connect_timeout,
+            )
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, _ProtocolError) as exc:
+            connection.close()
+            raise _aio_error(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{self.address} did not answer the framed protocol's hello ({exc!r}); is it "
+                "a kvsvc --frames-listen address?",
+            ) from None
+        if reply.code or reply.version != VERSION:
+            connection.close()
+            if reply.code:
+                code = _CODES.get(reply.code, grpc.StatusCode.UNKNOWN)
+                raise _aio_error(code, reply.details)
+            raise _aio_error(
+                grpc.StatusCode.UNIMPLEMENTED,
+                f"{self.address} answered with frames protocol version {reply.version}",
+            )
+        return connection
+
+    async def call(
+        self, method_header: bytes, body: bytes, timeout: float | None, metadata: Metadata | None
+    ) -> tuple[bytes, Metadata]:
+        """One call: the reply's body and trailing metadata, or AioRpcError."""
+        if self._closed:
+            raise _aio_error(grpc.StatusCode.CANCELLED, "the channel is closed")
+        idle = self._idle.get(metadata)
+        connection = idle.pop() if idle else await self._connect(metadata)
+        frame_bytes = PREFIX.pack(len(method_header), len(body)) + method_header + body
+        try:
+            header, reply = await asyncio.wait_for(connection.exchange(frame_bytes), timeout)
+        except TimeoutError:
+            connection.close()
+            raise _aio_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        except (OSError, asyncio.IncompleteReadError, _ProtocolError) as exc:
+            connection.close()
+            raise _aio_error(
+                grpc.StatusCode.UNAVAILABLE, f"the connection to {self.address} failed: {exc!r}"
+            ) from None
+        except BaseException:
+            connection.close()  # cancelled mid-call: its reply would come out of turn
+            raise
+        trailing = tuple((m.key, m.value) for m in header.metadata) if header.metadata else ()
+        if header.close or self._closed:
+            connection.close()
+        else:
+            self._idle.setdefault(metadata, []).append(connection)
+        if header.code:
+            code = _CODES.get(header.code, grpc.StatusCode.UNKNOWN)
+            raise _aio_error(code, header.details, trailing)
+        return reply, trailing
+
+    # ------------------------------------------------------------------ grpc.aio.Channel
+
+    def unary_unary(  # type: ignore[override]
+        self,
+        method: str,
+        request_serializer: Callable[[Any], bytes] | None = None,
+        response_deserializer: Callable[[bytes], Any] | None = None,
+        _registered_method: bool | None = False,
+    ) -> AioFrameUnaryMethod:
+        return AioFrameUnaryMethod(self, method, request_serializer, response_deserializer)
+
+    def unary_stream(self, method: str, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return _AioUnimplemented(method)
+
+    def stream_unary(self, method: str, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return _AioUnimplemented(method)
+
+    def stream_stream(self, method: str, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return _AioUnimplemented(method)
+
+    def get_state(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
+        return grpc.ChannelConnectivity.READY
+
+    async def wait_for_state_change(self, last_observed_state: Any) -> None:
+        raise NotImplementedError("a framed channel has no connectivity states")
+
+    async def channel_ready(self) -> None:
+        return None
+
+    async def close(self, grace: float | None = None) -> None:
+        self._closed = True
+        idle, self._idle = self._idle, {}
+        for connections in idle.values():
+            for connection in connections:
+                connection.close()
+
+    async def __aenter__(self) -> AioFrameChannel:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class AioFrameUnaryMethod:
+    """A unary method on an :class:`AioFrameChannel` (``UnaryUnaryMultiCallable``)."""
+
+    def __init__(
+        self,
+        channel: AioFrameChannel,
+        method: str,
+        serialize: Callable[[Any], bytes] | None,
+        deserialize: Callable[[bytes], Any] | None,
+    ) -> None:
+        self._channel = channel
+        self._header = call_header(method)
+        self._serialize = serialize or bytes
+        self._deserialize: Callable[[bytes], Any] = deserialize or (lambda data: data)
+
+    def __call__(
+        self,
+        request: Any,
+        *,
+        timeout: float | None = None,
+        metadata: Sequence[tuple[str, str]] | None = None,
+        **_: Any,
+    ) -> AioFrameCall:
+        return AioFrameCall(
+            self._channel.call(
+                self._header,
+                self._serialize(request),
+                timeout,
+                tuple(metadata) if metadata is not None else None,
+            ),
+            self._deserialize,
+        )
+
+
+class AioFrameCall:
+    """One call in flight: awaiting it gives the response; then ``trailing_metadata()``."""
+
+    def __init__(self, reply: Any, deserialize: Callable[[bytes], Any]) -> None:
+        self._reply = reply
+        self._deserialize = deserialize
+        self._trailing: Metadata = ()
+
+    def __await__(self) -> Any:
+        return self._result().__await__()
+
+    async def _result(self) -> Any:
+        body, self._trailing = await self._reply
+        return self._deserialize(body)
+
+    async def trailing_metadata(self) -> grpc.aio.Metadata:
+        return grpc.aio.Metadata(*self._trailing)
+
+    async def initial_metadata(self) -> grpc.aio.Metadata:
+        return grpc.aio.Metadata()
+
+
+class _AioUnimplemented:
+    """A streaming method on an asyncio framed channel: served over gRPC only."""
+
+    def __init__(self, method: str) -> None:
+        self._method = method
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _AioUnimplemented:
+        return self
+
+    def __aiter__(self) -> _AioUnimplemented:
+        return self
+
+    async def __anext__(self) -> Any:
+        raise _aio_error(
+            grpc.StatusCode.UNIMPLEMENTED,
+            f"{self._method} is a streaming method, served over gRPC only: use the server's "
+            "gRPC address (--listen) for it",
+        )
+
+    def cancel(self) -> bool:
+        return False
