@@ -1,11 +1,13 @@
 """Stock vLLM against vLLM on kvsvc: the same prompts, the same run, interleaved rounds.
 
-Two in-process engines of the tiny dummy-weight Llama (CPU) run the same greedy workload
-in alternating rounds, so both see the same machine speed. Printed per engine: output
-tokens/s (median over rounds) and their ratio; for kvsvc also RPCs per scheduling step
-(median, max; decode-only steps apart), and the time the scheduler waited on kvsvc per
-step. Goals (issue "A real engine on kvsvc"): tokens/s ratio >= 0.95, <= 2 RPCs in
-decode-only steps.
+Three in-process engines of the tiny dummy-weight Llama (CPU) run the same greedy
+workload in rotating rounds, so all see the same machine speed: stock vLLM, vLLM on kvsvc
+over gRPC, and vLLM on kvsvc with its scheduler's calls over the framed transport (a Unix
+socket: the sidecar case); each kvsvc engine has its own server and pool. Printed per
+engine: output tokens/s (median over rounds) and the ratio to stock; for kvsvc also RPCs
+per scheduling step (median, max; decode-only steps apart), and the time the scheduler
+waited on kvsvc per step. Goals (issue "A real engine on kvsvc"): tokens/s ratio >= 0.95,
+<= 2 RPCs in decode-only steps.
 
 Run: ``make bench-vllm`` (or ``VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python
 benchmarks/vllm_bench.py [--rounds N] [--requests N]``).
@@ -72,76 +74,93 @@ def main() -> int:
     import vllm
 
     prompts = workload(args.requests)
+    server_args = ("--num-gpu-blocks-override", str(args.blocks), "--max-model-len", "512")
     with (
         tempfile.TemporaryDirectory() as tmp,
-        kvsvc_server(
-            "--num-gpu-blocks-override", str(args.blocks), "--max-model-len", "512"
-        ) as server,
+        kvsvc_server(*server_args) as server,
+        kvsvc_server(*server_args, pool="vllm-frames", frames=True) as frames_server,
     ):
         model = write_tiny_model(Path(tmp))
-        stock = vllm.LLM(**engine_args(model, num_gpu_blocks_override=args.blocks))
-        on_kvsvc = vllm.LLM(**engine_args(model, **vllm_kwargs(server.address, server.pool)))
-        mirror = engine_core(on_kvsvc).scheduler.kvsvc
-        # Warm both (first-run compilation, allocator), then reset the manager's counters.
+        engines = {
+            "stock": vllm.LLM(**engine_args(model, num_gpu_blocks_override=args.blocks)),
+            "kvsvc": vllm.LLM(**engine_args(model, **vllm_kwargs(server.address, server.pool))),
+            "kvsvc_frames": vllm.LLM(
+                **engine_args(
+                    model,
+                    **vllm_kwargs(
+                        frames_server.address, frames_server.pool, frames=frames_server.frames
+                    ),
+                )
+            ),
+        }
+        on_kvsvc = ("kvsvc", "kvsvc_frames")
+        stats = {name: engine_core(engines[name]).scheduler.kvsvc.stats for name in on_kvsvc}
+        # Warm every engine (first-run compilation, allocator), then reset the counters.
         for _ in range(2):
-            one_round(stock, prompts, args.max_tokens)
-            one_round(on_kvsvc, prompts, args.max_tokens)
-        stats = mirror.stats
-        stats.rpcs_by_step.clear()
-        stats.seconds_waiting = 0.0
-        stats.sync_calls = 0
-        steps_before = len(stats.rpcs_by_step)
-        rates: dict[str, list[float]] = {"stock": [], "kvsvc": []}
-        decode_rpcs: list[int] = []
-        order = [("stock", stock), ("kvsvc", on_kvsvc)]
+            for llm in engines.values():
+                one_round(llm, prompts, args.max_tokens)
+        for counters in stats.values():
+            counters.rpcs_by_step.clear()
+            counters.seconds_waiting = 0.0
+            counters.sync_calls = 0
+        rates: dict[str, list[float]] = {name: [] for name in engines}
+        decode_rpcs: dict[str, list[int]] = {name: [] for name in on_kvsvc}
+        order = list(engines)
         for _ in range(args.rounds):
-            order.reverse()  # neither engine always runs first
-            for name, llm in order:
-                mark = len(stats.rpcs_by_step)
-                elapsed, tokens = one_round(llm, prompts, args.max_tokens)
+            order = order[1:] + order[:1]  # no engine always runs first
+            for name in order:
+                counters = stats.get(name)
+                mark = len(counters.rpcs_by_step) if counters is not None else 0
+                elapsed, tokens = one_round(engines[name], prompts, args.max_tokens)
                 rates[name].append(tokens / elapsed)
-                if name == "kvsvc":
+                if counters is not None:
                     # Steps after the last admission of the round are decode-only; the
                     # first len(prompts) steps may admit.
-                    decode_rpcs.extend(stats.rpcs_by_step[mark + args.requests :])
-        steps = stats.rpcs_by_step[steps_before:]
+                    decode_rpcs[name].extend(counters.rpcs_by_step[mark + args.requests :])
         stock_rate = statistics.median(rates["stock"])
-        kvsvc_rate = statistics.median(rates["kvsvc"])
-        wait_per_step_us = 1e6 * stats.seconds_waiting / max(len(steps), 1)
         rows = [
             ("output tokens/s, stock vLLM (median)", f"{stock_rate:,.0f}"),
-            ("output tokens/s, vLLM on kvsvc (median)", f"{kvsvc_rate:,.0f}"),
-            ("ratio kvsvc / stock (goal >= 0.95)", f"{kvsvc_rate / stock_rate:.3f}"),
             ("tokens/s per round, stock", " ".join(f"{r:,.0f}" for r in rates["stock"])),
-            ("tokens/s per round, kvsvc", " ".join(f"{r:,.0f}" for r in rates["kvsvc"])),
-            (
-                "per-round ratios",
-                " ".join(
-                    f"{k / s:.2f}" for k, s in zip(rates["kvsvc"], rates["stock"], strict=True)
-                ),
-            ),
-            (
-                "RPCs per step, all steps (median / max)",
-                f"{statistics.median(steps):g} / {max(steps)}",
-            ),
-            (
-                "RPCs per step, decode-only (median / max; goal <= 2)",
-                f"{statistics.median(decode_rpcs):g} / {max(decode_rpcs)}" if decode_rpcs else "-",
-            ),
-            ("synchronous calls (admission lookups, refreshes)", f"{stats.sync_calls}"),
-            ("time waiting on kvsvc per step (mean, us)", f"{wait_per_step_us:.0f}"),
-            ("steps measured", f"{len(steps)}"),
         ]
+        for name, label in (("kvsvc", "gRPC"), ("kvsvc_frames", "frames, Unix socket")):
+            counters = stats[name]
+            steps = counters.rpcs_by_step
+            rate = statistics.median(rates[name])
+            wait_per_step_us = 1e6 * counters.seconds_waiting / max(len(steps), 1)
+            decode = decode_rpcs[name]
+            rows += [
+                (f"vLLM on kvsvc, {label}:", ""),
+                ("  output tokens/s (median)", f"{rate:,.0f}"),
+                ("  ratio to stock (goal >= 0.95)", f"{rate / stock_rate:.3f}"),
+                ("  tokens/s per round", " ".join(f"{r:,.0f}" for r in rates[name])),
+                (
+                    "  per-round ratios",
+                    " ".join(
+                        f"{k / s:.2f}" for k, s in zip(rates[name], rates["stock"], strict=True)
+                    ),
+                ),
+                (
+                    "  RPCs per step, all steps (median / max)",
+                    f"{statistics.median(steps):g} / {max(steps)}",
+                ),
+                (
+                    "  RPCs per step, decode-only (median / max; goal <= 2)",
+                    f"{statistics.median(decode):g} / {max(decode)}" if decode else "-",
+                ),
+                ("  synchronous calls (admission lookups, refreshes)", f"{counters.sync_calls}"),
+                ("  time waiting on kvsvc per step (mean, us)", f"{wait_per_step_us:.0f}"),
+                ("  steps measured", f"{len(steps)}"),
+            ]
         width = max(len(label) for label, _ in rows)
         print(
             f"vLLM {vllm.__version__} on CPU, {args.requests} requests x {args.max_tokens} "
             f"tokens, {args.rounds} interleaved rounds, {args.blocks} blocks"
         )
         for label, value in rows:
-            print(f"{label:<{width}}  {value}")
-        for llm in (stock, on_kvsvc):
+            print(f"{label:<{width}}  {value}".rstrip())
+        for llm in engines.values():
             llm.llm_engine.engine_core.shutdown()
-        del stock, on_kvsvc, llm
+        engines.clear()
         gc.collect()
     return 0
 

@@ -62,3 +62,28 @@ def test_cli_bad_server_is_a_clear_error() -> None:
     done = run_cli("--server", "nohost", "--pool", "p1")
     assert done.returncode != 0
     assert "HOST:PORT" in done.stderr
+
+
+def test_frames_carries_the_schedulers_target_and_leaves_the_workers_on_grpc() -> None:
+    """The scheduler's calls go to ``frames:ADDRESS``; the workers' ``server`` is
+    unchanged (registration and the plan stream are gRPC's), in both forms of the args."""
+    kwargs = vllm_kwargs("10.0.0.1:7000", "p1", frames="unix:/run/kvsvc/frames.sock")
+    settings = settings_from_additional_config(kwargs["additional_config"])
+    assert settings.server == "10.0.0.1:7000"
+    assert settings.engine_target == "frames:unix:/run/kvsvc/frames.sock"
+    assert (
+        settings_from_additional_config(vllm_kwargs("h:1", "p")["additional_config"]).engine_target
+        == "h:1"
+    )
+    done = run_cli(
+        "--server", "10.0.0.1:7000", "--pool", "p1", "--frames", "unix:/run/kvsvc/frames.sock"
+    )
+    assert done.returncode == 0, done.stderr
+    flags = shlex.split(done.stdout)
+    assert json.loads(flags[flags.index("--additional-config") + 1]) == kwargs["additional_config"]
+
+
+@pytest.mark.parametrize("frames", ["nope", "frames:unix:/x.sock", ""])
+def test_a_bad_frames_address_is_refused_naming_the_setting(frames: str) -> None:
+    with pytest.raises(ValueError, match="frames must be unix:PATH or HOST:PORT"):
+        vllm_kwargs("h:1", "p", frames=frames)

@@ -28,6 +28,12 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--server", default=DEFAULT_LISTEN, help="kvsvc server HOST:PORT")
     parser.add_argument("--pool", required=True, help="the pool vLLM owns")
     parser.add_argument(
+        "--frames",
+        metavar="unix:PATH|HOST:PORT",
+        help="the scheduler's calls over the server's framed transport at this address "
+        "(kvsvc serve --frames-listen); the workers still use --server",
+    )
+    parser.add_argument(
         "--json", action="store_true", help="print vllm_kwargs(...) as JSON instead of flags"
     )
     parser.set_defaults(func=run)
@@ -36,9 +42,9 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         if args.json:
-            print(json.dumps(vllm_kwargs(args.server, args.pool), indent=2))
+            print(json.dumps(vllm_kwargs(args.server, args.pool, frames=args.frames), indent=2))
         else:
-            print(shlex.join(vllm_serve_flags(args.server, args.pool)))
+            print(shlex.join(vllm_serve_flags(args.server, args.pool, frames=args.frames)))
     except ValueError as exc:
         raise SystemExit(f"kvsvc vllm-args: {exc}") from None
     return 0

@@ -29,6 +29,7 @@ import gc
 import json
 import os
 import socket
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -116,6 +117,7 @@ class KvsvcServer:
     child: Child
     address: str
     pool: str
+    frames: str | None = None  # the framed transport's unix:PATH, when it has one
 
     def client(self) -> Any:
         """An engine-side client of the pool (close it, or use ``with``)."""
@@ -145,12 +147,14 @@ def kvsvc_server(
     world_size: int = 1,
     block_size: int | None = BLOCK_SIZE,
     log_level: str = "WARNING",
+    frames: bool = False,
 ) -> Iterator[KvsvcServer]:
     """Run ``kvsvc serve`` on a free loopback port with one pool; stop it afterwards.
 
     Args:
         extra_args: more ``kvsvc serve`` flags (``"--num-gpu-blocks-override", "100"``).
         block_size: the pool's ``--block-size`` (None: not given).
+        frames: also serve the framed transport on a Unix socket (``server.frames``).
     """
     args = [
         "serve",
@@ -167,12 +171,16 @@ def kvsvc_server(
     ]
     if block_size is not None:
         args += ["--block-size", str(block_size)]
-    child = spawn(f"kvsvc-{pool}", [*args, *extra_args])
-    try:
-        port, _ = wait_for_ports(child)
-        yield KvsvcServer(child, f"127.0.0.1:{port}", pool)
-    finally:
-        child.stop()
+    with tempfile.TemporaryDirectory(prefix="kvsvc-", dir="/tmp") as sockets:
+        frames_address = f"unix:{sockets}/frames.sock" if frames else None
+        if frames_address is not None:
+            args += ["--frames-listen", frames_address]
+        child = spawn(f"kvsvc-{pool}", [*args, *extra_args])
+        try:
+            port, _ = wait_for_ports(child)
+            yield KvsvcServer(child, f"127.0.0.1:{port}", pool, frames_address)
+        finally:
+            child.stop()
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:

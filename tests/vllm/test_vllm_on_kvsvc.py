@@ -94,12 +94,16 @@ class OnKvsvc:
     run: Run
 
 
-@pytest.fixture(scope="module")
-def on_kvsvc(model_dir: Path) -> Iterator[OnKvsvc]:
+@pytest.fixture(scope="module", params=["grpc", "frames"])
+def on_kvsvc(model_dir: Path, request: pytest.FixtureRequest) -> Iterator[OnKvsvc]:
+    """vLLM on kvsvc, its scheduler's calls over gRPC, then over the framed transport (a
+    Unix socket, as a sidecar serves it; the workers stay on gRPC either way)."""
+    frames = request.param == "frames"
     with kvsvc_server(
-        "--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-model-len", "512"
+        "--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-model-len", "512", frames=frames
     ) as server:
-        llm = make_llm(model_dir, disable_log_stats=False, **vllm_kwargs(server.address, "vllm"))
+        kwargs = vllm_kwargs(server.address, "vllm", frames=server.frames)
+        llm = make_llm(model_dir, disable_log_stats=False, **kwargs)
         try:
             yield OnKvsvc(server, llm, generate(llm))
         finally:
@@ -139,6 +143,17 @@ def test_the_pools_plan_is_what_vllm_allocated(on_kvsvc: OnKvsvc) -> None:
     # vLLM's count includes the null block, the pool's usable count does not.
     assert response.pool.num_blocks == on_kvsvc.run.num_gpu_blocks - 1 == NUM_BLOCKS - 1
     assert plan["num_blocks"] in (NUM_BLOCKS, NUM_BLOCKS - 1)
+
+
+def test_the_schedulers_calls_take_the_transport_asked_for(on_kvsvc: OnKvsvc) -> None:
+    """With ``frames=``, the scheduler's client is on the framed socket (not silently on
+    gRPC): its target, and the server's own count of framed connections."""
+    client = engine_core(on_kvsvc.llm).scheduler.kvsvc._client  # the mirror's client
+    if on_kvsvc.server.frames is None:
+        assert client.target == on_kvsvc.server.address
+    else:
+        assert client.target == f"frames:{on_kvsvc.server.frames}"
+        assert type(client._channel).__name__ == "FrameChannel"
 
 
 def test_decode_only_steps_cost_one_rpc(on_kvsvc: OnKvsvc) -> None:

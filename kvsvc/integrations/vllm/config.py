@@ -27,7 +27,7 @@ class KvsvcSettings:
     """Where vLLM's scheduler and workers find their kvsvc pool.
 
     Attributes:
-        server: ``HOST:PORT`` of ``kvsvc serve``.
+        server: ``HOST:PORT`` of ``kvsvc serve`` (or ``unix:PATH`` of its ``--listen``).
         pool: the pool this engine owns (one engine per pool: its blocks are this
             engine's KV cache memory).
         auth_token: bearer token of the server, if it requires one.
@@ -37,6 +37,10 @@ class KvsvcSettings:
             machine vLLM runs on), as :class:`kvsvc_client.ClientOptions` takes them; None
             reads ``KVSVC_TLS_CA`` / ``KVSVC_TLS_CERT`` / ``KVSVC_TLS_KEY`` /
             ``KVSVC_TLS_SERVER_NAME`` in the scheduler's and each worker's process.
+        frames: the server's framed transport (``unix:PATH`` or ``HOST:PORT`` of its
+            ``--frames-listen``) for the scheduler's calls, every scheduling step's: the
+            same calls without gRPC's per-call work. The workers (registration, the plan
+            stream) still use ``server``. None: everything over ``server``.
     """
 
     server: str
@@ -48,9 +52,17 @@ class KvsvcSettings:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_server_name: str | None = None
+    frames: str | None = None
+
+    @property
+    def engine_target(self) -> str:
+        """The client target of the scheduler's calls."""
+        return f"frames:{self.frames}" if self.frames else self.server
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"server": self.server, "pool": self.pool}
+        if self.frames is not None:
+            out["frames"] = self.frames
         if self.auth_token is not None:
             out["auth_token"] = self.auth_token
         if self.rpc_timeout != KvsvcSettings.rpc_timeout:
@@ -64,7 +76,12 @@ class KvsvcSettings:
 
 
 def vllm_kwargs(
-    server: str, pool: str, auth_token: str | None = None, **tls: str | None
+    server: str,
+    pool: str,
+    auth_token: str | None = None,
+    *,
+    frames: str | None = None,
+    **tls: str | None,
 ) -> dict[str, Any]:
     """Keyword arguments that make ``vllm.LLM(model=..., **vllm_kwargs(...))`` run on kvsvc.
 
@@ -76,7 +93,8 @@ def vllm_kwargs(
         server: ``HOST:PORT`` of ``kvsvc serve``.
         pool: pool name (``kvsvc serve --pool NAME``).
         auth_token: the server's bearer token; None reads ``KVSVC_AUTH_TOKEN`` at start.
-
+        frames: the scheduler's calls over the server's framed transport at this address
+            (``unix:PATH`` or ``HOST:PORT`` of ``kvsvc serve --frames-listen``).
         tls: ``tls_ca``, ``tls_cert``, ``tls_key``, ``tls_server_name`` for a server with
             TLS (see :class:`KvsvcSettings`); unset ones come from ``KVSVC_TLS_*``.
 
@@ -87,7 +105,7 @@ def vllm_kwargs(
         ValueError: an empty server address or pool name, an unknown TLS key, or a
             client certificate without its key.
     """
-    settings = make_settings(server, pool, auth_token, **tls)
+    settings = make_settings(server, pool, auth_token, frames=frames, **tls)
     return {
         "scheduler_cls": SCHEDULER_CLS,
         "worker_cls": WORKER_CLS,
@@ -96,11 +114,22 @@ def vllm_kwargs(
 
 
 def make_settings(
-    server: str, pool: str, auth_token: str | None = None, **tls: str | None
+    server: str,
+    pool: str,
+    auth_token: str | None = None,
+    *,
+    frames: str | None = None,
+    **tls: str | None,
 ) -> KvsvcSettings:
     """Checked settings (the one constructor every entry point goes through)."""
     if not server or ":" not in server:
         raise ValueError(f"server must be HOST:PORT, got {server!r}")
+    if frames is not None and (
+        not isinstance(frames, str) or ":" not in frames or frames.startswith("frames:")
+    ):
+        raise ValueError(
+            f"frames must be unix:PATH or HOST:PORT (kvsvc serve --frames-listen), got {frames!r}"
+        )
     if not pool:
         raise ValueError("pool must not be empty")
     unknown = sorted(set(tls) - set(TLS_KEYS))
@@ -121,13 +150,16 @@ def make_settings(
         tls_cert=tls.get("tls_cert"),
         tls_key=tls.get("tls_key"),
         tls_server_name=tls.get("tls_server_name"),
+        frames=frames,
     )
 
 
-def vllm_serve_flags(server: str, pool: str, **tls: str | None) -> list[str]:
+def vllm_serve_flags(
+    server: str, pool: str, *, frames: str | None = None, **tls: str | None
+) -> list[str]:
     """``vllm serve`` flags equivalent to :func:`vllm_kwargs` (the token stays in the env;
     TLS paths are no secret and may go in, or come from ``KVSVC_TLS_*``)."""
-    settings = make_settings(server, pool, **tls)
+    settings = make_settings(server, pool, frames=frames, **tls)
     return [
         "--scheduler-cls",
         SCHEDULER_CLS,
@@ -156,7 +188,10 @@ def settings_from_additional_config(additional_config: Any) -> KvsvcSettings:
     # falling back to KVSVC_AUTH_TOKEN; see kvsvc_client.resolve_token).
     token = raw.get("auth_token") or None
     tls = {key: raw[key] for key in TLS_KEYS if raw.get(key) is not None}
-    settings = make_settings(str(raw.get("server", "")), str(raw.get("pool", "")), token, **tls)
+    frames = raw.get("frames")
+    settings = make_settings(
+        str(raw.get("server", "")), str(raw.get("pool", "")), token, frames=frames, **tls
+    )
     return dataclasses.replace(
         settings,
         rpc_timeout=float(raw.get("rpc_timeout", KvsvcSettings.rpc_timeout)),

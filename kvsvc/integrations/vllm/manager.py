@@ -148,9 +148,9 @@ class KvsvcBlockMirror:
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.num_blocks = num_blocks
-        self._where = f"kvsvc server {settings.server} (pool {settings.pool!r})"
+        self._where = f"kvsvc server {settings.engine_target} (pool {settings.pool!r})"
         self._client = KVCacheClient(
-            settings.server,
+            settings.engine_target,
             settings.pool,
             options=ClientOptions(
                 timeout=settings.rpc_timeout,

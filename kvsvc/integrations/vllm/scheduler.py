@@ -410,7 +410,7 @@ class KvsvcScheduler(Scheduler):
         logger.info(
             "KV cache manager: kvsvc pool %r at %s (%d blocks of %d tokens)",
             settings.pool,
-            settings.server,
+            settings.engine_target,
             kv_cache_config.num_blocks,
             self.block_size,
         )
