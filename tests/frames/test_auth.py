@@ -1,0 +1,171 @@
+"""The framed transport's auth: the same credentials, roles and engine namespaces as gRPC
+(one rule, :func:`kvsvc.server.auth.decide`), and a refused call answered before its
+message is read."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from kvsvc_client import (
+    ClientOptions,
+    KVCacheClient,
+    NotFoundError,
+    PermissionDeniedError,
+    RequestStart,
+    UnauthenticatedError,
+)
+
+from kvsvc.frames.protocol import PREFIX, call_header
+from kvsvc.v1 import kvcache_pb2
+from tests.frames.helpers import (
+    KVCACHE,
+    POOL,
+    RawClient,
+    frames_server,
+    live_requests,
+    short_dir,
+    unix_target,
+)
+from tests.server.harness import ServerThread
+
+ENGINE_A = "engine-a-token-0123456789"
+ENGINE_B = "engine-b-token-0123456789"
+AGENT = "agent-token-0123456789abc"
+ADMIN = "admin-token-0123456789abc"
+UNAUTHENTICATED = 16
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerThread]:
+    with short_dir() as tmp:
+        (tmp / "engine").write_text(f"engine-a {ENGINE_A}\nengine-b {ENGINE_B}\n")
+        (tmp / "agent").write_text(f"{AGENT}\n")
+        (tmp / "admin").write_text(f"{ADMIN}\n")
+        with frames_server(
+            f"unix:{tmp}/a.sock,127.0.0.1:0",
+            token=AGENT,
+            engine_token_file=str(tmp / "engine"),
+            agent_token_file=str(tmp / "agent"),
+            admin_token_file=str(tmp / "admin"),
+        ) as srv:
+            yield srv
+
+
+def client(server: ServerThread, token: str) -> KVCacheClient:
+    options = ClientOptions(token=token, retries=0, timeout=5)
+    return KVCacheClient(unix_target(server), pool=POOL, options=options)
+
+
+def test_a_call_without_a_token_is_unauthenticated(server: ServerThread) -> None:
+    with client(server, "") as anon, pytest.raises(UnauthenticatedError) as caught:
+        anon.usage()
+    assert "missing authorization metadata" in caught.value.details
+    assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_an_unknown_token_is_unauthenticated(server: ServerThread) -> None:
+    with client(server, "not-a-token-0123456789") as stranger:
+        with pytest.raises(UnauthenticatedError, match="unknown token"):
+            stranger.allocate("x", [1, 2, 3], 3, start=True)
+        # The secret is not echoed back.
+        with pytest.raises(UnauthenticatedError) as caught:
+            stranger.usage()
+        assert "not-a-token-0123456789" not in caught.value.details
+    assert live_requests(server) == []
+
+
+def test_an_agent_token_cannot_make_engine_calls(server: ServerThread) -> None:
+    with client(server, AGENT) as agent, pytest.raises(PermissionDeniedError) as caught:
+        agent.allocate("x", [1, 2, 3], 3, start=True)
+    assert "Allocate" in caught.value.details and "engine" in caught.value.details
+    assert AGENT not in caught.value.details
+    assert live_requests(server) == []
+
+
+def test_an_admin_token_reads_but_does_not_allocate(server: ServerThread) -> None:
+    with client(server, ADMIN) as admin:
+        assert admin.usage().pool == POOL
+        assert [p.name for p in admin.list_pools()] == [POOL]
+        with pytest.raises(PermissionDeniedError, match="Allocate"):
+            admin.allocate("x", [1, 2, 3], 3, start=True)
+        # The refusal closed that connection; the next call opens another and is served.
+        assert admin.usage().pool == POOL
+    assert live_requests(server) == []
+
+
+def test_named_engines_have_separate_namespaces(server: ServerThread) -> None:
+    """Engine A's request is invisible to engine B over frames, B may use the same id, and
+    messages show the engine its own id without the namespace prefix."""
+    prompt = list(range(500, 540))
+    with client(server, ENGINE_A) as a, client(server, ENGINE_B) as b:
+        assert a.allocate("r1", prompt, 40, start=RequestStart()).ok
+        try:
+            with pytest.raises(NotFoundError, match='request "r1" is not live') as caught:
+                b.block_table("r1")
+            assert "engine-a" not in caught.value.details
+            assert "\\u0000" not in caught.value.details and "\x00" not in caught.value.details
+            with pytest.raises(NotFoundError):
+                b.free("r1")
+            with pytest.raises(NotFoundError) as own:
+                a.block_table("r2")
+            assert "engine-a" not in own.value.details and '"r2"' in own.value.details
+            assert b.allocate("r1", prompt, 40, start=RequestStart()).ok
+            assert a.block_table("r1").num_tokens == 40
+            assert b.block_table("r1").num_tokens == 40
+            assert len(live_requests(server)) == 2
+            assert a.free("r1") > 0
+            assert b.block_table("r1").num_tokens == 40
+        finally:
+            a.free("r1")
+            b.free("r1")
+    assert live_requests(server) == []
+
+
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_a_refused_call_is_answered_before_its_body_is_read(
+    server: ServerThread, transport: str
+) -> None:
+    """A hello without authorization, then an Allocate announcing a 48 MiB body that is
+    never sent: the server answers UNAUTHENTICATED with close at once (it does not wait for
+    the body) and closes the connection."""
+    address = (
+        server.server.frames_addresses[0]
+        if transport == "unix"
+        else f"127.0.0.1:{server.server.frames_port}"
+    )
+    with RawClient(address) as raw:
+        assert raw.hello().code == 0  # the hello is answered; its calls are checked
+        header = call_header(KVCACHE + "Allocate")
+        started = time.monotonic()
+        raw.send(PREFIX.pack(len(header), 48 << 20) + header)
+        reply, body = raw.read()
+        assert time.monotonic() - started < 2.0
+        assert reply.code == UNAUTHENTICATED and reply.close and not body
+        assert "missing authorization metadata" in reply.details
+        assert raw.closed_by_server()
+
+
+def test_a_refused_call_with_a_token_of_another_role_is_not_read_either(
+    server: ServerThread,
+) -> None:
+    with RawClient(server.server.frames_addresses[0]) as raw:
+        raw.hello((("authorization", f"Bearer {AGENT}"),))
+        header = call_header(KVCACHE + "Allocate")
+        raw.send(PREFIX.pack(len(header), 48 << 20) + header)
+        reply, _ = raw.read()
+        assert reply.code == 7 and reply.close  # PERMISSION_DENIED
+        assert raw.closed_by_server()
+
+
+def test_an_engine_token_is_served_on_a_raw_connection(server: ServerThread) -> None:
+    """The hello's metadata authorizes every call of the connection."""
+    with RawClient(server.server.frames_addresses[0]) as raw:
+        raw.hello((("authorization", f"Bearer {ENGINE_A}"),))
+        for _ in range(3):
+            body = kvcache_pb2.GetUsageRequest(pool=POOL).SerializeToString()
+            reply, data = raw.call(KVCACHE + "GetUsage", body)
+            assert reply.code == 0, reply
+            assert kvcache_pb2.GetUsageResponse.FromString(data).pool == POOL
