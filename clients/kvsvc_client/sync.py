@@ -353,7 +353,10 @@ class KVCacheClient:
             with self._sender_lock:
                 if self._closed:
                     return
-                stream = self._stub.WatchEvents(request, metadata=self._metadata)
+                try:
+                    stream = self._stub.WatchEvents(request, metadata=self._metadata)
+                except grpc.RpcError as exc:  # a channel that refuses at once (frames:)
+                    raise error_from_rpc(exc) from None
                 self._watches.add(stream)
             try:
                 for message in stream:

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvsvc.frames.protocol import (
     MAGIC,
@@ -127,13 +128,18 @@ class _Connection:
         try:
             header = FrameHeader.FromString(view[PREFIX.size : PREFIX.size + header_size])
             body = bytes(view[PREFIX.size + header_size : end])
+        except DecodeError:
+            raise _ProtocolError("a reply frame's header does not parse") from None
         finally:
             view.release()
         del buffer[:end]
         return header, body
 
     def _set_deadline(self, deadline: float | None) -> None:
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        timeout = None if deadline is None else deadline - time.monotonic()
+        if timeout is not None and timeout <= 0:
+            # (A zero timeout would make the socket non-blocking: EAGAIN, not a deadline.)
+            raise TimeoutError("the call's deadline passed")
         # A blocking socket reads without a poll() first; set a timeout only for a deadline.
         if timeout != self._timeout:
             self.sock.settimeout(timeout)
@@ -424,7 +430,10 @@ class _AioConnection:
                 f"bounds ({MAX_HEADER_BYTES} + {self._max_reply_bytes})"
             )
         rest = await self.reader.readexactly(header_size + body_size)
-        return FrameHeader.FromString(rest[:header_size]), rest[header_size:]
+        try:
+            return FrameHeader.FromString(rest[:header_size]), rest[header_size:]
+        except DecodeError:
+            raise _ProtocolError("a reply frame's header does not parse") from None
 
 
 def _aio_error(code: grpc.StatusCode, details: str, trailing: Metadata = ()) -> Exception:

@@ -224,6 +224,11 @@ class FrameServer:
             with contextlib.suppress(Exception):
                 await server.wait_closed()
         self._servers = []
+        # As gRPC's listener does (asyncio leaves the file before Python 3.13).
+        for address in self.unix_sockets:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(unix_path(address))
+        self.unix_sockets = []
 
     # ------------------------------------------------------------------ connections
 

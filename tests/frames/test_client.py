@@ -5,10 +5,8 @@ frames listener."""
 
 from __future__ import annotations
 
-import asyncio
 import re
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,9 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from google.protobuf.message import DecodeError
 from kvsvc_client import (
-    AsyncKVCacheClient,
     ClientOptions,
     FreeResult,
     InvalidArgumentError,
@@ -224,13 +220,6 @@ def test_streaming_calls_on_a_frames_client_are_unimplemented(server: ServerThre
         assert kv.usage().pool == POOL
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=grpc.RpcError,
-    reason="BUG: KVCacheClient.watch_events (clients/kvsvc_client/sync.py) calls "
-    "self._stub.WatchEvents outside its try block; on a FrameChannel that call raises "
-    "FrameRpcError at once, which escapes as a raw grpc.RpcError instead of a KVCacheError",
-)
 def test_watch_events_on_a_frames_client_raises_a_typed_error(server: ServerThread) -> None:
     """Every other call of the typed client raises a kvsvc_client error; so must this."""
     with (
@@ -239,25 +228,6 @@ def test_watch_events_on_a_frames_client_raises_a_typed_error(server: ServerThre
     ):
         next(kv.watch_events())
     assert caught.value.code == grpc.StatusCode.UNIMPLEMENTED
-
-
-def test_the_asyncio_client_on_a_frames_target(server: ServerThread) -> None:
-    """The committed contract: AsyncKVCacheClient refuses a frames target with a
-    ValueError pointing at KVCacheClient. (An asyncio framed channel is being added in the
-    working tree; where it is there, the asyncio client must then serve over frames.)"""
-    try:
-        client = AsyncKVCacheClient(unix_target(server), pool=POOL, options=QUICK)
-    except ValueError as exc:
-        assert "KVCacheClient" in str(exc) and "frames" in str(exc)
-        return
-
-    async def use() -> str:
-        try:
-            return (await client.usage()).pool
-        finally:
-            await client.close()
-
-    assert asyncio.run(use()) == POOL
 
 
 def test_a_passed_deadline_is_unavailable_and_the_next_call_succeeds(
@@ -279,14 +249,6 @@ def test_a_passed_deadline_is_unavailable_and_the_next_call_succeeds(
         assert kv.usage().pool == POOL
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: kvsvc/frames/channel.py _Connection._set_deadline sets "
-    "socket.settimeout(max(0.0, remaining)); a deadline already passed gives settimeout(0.0), "
-    "a non-blocking socket, whose recv raises BlockingIOError (an OSError), reported as "
-    "UNAVAILABLE 'the connection ... failed: [Errno 11]' instead of DEADLINE_EXCEEDED",
-)
 def test_a_deadline_that_passes_before_the_reply_is_deadline_exceeded(
     server: ServerThread,
 ) -> None:
@@ -382,14 +344,6 @@ def test_calls_after_a_stop_are_unavailable_without_hanging() -> None:
             srv.stop = lambda: None  # type: ignore[method-assign]  # stopped above
 
 
-@pytest.mark.xfail(
-    sys.version_info < (3, 13),
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: kvsvc/frames/server.py FrameServer.stop closes its asyncio Unix servers, "
-    "which before Python 3.13 leave the socket file behind; the gRPC listener removes its "
-    "socket on a clean stop (tests/server/test_unix_socket.py), the frames one does not",
-)
 def test_a_clean_stop_leaves_no_frames_socket_behind() -> None:
     with short_dir() as tmp:
         path = Path(tmp) / "g.sock"
@@ -425,16 +379,6 @@ def test_a_peer_that_breaks_the_protocol_is_unavailable_not_a_crash() -> None:
 def _expect_unavailable(kv: KVCacheClient) -> None:
     with pytest.raises(UnavailableError, match="did not answer the framed protocol's hello"):
         kv.usage()
-
-
-test_a_peer_that_breaks_the_protocol_is_unavailable_not_a_crash = pytest.mark.xfail(
-    strict=True,
-    raises=DecodeError,
-    reason="BUG: kvsvc/frames/channel.py _Connection.read parses the reply header with "
-    "FrameHeader.FromString and does not turn its DecodeError into _ProtocolError; _connect "
-    "and call catch only OSError/_ProtocolError, so google.protobuf DecodeError escapes "
-    "KVCacheClient instead of UnavailableError",
-)(test_a_peer_that_breaks_the_protocol_is_unavailable_not_a_crash)
 
 
 def test_frames_calls_are_counted_in_the_grpc_metrics() -> None:
