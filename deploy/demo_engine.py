@@ -63,7 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
         "workload.",
     )
     parser.add_argument(
-        "--server", default=DEFAULT_SERVER, help="kvsvc gRPC HOST:PORT or unix:PATH"
+        "--server",
+        default=DEFAULT_SERVER,
+        help="kvsvc gRPC HOST:PORT or unix:PATH, or the framed transport's frames:unix:PATH "
+        "/ frames:HOST:PORT",
     )
     parser.add_argument("--pool", default=DEFAULT_POOL, help="pool to drive")
     parser.add_argument(

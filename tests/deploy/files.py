@@ -278,13 +278,17 @@ def rewrite_flag(argv: list[str], flag: str, value: str) -> list[str]:
     return out
 
 
-def rewrite_listen(argv: list[str], socket_path: str) -> list[str]:
+def rewrite_listen(argv: list[str], socket_path: str, frames_path: str = "") -> list[str]:
     """``argv`` with each ``--listen`` moved here: TCP ones to a free loopback port, a
-    ``unix:PATH`` one to ``socket_path``."""
+    ``unix:PATH`` one to ``socket_path``; a ``--frames-listen unix:PATH`` to
+    ``frames_path``."""
     out = list(argv)
     for i, arg in enumerate(out[:-1]):
         if arg == "--listen":
             out[i + 1] = f"unix:{socket_path}" if is_unix_address(out[i + 1]) else "127.0.0.1:0"
+        elif arg == "--frames-listen":
+            assert frames_path, "the manifest has a framed socket: give frames_path"
+            out[i + 1] = f"unix:{frames_path}" if is_unix_address(out[i + 1]) else "127.0.0.1:0"
     return out
 
 

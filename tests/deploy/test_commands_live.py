@@ -164,7 +164,8 @@ def test_deployment_commands_run_and_report_health(
     the health checks of the server go over TCP, as in the pod."""
     s: Scenario = scenario()  # type: ignore[operator]
     socket = str(tmp_path / "kvsvc.sock")
-    server_argv = rewrite_listen(s.server, socket)
+    frames_socket = str(tmp_path / "frames.sock")
+    server_argv = rewrite_listen(s.server, socket, frames_socket)
     server_argv = rewrite_flag(server_argv, "--metrics-listen", "127.0.0.1:0")
     server = spawn("server", server_argv)
     children.append(server)
@@ -206,7 +207,12 @@ def test_deployment_commands_run_and_report_health(
         server,
     )
 
-    engine_argv = rewrite_flag(python_command(s.engine), "--server", address)
+    # The engine takes the framed socket where the manifest gives it one (the sidecar).
+    engine_address = address
+    if flag_value(s.engine, "--server").startswith("frames:unix:"):
+        engine_address = f"frames:unix:{frames_socket}"
+        assert f"kvsvc frames on unix:{frames_socket}" in server.output()
+    engine_argv = rewrite_flag(python_command(s.engine), "--server", engine_address)
     engine_argv += ["--rounds", "1", "--requests", "20", "--step-interval", "0"]
     engine = subprocess.run(engine_argv, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert engine.returncode == 0, engine.stdout + engine.stderr

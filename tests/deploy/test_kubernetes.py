@@ -156,7 +156,7 @@ def test_ports_agree_with_the_server_and_the_images() -> None:
         {"name": "worker-metrics", "containerPort": AGENT_METRICS_PORT, "protocol": "TCP"}
     ]
     assert port_of(flag_value(worker["args"], "--metrics-listen")) == AGENT_METRICS_PORT
-    # The engine and the agent reach the sidecar over its Unix socket, in an emptyDir that
+    # The engine and the agent reach the sidecar over its Unix sockets, in an emptyDir that
     # the sidecar and each of them mount at the same place.
     assert is_unix_address(unix)
     directory = PurePosixPath(unix_path(unix)).parent
@@ -172,8 +172,12 @@ def test_ports_agree_with_the_server_and_the_images() -> None:
         return name
 
     shared = socket_volume(sidecar())
+    # The engine's scheduler takes the framed transport's socket, in the same directory.
+    (frames,) = flag_values(container["args"], "--frames-listen")
+    assert is_unix_address(frames) and PurePosixPath(unix_path(frames)).parent == directory
+    expected = {"worker": unix, "engine": f"frames:{frames}"}
     for container in pod_spec()["containers"]:
-        assert flag_value(container["args"], "--server") == unix
+        assert flag_value(container["args"], "--server") == expected[container["name"]]
         assert socket_volume(container) == shared, container["name"]
         assert flag_value(container["args"], "--pool") == flag_value(sidecar()["args"], "--pool")
 
