@@ -20,7 +20,10 @@ def add_parser(subparsers: Any) -> None:
         "score a prompt against the cluster index (score).",
     )
     parser.add_argument(
-        "--server", default=DEFAULT_LISTEN, help="server address HOST:PORT or unix:PATH"
+        "--server",
+        default=DEFAULT_LISTEN,
+        help="server address HOST:PORT or unix:PATH, or its framed transport's "
+        "frames:unix:PATH / frames:HOST:PORT (not for events, snapshot)",
     )
     parser.add_argument(
         "--token-file",
