@@ -1,12 +1,16 @@
 """What a remote KV cache manager costs an engine, measured on loopback in one run.
 
-Processes: a kvsvc server (``kvsvc serve``) listening on loopback TCP and on a Unix
-socket, one real CPU worker agent (``kvsvc worker``) for a tiny one-layer spec file (the
-engine path does not depend on the model's size), an echo server (a grpc.aio server in
-its own process answering a unary call with its payload: the floor any unary RPC pays) on
-TCP and on a Unix socket, and this client, one channel per transport.
+Processes: a kvsvc server (``kvsvc serve``) listening for gRPC and for its framed
+transport (``--frames-listen``), each on loopback TCP and on a Unix socket; one real CPU
+worker agent (``kvsvc worker``) for a tiny one-layer spec file (the engine path does not
+depend on the model's size); an echo server in its own process answering a unary call
+with its payload, the floor any call of a transport pays: a grpc.aio server on TCP and a
+Unix socket, and kvsvc's own framed listener (kvsvc.frames.server) on TCP and a Unix
+socket; and this client, one channel per transport.
 
-Figures (median and p99 over many calls), each over TCP and over the Unix socket:
+Figures (median and p99 over many calls), for gRPC and for the framed transport, each
+over TCP and over the Unix socket (a framed call is also compared with gRPC's echo on the
+same kind of socket and with gRPC's same call):
   echo              a small unary echo (the floor of that transport)
   allocate_new      Allocate of a new 2048-token request (hashing + lookup + allocation)
   step256           a Step carrying one decode token for each of 256 running requests
