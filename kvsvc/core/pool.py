@@ -725,11 +725,12 @@ class PoolKVCache:
                 computed_out.append(computed)
                 blocks_out.append(empty)
                 continue
+            # The request's length after this operation (len() per use cost ~5% of a Step).
+            num_tokens = num_tokens_before + 1 if count else num_tokens_before
             if count:
                 tokens_list.append(token)
                 if hasher is not None:
                     block_hashes = request.block_hashes
-                    num_tokens = len(tokens_list)
                     if num_tokens >= (len(block_hashes) + 1) * hash_block_size:
                         if (
                             plain_xxh3
@@ -757,7 +758,7 @@ class PoolKVCache:
             else:
                 new_blocks = empty
             if caching:
-                num_to_cache = num_main if num_main < len(tokens_list) else len(tokens_list)
+                num_to_cache = num_main if num_main < num_tokens else num_tokens
                 num_full = num_to_cache // block_size
                 num_cached = cached_counts[request_id]
                 if num_full > num_cached:

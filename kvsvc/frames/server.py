@@ -246,6 +246,8 @@ class FrameServer:
             pass  # the client went away (or never spoke the protocol): nothing to answer
         except asyncio.CancelledError:
             pass  # the server is stopping
+        except Exception:  # a bug: say so, with the traceback; the connection goes
+            log.exception("frames: the connection from %s failed", peer)
         finally:
             self._connections.pop(task, None)
             writer.close()
