@@ -13,6 +13,7 @@ import grpc
 
 from kvsvc.frames.channel import AioFrameChannel, FrameChannel
 from kvsvc.frames.protocol import frames_address, is_frames_target
+from kvsvc.ports import is_unix_address
 from kvsvc.tls import ClientTls, client_tls, open_aio_channel, open_channel
 
 # Calls that change nothing may be retried after UNAVAILABLE.
@@ -110,15 +111,21 @@ class ClientOptions:
         ``frames:unix:PATH`` or ``frames:HOST:PORT`` is the server's framed transport
         (``kvsvc serve --frames-listen``): the same unary calls without gRPC's per-call
         work (see :mod:`kvsvc.frames`); streaming calls (``watch_events``) need a gRPC
-        target.
+        target. The framed transport serves TLS on TCP only: on a ``frames:unix:`` target
+        the TLS settings are not used (the socket's directory guards it, and the traffic
+        never leaves the host), as Docker's client ignores its TLS settings on a socket,
+        so TLS settings from the environment do not stand in the way of the sidecar's
+        socket.
 
         Raises:
             TlsError: inconsistent TLS settings; TlsFileError: a TLS file cannot be read.
         """
         tls = self.tls()
         if is_frames_target(target):
+            address = frames_address(target)
+            tls = None if is_unix_address(address) else tls  # TLS is for TCP (see above)
             return FrameChannel(
-                frames_address(target),
+                address,
                 ssl_context=tls.ssl_context() if tls is not None else None,
                 server_name=tls.server_name if tls is not None else None,
                 max_reply_bytes=MAX_MESSAGE_BYTES,
@@ -129,8 +136,10 @@ class ClientOptions:
         """The asyncio counterpart of :meth:`channel`."""
         tls = self.tls()
         if is_frames_target(target):
+            address = frames_address(target)
+            tls = None if is_unix_address(address) else tls
             return AioFrameChannel(
-                frames_address(target),
+                address,
                 ssl_context=tls.ssl_context() if tls is not None else None,
                 server_name=tls.server_name if tls is not None else None,
                 max_reply_bytes=MAX_MESSAGE_BYTES,

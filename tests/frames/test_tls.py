@@ -35,9 +35,15 @@ def certs() -> Iterator[dict[str, DevCerts]]:
 @pytest.fixture(scope="module")
 def server(certs: dict[str, DevCerts]) -> Iterator[ServerThread]:
     good = certs["good"]
-    with frames_server(
-        "127.0.0.1:0", ready=False, tls_cert=str(good.server_cert), tls_key=str(good.server_key)
-    ) as srv:
+    with (
+        short_dir() as tmp,
+        frames_server(
+            f"127.0.0.1:0,unix:{tmp}/t.sock",
+            ready=False,
+            tls_cert=str(good.server_cert),
+            tls_key=str(good.server_key),
+        ) as srv,
+    ):
         # The pool's one rank registers over the gRPC listener, which is TLS too.
         rank = FakeRank(srv.address, POOL, 0, 1, llama_like_specs(), 64 * BYTES_PER_BLOCK)
         rank.channel.close()
@@ -82,9 +88,23 @@ def test_a_client_without_the_right_tls_is_unavailable(
         assert kv.usage().pool == POOL
 
 
-def test_a_tls_client_cannot_take_a_unix_target(certs: dict[str, DevCerts]) -> None:
-    """Unix sockets are plaintext (their file mode guards them): a TLS client on one is a
-    mistake said at once."""
-    options = ClientOptions(tls_ca=str(certs["good"].ca))
-    with pytest.raises(ValueError, match="TCP"):
-        KVCacheClient("frames:unix:/tmp/kf-none.sock", POOL, options=options)
+def test_tls_settings_do_not_apply_to_a_unix_target(
+    server: ServerThread, certs: dict[str, DevCerts]
+) -> None:
+    """The framed transport's Unix sockets are plaintext (their directory guards them): a
+    client whose TLS settings come from its environment still reaches the sidecar's
+    socket, while the same settings make its TCP target TLS (and a plaintext client is
+    refused there)."""
+    options = ClientOptions(tls_ca=str(certs["good"].ca), retries=0)
+    (unix,) = [a for a in server.server.frames_addresses if a.startswith("unix:")]
+    with KVCacheClient(f"frames:{unix}", POOL, options=options) as kv:
+        assert kv.usage().pool == POOL
+    tcp = f"frames:127.0.0.1:{server.server.frames_port}"
+    with KVCacheClient(tcp, POOL, options=options) as kv:
+        assert kv.usage().pool == POOL
+    plain = ClientOptions(tls_ca="", retries=0, timeout=3)
+    with (
+        KVCacheClient(tcp, POOL, options=plain) as kv,
+        pytest.raises(UnavailableError),
+    ):
+        kv.usage()
