@@ -58,6 +58,13 @@ def add_parser(subparsers: Any) -> None:
         help="after the final table keep the server, agents and /metrics up until Ctrl-C "
         "(a 300-request run lasts a few seconds: too short to scrape or inspect)",
     )
+    parser.add_argument(
+        "--frames",
+        action="store_true",
+        help="the simulated engine calls over the server's framed transport on a Unix socket "
+        "(kvsvc serve --frames-listen; the sidecar case) instead of gRPC; the agents stay "
+        "on gRPC",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", action="store_true", help="echo the children's logs")
     parser.add_argument(
@@ -215,6 +222,9 @@ def run(args: argparse.Namespace) -> int:
     pool = "demo"
     children = []
     certs_dir = tempfile.TemporaryDirectory(prefix="kvsvc-demo-tls-") if args.tls else None
+    # Short and private: a socket path must fit in 108 bytes.
+    frames_dir = tempfile.TemporaryDirectory(prefix="kvsvc-demo-") if args.frames else None
+    frames_flags = ["--frames-listen", f"unix:{frames_dir.name}/frames.sock"] if frames_dir else []
     server_tls: list[str] = []
     client_tls: list[str] = []
     # Explicit "": the engine's client must not pick up a KVSVC_TLS_* of the caller's shell.
@@ -242,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
                 args.hash_algo,
                 "--log-level",
                 "WARNING",
+                *frames_flags,
                 *server_tls,
             ],
             echo=args.verbose,
@@ -276,7 +287,8 @@ def run(args: argparse.Namespace) -> int:
                     echo=args.verbose,
                 )
             )
-        with KVCacheClient(address, pool=pool, options=options) as kv:
+        engine_target = f"frames:{frames_flags[1]}" if frames_flags else address
+        with KVCacheClient(engine_target, pool=pool, options=options) as kv:
             try:
                 kv.wait_until_ready(timeout=120)
             except TimeoutError as exc:
@@ -292,6 +304,7 @@ def run(args: argparse.Namespace) -> int:
             )
             print(
                 f"pool {pool!r} is READY on {address}"
+                + (f"; the engine calls over {engine_target}" if frames_flags else "")
                 + (
                     f"; metrics at {metrics_url}"
                     + ("" if args.keep_serving else " while the run lasts (--keep-serving: after)")
@@ -338,3 +351,5 @@ def run(args: argparse.Namespace) -> int:
         stop_all(children)
         if certs_dir is not None:
             certs_dir.cleanup()
+        if frames_dir is not None:
+            frames_dir.cleanup()
