@@ -539,7 +539,8 @@ def test_tls_deployment_commands_run_over_mtls(
 ) -> None:
     s = make(certs, tmp_path)
     socket = str(tmp_path / "kvsvc.sock")
-    server_argv = rewrite_listen(s.server, socket)
+    frames_socket = str(tmp_path / "frames.sock")
+    server_argv = rewrite_listen(s.server, socket, frames_socket)
     server_argv = rewrite_flag(server_argv, "--metrics-listen", "127.0.0.1:0")
     server = spawn("server", server_argv, env=_clean_env({}))
     children.append(server)
@@ -589,7 +590,12 @@ def test_tls_deployment_commands_run_over_mtls(
         lambda: health(s.server_env, s.readiness_service) == 0, 30, "the pool's readiness", server
     )
 
-    engine_argv = rewrite_flag(s.engine, "--server", address)
+    # The engine takes the framed socket where the manifest gives it one (plaintext: its
+    # TLS settings are for TCP targets; the socket's directory guards it).
+    engine_address = address
+    if flag_value(s.engine, "--server").startswith("frames:unix:"):
+        engine_address = f"frames:unix:{frames_socket}"
+    engine_argv = rewrite_flag(s.engine, "--server", engine_address)
     engine_argv += ["--rounds", "1", "--requests", "20", "--step-interval", "0"]
     engine = _run(engine_argv, s.engine_env, timeout=120, cwd=Path(__file__).parents[2])
     assert engine.returncode == 0, engine.stdout + engine.stderr
