@@ -157,6 +157,13 @@ class WorkerAgentConfig:
         """Raises InvalidArgument naming the first bad field."""
         if not self.server or ":" not in self.server:
             raise InvalidArgument("server", f"expected HOST:PORT or unix:PATH, got {self.server!r}")
+        if self.server.startswith("frames:"):
+            raise InvalidArgument(
+                "server",
+                f"{self.server!r} is the server's framed transport, which serves engine calls "
+                "only; an agent registers and follows its plan over gRPC: give the server's "
+                "--listen address (HOST:PORT or unix:PATH)",
+            )
         if not self.pool:
             raise InvalidArgument("pool", "must not be empty")
         if self.world_size < 1:

@@ -304,6 +304,9 @@ def test_bad_agent_arguments_name_the_field() -> None:
         make_agent("127.0.0.1:1", rank=2, world_size=2)
     with pytest.raises(InvalidArgument, match=r"^device: expected cpu, cuda or cuda:N"):
         make_agent("127.0.0.1:1", device="tpu")
+    # The framed transport serves engine calls only: an agent is told to use gRPC's address.
+    with pytest.raises(InvalidArgument, match=r"^server: .*framed transport.*--listen"):
+        make_agent("frames:unix:/run/kvsvc/frames.sock")
     with pytest.raises(InvalidArgument, match=r"shared_layers\[x\].*not a layer"):
         WorkerAgent(
             WorkerAgentConfig(server="127.0.0.1:1", pool="p", rank=0, world_size=1),
