@@ -27,6 +27,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -158,6 +159,32 @@ class _ProtocolError(Exception):
     """The peer does not speak the framed protocol (or broke it)."""
 
 
+@dataclass(frozen=True, slots=True)
+class FrameAddress:
+    """Where a framed server listens: a Unix socket's ``path``, or ``host`` and ``port``."""
+
+    address: str  # as given: "unix:PATH" or "HOST:PORT"
+    path: str = ""
+    host: str = ""
+    port: int = 0
+
+    @classmethod
+    def parse(cls, address: str, tls: bool = False) -> FrameAddress:
+        """Raises ValueError naming the address when it is neither form (or TLS is asked
+        for on a Unix socket, which the server serves in plaintext)."""
+        if is_unix_address(address):
+            path = unix_path(address)
+            if not path:
+                raise ValueError(f"frames target {address!r}: expected unix:PATH")
+            if tls:
+                raise ValueError(f"frames target {address!r}: TLS is for TCP targets only")
+            return cls(address, path=path)
+        host, sep, port = address.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"frames target {address!r}: expected HOST:PORT or unix:PATH")
+        return cls(address, host=host.strip("[]"), port=int(port))
+
+
 class FrameChannel(grpc.Channel):
     """A client channel over the framed transport to ``address`` (``unix:PATH`` or
     ``HOST:PORT``); TLS on TCP when ``ssl_context`` is given (see
@@ -173,18 +200,7 @@ class FrameChannel(grpc.Channel):
         connect_timeout: float = 10.0,
     ) -> None:
         self.address = address
-        self._unix = is_unix_address(address)
-        if self._unix:
-            self._path = unix_path(address)
-            if not self._path:
-                raise ValueError(f"frames target {address!r}: expected unix:PATH")
-        else:
-            host, sep, port = address.rpartition(":")
-            if not sep or not port.isdigit():
-                raise ValueError(f"frames target {address!r}: expected HOST:PORT or unix:PATH")
-            self._host, self._port = host.strip("[]"), int(port)
-        if ssl_context is not None and self._unix:
-            raise ValueError(f"frames target {address!r}: TLS is for TCP targets only")
+        self._where = FrameAddress.parse(address, tls=ssl_context is not None)
         self._ssl = ssl_context
         self._server_name = server_name
         self._max_reply_bytes = max_reply_bytes
@@ -203,20 +219,21 @@ class FrameChannel(grpc.Channel):
         if deadline is not None:
             timeout = min(timeout, max(0.001, deadline - time.monotonic()))
         try:
-            if self._unix:
+            where = self._where
+            if where.path:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 sock.settimeout(timeout)
                 try:
-                    sock.connect(self._path)
+                    sock.connect(where.path)
                 except BaseException:
                     sock.close()
                     raise
             else:
-                sock = socket.create_connection((self._host, self._port), timeout=timeout)
+                sock = socket.create_connection((where.host, where.port), timeout=timeout)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 if self._ssl is not None:
                     sock = self._ssl.wrap_socket(
-                        sock, server_hostname=self._server_name or self._host
+                        sock, server_hostname=self._server_name or where.host
                     )
         except ssl.SSLError as exc:
             raise FrameRpcError(
@@ -457,8 +474,7 @@ class AioFrameChannel(grpc.aio.Channel):
         max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
         connect_timeout: float = 10.0,
     ) -> None:
-        # The address checks are the blocking channel's; it opens no socket until a call.
-        self._target = FrameChannel(address, ssl_context=ssl_context, server_name=server_name)
+        self._where = FrameAddress.parse(address, tls=ssl_context is not None)
         self.address = address
         self._ssl = ssl_context
         self._server_name = server_name
@@ -471,19 +487,19 @@ class AioFrameChannel(grpc.aio.Channel):
         return f"AioFrameChannel({self.address!r})"
 
     async def _connect(self, metadata: Metadata | None) -> _AioConnection:
-        target = self._target
+        where = self._where
         try:
-            if target._unix:
+            if where.path:
                 reader, writer = await asyncio.wait_for(
-                    asyncio.open_unix_connection(target._path), self._connect_timeout
+                    asyncio.open_unix_connection(where.path), self._connect_timeout
                 )
             else:
                 reader, writer = await asyncio.wait_for(
                     asyncio.open_connection(
-                        target._host,
-                        target._port,
+                        where.host,
+                        where.port,
                         ssl=self._ssl,
-                        server_hostname=(self._server_name or target._host) if self._ssl else None,
+                        server_hostname=(self._server_name or where.host) if self._ssl else None,
                     ),
                     self._connect_timeout,
                 )
