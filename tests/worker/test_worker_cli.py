@@ -209,9 +209,17 @@ def test_the_process_serves_metrics_and_exits_0_on_sigterm(spec_file: str) -> No
                 match = re.search(r"metrics on http://127.0.0.1:(\d+)/metrics", line)
                 port = int(match.group(1)) if match else None
             wait_for(lambda: 0 in service.reports)
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-                body = r.read().decode()
-            assert 'kvsvc_agent_ready{pool="p",rank="0"} 1.0' in body
+
+            def scrape() -> str:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                    return str(r.read().decode())
+
+            # The agent marks itself ready once the server has answered its report, a
+            # moment after the server received it (reading at once raced that answer).
+            ready = 'kvsvc_agent_ready{pool="p",rank="0"} 1.0'
+            wait_for(lambda: ready in scrape())
+            body = scrape()
+            assert ready in body
             assert 'kvsvc_agent_info{device="cpu",pool="p",rank="0"} 1.0' in body
             views = {v.layer_name: list(v.shape) for v in service.reports[0].views}
             assert views["model.layers.0.self_attn.attn"][:2] == [2, service.reports[0].num_blocks]
