@@ -40,6 +40,7 @@ from kvsvc.frames.protocol import (
     VERSION,
     FrameHeader,
     call_header,
+    frame,
     hello_header,
 )
 from kvsvc.ports import is_unix_address, unix_path
@@ -117,20 +118,14 @@ class _Connection:
         while len(buffer) < PREFIX.size:
             self._fill(deadline)
         header_size, body_size = PREFIX.unpack_from(buffer)
-        if header_size > MAX_HEADER_BYTES or body_size > self._max_reply_bytes:
-            raise _ProtocolError(
-                f"a reply frame of {header_size} + {body_size} bytes is over the client's "
-                f"bounds ({MAX_HEADER_BYTES} + {self._max_reply_bytes})"
-            )
+        _check_reply_sizes(header_size, body_size, self._max_reply_bytes)
         end = PREFIX.size + header_size + body_size
         while len(buffer) < end:
             self._fill(deadline)
         view = memoryview(buffer)
         try:
-            header = FrameHeader.FromString(view[PREFIX.size : PREFIX.size + header_size])
+            header = _parse_reply_header(view[PREFIX.size : PREFIX.size + header_size])
             body = bytes(view[PREFIX.size + header_size : end])
-        except DecodeError:
-            raise _ProtocolError("a reply frame's header does not parse") from None
         finally:
             view.release()
         del buffer[:end]
@@ -157,6 +152,83 @@ class _Connection:
 
 class _ProtocolError(Exception):
     """The peer does not speak the framed protocol (or broke it)."""
+
+
+# What both channels decide alike; each raises the failures as its own exception type
+# (FrameRpcError, grpc.aio.AioRpcError), which is what the stubs' callers catch.
+Failure = tuple[grpc.StatusCode, str]
+
+
+def _check_reply_sizes(header_size: int, body_size: int, max_reply_bytes: int) -> None:
+    if header_size > MAX_HEADER_BYTES or body_size > max_reply_bytes:
+        raise _ProtocolError(
+            f"a reply frame of {header_size} + {body_size} bytes is over the client's "
+            f"bounds ({MAX_HEADER_BYTES} + {max_reply_bytes})"
+        )
+
+
+def _parse_reply_header(data: bytes | memoryview) -> FrameHeader:
+    try:
+        return FrameHeader.FromString(data)
+    except DecodeError:
+        raise _ProtocolError("a reply frame's header does not parse") from None
+
+
+def _hello_frame(metadata: Metadata | None) -> bytes:
+    """What a client sends first on a connection: the magic and its hello."""
+    return MAGIC + frame(hello_header(metadata))
+
+
+def _unreachable(address: str, exc: BaseException) -> Failure:
+    """A connection that could not be made (or its TLS handshake failed)."""
+    if isinstance(exc, ssl.SSLError):
+        return grpc.StatusCode.UNAVAILABLE, (
+            f"TLS handshake with {address} failed: {exc.reason or exc}"
+        )
+    reason = getattr(exc, "strerror", None) or str(exc) or "timed out"
+    return grpc.StatusCode.UNAVAILABLE, f"failed to connect to {address}: {reason}"
+
+
+def _no_hello(address: str, exc: BaseException) -> Failure:
+    return grpc.StatusCode.UNAVAILABLE, (
+        f"{address} did not answer the framed protocol's hello ({exc!r}); is it a kvsvc "
+        "--frames-listen address?"
+    )
+
+
+def _hello_refused(address: str, reply: FrameHeader) -> Failure | None:
+    """Why the server's answer to the hello ends the connection (None: it accepts it)."""
+    if reply.code:
+        return _CODES.get(reply.code, grpc.StatusCode.UNKNOWN), reply.details
+    if reply.version != VERSION:
+        return grpc.StatusCode.UNIMPLEMENTED, (
+            f"{address} answered with frames protocol version {reply.version}"
+        )
+    return None
+
+
+def _broken(address: str, exc: BaseException) -> Failure:
+    return grpc.StatusCode.UNAVAILABLE, f"the connection to {address} failed: {exc!r}"
+
+
+def _trailing(header: FrameHeader) -> Metadata:
+    return tuple((m.key, m.value) for m in header.metadata) if header.metadata else ()
+
+
+def _call_failed(header: FrameHeader) -> Failure | None:
+    if not header.code:
+        return None
+    return _CODES.get(header.code, grpc.StatusCode.UNKNOWN), header.details
+
+
+def _streaming_only(method: str) -> Failure:
+    return grpc.StatusCode.UNIMPLEMENTED, (
+        f"{method} is a streaming method, served over gRPC only: use the server's gRPC "
+        "address (--listen) for it"
+    )
+
+
+DEADLINE_EXCEEDED: Failure = (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,38 +307,18 @@ class FrameChannel(grpc.Channel):
                     sock = self._ssl.wrap_socket(
                         sock, server_hostname=self._server_name or where.host
                     )
-        except ssl.SSLError as exc:
-            raise FrameRpcError(
-                grpc.StatusCode.UNAVAILABLE,
-                f"TLS handshake with {self.address} failed: {exc.reason or exc}",
-            ) from None
-        except OSError as exc:
-            raise FrameRpcError(
-                grpc.StatusCode.UNAVAILABLE,
-                f"failed to connect to {self.address}: {exc.strerror or exc}",
-            ) from None
+        except OSError as exc:  # ssl.SSLError among them
+            raise FrameRpcError(*_unreachable(self.address, exc)) from None
         connection = _Connection(sock, self._max_reply_bytes)
-        hello = hello_header(metadata)
         try:
-            reply, _ = connection.exchange(
-                MAGIC + PREFIX.pack(len(hello), 0) + hello, time.monotonic() + timeout
-            )
+            reply, _ = connection.exchange(_hello_frame(metadata), time.monotonic() + timeout)
         except (OSError, _ProtocolError) as exc:
             connection.close()
-            raise FrameRpcError(
-                grpc.StatusCode.UNAVAILABLE,
-                f"{self.address} did not answer the framed protocol's hello ({exc}); is it a "
-                "kvsvc --frames-listen address?",
-            ) from None
-        if reply.code:
+            raise FrameRpcError(*_no_hello(self.address, exc)) from None
+        refused = _hello_refused(self.address, reply)
+        if refused is not None:
             connection.close()
-            raise FrameRpcError(_CODES.get(reply.code, grpc.StatusCode.UNKNOWN), reply.details)
-        if reply.version != VERSION:
-            connection.close()
-            raise FrameRpcError(
-                grpc.StatusCode.UNIMPLEMENTED,
-                f"{self.address} answered with frames protocol version {reply.version}",
-            )
+            raise FrameRpcError(*refused)
         return connection
 
     def _take(self, metadata: Metadata | None, deadline: float | None) -> _Connection:
@@ -296,29 +348,24 @@ class FrameChannel(grpc.Channel):
         deadline = None if timeout is None else time.monotonic() + timeout
         connection = self._take(metadata, deadline)
         try:
-            header, reply = connection.exchange(
-                PREFIX.pack(len(method_header), len(body)) + method_header + body, deadline
-            )
+            header, reply = connection.exchange(frame(method_header, body), deadline)
         except TimeoutError:
             connection.close()
-            raise FrameRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+            raise FrameRpcError(*DEADLINE_EXCEEDED) from None
         except (OSError, _ProtocolError) as exc:
             connection.close()
-            raise FrameRpcError(
-                grpc.StatusCode.UNAVAILABLE, f"the connection to {self.address} failed: {exc}"
-            ) from None
+            raise FrameRpcError(*_broken(self.address, exc)) from None
         except BaseException:
             connection.close()  # interrupted mid-call: its reply would come out of turn
             raise
-        trailing = tuple((m.key, m.value) for m in header.metadata) if header.metadata else ()
         if header.close:
             connection.close()
         else:
             self._give_back(metadata, connection)
-        if header.code:
-            raise FrameRpcError(
-                _CODES.get(header.code, grpc.StatusCode.UNKNOWN), header.details, trailing
-            )
+        trailing = _trailing(header)
+        failed = _call_failed(header)
+        if failed is not None:
+            raise FrameRpcError(*failed, trailing)
         return reply, trailing
 
     # ------------------------------------------------------------------ grpc.Channel
@@ -362,7 +409,21 @@ class FrameChannel(grpc.Channel):
         self.close()
 
 
-class FrameUnaryMethod:
+class _UnaryMethod:
+    """What a unary method on either channel keeps: its call header and codecs."""
+
+    def __init__(
+        self,
+        method: str,
+        serialize: Callable[[Any], bytes] | None,
+        deserialize: Callable[[bytes], Any] | None,
+    ) -> None:
+        self._header = call_header(method)
+        self._serialize = serialize or bytes
+        self._deserialize: Callable[[bytes], Any] = deserialize or (lambda data: data)
+
+
+class FrameUnaryMethod(_UnaryMethod):
     """A unary method on a :class:`FrameChannel` (gRPC's ``UnaryUnaryMultiCallable``)."""
 
     def __init__(
@@ -372,10 +433,8 @@ class FrameUnaryMethod:
         serialize: Callable[[Any], bytes] | None,
         deserialize: Callable[[bytes], Any] | None,
     ) -> None:
+        super().__init__(method, serialize, deserialize)
         self._channel = channel
-        self._header = call_header(method)
-        self._serialize = serialize or bytes
-        self._deserialize: Callable[[bytes], Any] = deserialize or (lambda data: data)
 
     def with_call(
         self,
@@ -412,11 +471,7 @@ class _Unimplemented:
         self._method = method
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise FrameRpcError(
-            grpc.StatusCode.UNIMPLEMENTED,
-            f"{self._method} is a streaming method, served over gRPC only: use the server's "
-            "gRPC address (--listen) for it",
-        )
+        raise FrameRpcError(*_streaming_only(self._method))
 
     with_call = __call__
     future = __call__
@@ -441,16 +496,9 @@ class _AioConnection:
     async def exchange(self, data: bytes) -> tuple[FrameHeader, bytes]:
         self.writer.write(data)
         header_size, body_size = PREFIX.unpack(await self.reader.readexactly(PREFIX.size))
-        if header_size > MAX_HEADER_BYTES or body_size > self._max_reply_bytes:
-            raise _ProtocolError(
-                f"a reply frame of {header_size} + {body_size} bytes is over the client's "
-                f"bounds ({MAX_HEADER_BYTES} + {self._max_reply_bytes})"
-            )
+        _check_reply_sizes(header_size, body_size, self._max_reply_bytes)
         rest = await self.reader.readexactly(header_size + body_size)
-        try:
-            return FrameHeader.FromString(rest[:header_size]), rest[header_size:]
-        except DecodeError:
-            raise _ProtocolError("a reply frame's header does not parse") from None
+        return _parse_reply_header(rest[:header_size]), rest[header_size:]
 
 
 def _aio_error(code: grpc.StatusCode, details: str, trailing: Metadata = ()) -> Exception:
@@ -503,39 +551,20 @@ class AioFrameChannel(grpc.aio.Channel):
                     ),
                     self._connect_timeout,
                 )
-        except ssl.SSLError as exc:
-            raise _aio_error(
-                grpc.StatusCode.UNAVAILABLE,
-                f"TLS handshake with {self.address} failed: {exc.reason or exc}",
-            ) from None
-        except (OSError, TimeoutError) as exc:
-            reason = getattr(exc, "strerror", None) or exc or "timed out"
-            raise _aio_error(
-                grpc.StatusCode.UNAVAILABLE, f"failed to connect to {self.address}: {reason}"
-            ) from None
+        except (OSError, TimeoutError) as exc:  # ssl.SSLError among them
+            raise _aio_error(*_unreachable(self.address, exc)) from None
         connection = _AioConnection(reader, writer, self._max_reply_bytes)
-        hello = hello_header(metadata)
         try:
             reply, _ = await asyncio.wait_for(
-                connection.exchange(MAGIC + PREFIX.pack(len(hello), 0) + hello),
-                self._connect_timeout,
+                connection.exchange(_hello_frame(metadata)), self._connect_timeout
             )
         except (OSError, TimeoutError, asyncio.IncompleteReadError, _ProtocolError) as exc:
             connection.close()
-            raise _aio_error(
-                grpc.StatusCode.UNAVAILABLE,
-                f"{self.address} did not answer the framed protocol's hello ({exc!r}); is it "
-                "a kvsvc --frames-listen address?",
-            ) from None
-        if reply.code or reply.version != VERSION:
+            raise _aio_error(*_no_hello(self.address, exc)) from None
+        refused = _hello_refused(self.address, reply)
+        if refused is not None:
             connection.close()
-            if reply.code:
-                code = _CODES.get(reply.code, grpc.StatusCode.UNKNOWN)
-                raise _aio_error(code, reply.details)
-            raise _aio_error(
-                grpc.StatusCode.UNIMPLEMENTED,
-                f"{self.address} answered with frames protocol version {reply.version}",
-            )
+            raise _aio_error(*refused)
         return connection
 
     async def call(
@@ -546,28 +575,27 @@ class AioFrameChannel(grpc.aio.Channel):
             raise _aio_error(grpc.StatusCode.CANCELLED, "the channel is closed")
         idle = self._idle.get(metadata)
         connection = idle.pop() if idle else await self._connect(metadata)
-        frame_bytes = PREFIX.pack(len(method_header), len(body)) + method_header + body
         try:
-            header, reply = await asyncio.wait_for(connection.exchange(frame_bytes), timeout)
+            header, reply = await asyncio.wait_for(
+                connection.exchange(frame(method_header, body)), timeout
+            )
         except TimeoutError:
             connection.close()
-            raise _aio_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+            raise _aio_error(*DEADLINE_EXCEEDED) from None
         except (OSError, asyncio.IncompleteReadError, _ProtocolError) as exc:
             connection.close()
-            raise _aio_error(
-                grpc.StatusCode.UNAVAILABLE, f"the connection to {self.address} failed: {exc!r}"
-            ) from None
+            raise _aio_error(*_broken(self.address, exc)) from None
         except BaseException:
             connection.close()  # cancelled mid-call: its reply would come out of turn
             raise
-        trailing = tuple((m.key, m.value) for m in header.metadata) if header.metadata else ()
         if header.close or self._closed:
             connection.close()
         else:
             self._idle.setdefault(metadata, []).append(connection)
-        if header.code:
-            code = _CODES.get(header.code, grpc.StatusCode.UNKNOWN)
-            raise _aio_error(code, header.details, trailing)
+        trailing = _trailing(header)
+        failed = _call_failed(header)
+        if failed is not None:
+            raise _aio_error(*failed, trailing)
         return reply, trailing
 
     # ------------------------------------------------------------------ grpc.aio.Channel
@@ -613,7 +641,7 @@ class AioFrameChannel(grpc.aio.Channel):
         await self.close()
 
 
-class AioFrameUnaryMethod:
+class AioFrameUnaryMethod(_UnaryMethod):
     """A unary method on an :class:`AioFrameChannel` (``UnaryUnaryMultiCallable``)."""
 
     def __init__(
@@ -623,10 +651,8 @@ class AioFrameUnaryMethod:
         serialize: Callable[[Any], bytes] | None,
         deserialize: Callable[[bytes], Any] | None,
     ) -> None:
+        super().__init__(method, serialize, deserialize)
         self._channel = channel
-        self._header = call_header(method)
-        self._serialize = serialize or bytes
-        self._deserialize: Callable[[bytes], Any] = deserialize or (lambda data: data)
 
     def __call__(
         self,
@@ -682,11 +708,7 @@ class _AioUnimplemented:
         return self
 
     async def __anext__(self) -> Any:
-        raise _aio_error(
-            grpc.StatusCode.UNIMPLEMENTED,
-            f"{self._method} is a streaming method, served over gRPC only: use the server's "
-            "gRPC address (--listen) for it",
-        )
+        raise _aio_error(*_streaming_only(self._method))
 
     def cancel(self) -> bool:
         return False

@@ -38,6 +38,7 @@ from kvsvc.frames.protocol import (
     PREFIX,
     VERSION,
     FrameHeader,
+    frame,
     reply_header,
 )
 from kvsvc.ports import unix_path
@@ -289,7 +290,7 @@ class FrameServer:
                 body = await read(body_size)
                 writer.write(await self._call(method, body, engine, peer))
             except _Closing as exc:
-                writer.write(_frame(reply_header(_number(exc.code), exc.details, close=True)))
+                writer.write(frame(reply_header(_number(exc.code), exc.details, close=True)))
                 with contextlib.suppress(ConnectionError):
                     await writer.drain()
                 return
@@ -333,12 +334,12 @@ class FrameServer:
                 )
         except _Closing as exc:
             writer.write(
-                _frame(reply_header(_number(exc.code), exc.details, close=True, version=VERSION))
+                frame(reply_header(_number(exc.code), exc.details, close=True, version=VERSION))
             )
             await writer.drain()
             return None
         header = next((m.value for m in hello.metadata if m.key == "authorization"), None)
-        writer.write(_frame(reply_header(0, version=VERSION)))
+        writer.write(frame(reply_header(0, version=VERSION)))
         found = self._credentials.lookup(header) if header is not None else None
         return _PeerAuth(found, header is not None)
 
@@ -366,7 +367,7 @@ class FrameServer:
         try:
             request = method.parse(body)
         except DecodeError as exc:
-            return _frame(
+            return frame(
                 reply_header(
                     _number(grpc.StatusCode.INVALID_ARGUMENT),
                     f"the request message does not parse as the method's request: {exc}",
@@ -378,8 +379,8 @@ class FrameServer:
             response = await method.handler(request, context)
         except grpc.aio.AbortError:
             code = context.code() or grpc.StatusCode.UNKNOWN
-            return _frame(reply_header(_number(code), context.details(), context.trailing))
-        return _frame(self._ok_header(context.trailing), response.SerializeToString())
+            return frame(reply_header(_number(code), context.details(), context.trailing))
+        return frame(self._ok_header(context.trailing), response.SerializeToString())
 
     def _ok_header(self, trailing: tuple[tuple[str, str], ...]) -> bytes:
         key = (0, trailing)
@@ -389,10 +390,6 @@ class FrameServer:
                 self._headers.clear()
             header = self._headers[key] = reply_header(0, metadata=trailing)
         return header
-
-
-def _frame(header: bytes, body: bytes = b"") -> bytes:
-    return PREFIX.pack(len(header), len(body)) + header + body
 
 
 def _number(code: grpc.StatusCode) -> int:
