@@ -8,6 +8,7 @@ import random
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -120,31 +121,28 @@ class ClientOptions:
         Raises:
             TlsError: inconsistent TLS settings; TlsFileError: a TLS file cannot be read.
         """
-        tls = self.tls()
         if is_frames_target(target):
-            address = frames_address(target)
-            tls = None if is_unix_address(address) else tls  # TLS is for TCP (see above)
-            return FrameChannel(
-                address,
-                ssl_context=tls.ssl_context() if tls is not None else None,
-                server_name=tls.server_name if tls is not None else None,
-                max_reply_bytes=MAX_MESSAGE_BYTES,
-            )
-        return open_channel(target, tls, CHANNEL_OPTIONS)
+            return FrameChannel(**self._frames_channel_args(target))
+        return open_channel(target, self.tls(), CHANNEL_OPTIONS)
 
     def aio_channel(self, target: str) -> grpc.aio.Channel:
         """The asyncio counterpart of :meth:`channel`."""
-        tls = self.tls()
         if is_frames_target(target):
-            address = frames_address(target)
-            tls = None if is_unix_address(address) else tls
-            return AioFrameChannel(
-                address,
-                ssl_context=tls.ssl_context() if tls is not None else None,
-                server_name=tls.server_name if tls is not None else None,
-                max_reply_bytes=MAX_MESSAGE_BYTES,
-            )
-        return open_aio_channel(target, tls, CHANNEL_OPTIONS)
+            return AioFrameChannel(**self._frames_channel_args(target))
+        return open_aio_channel(target, self.tls(), CHANNEL_OPTIONS)
+
+    def _frames_channel_args(self, target: str) -> dict[str, Any]:
+        """A framed channel's arguments for a ``frames:`` target: TLS for TCP only."""
+        address = frames_address(target)
+        tls = self.tls()  # checked either way: inconsistent settings are an error
+        if is_unix_address(address):
+            tls = None
+        return {
+            "address": address,
+            "ssl_context": tls.ssl_context() if tls is not None else None,
+            "server_name": tls.server_name if tls is not None else None,
+            "max_reply_bytes": MAX_MESSAGE_BYTES,
+        }
 
     def delay(self, attempt: int) -> float:
         base = min(self.max_backoff, self.backoff * (2**attempt))

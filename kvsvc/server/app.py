@@ -188,24 +188,12 @@ class KvsvcServer:
         )
         # Both addresses are tried before anything starts: a port in use is one line naming
         # the flag (ListenError), not gRPC's traceback or a half-started server.
-        addresses = listen_addresses(self.config.listen)
-        for address in addresses:
-            if is_unix_address(address):
-                check_unix_bindable(address, what="gRPC", flag=LISTEN_FLAG)
-            else:
-                host, port = split_host_port(address, "listen")
-                check_bindable(host, port, address=address, what="gRPC", flag=LISTEN_FLAG)
+        addresses = _bindable(self.config.listen, "listen", "gRPC", LISTEN_FLAG)
         frames = (
-            listen_addresses(self.config.frames_listen, "frames_listen")
+            _bindable(self.config.frames_listen, "frames_listen", "frames", FRAMES_LISTEN_FLAG)
             if self.config.frames_listen
             else []
         )
-        for address in frames:
-            if is_unix_address(address):
-                check_unix_bindable(address, what="frames", flag=FRAMES_LISTEN_FLAG)
-            else:
-                host, port = split_host_port(address, "frames_listen")
-                check_bindable(host, port, address=address, what="frames", flag=FRAMES_LISTEN_FLAG)
         if self.config.metrics_listen:
             metrics_host, metrics_port = split_host_port(
                 self.config.metrics_listen, "metrics_listen"
@@ -372,6 +360,19 @@ def freeze_long_lived() -> None:
 LISTEN_FLAG = "--listen (config key listen)"
 METRICS_LISTEN_FLAG = "--metrics-listen (config key metrics_listen)"
 FRAMES_LISTEN_FLAG = "--frames-listen (config key frames_listen)"
+
+
+def _bindable(setting: str, key: str, what: str, flag: str) -> list[str]:
+    """The addresses of a listen setting (config key ``key``), each tried now: one that
+    cannot be bound raises ListenError naming ``flag``."""
+    addresses = listen_addresses(setting, key)
+    for address in addresses:
+        if is_unix_address(address):
+            check_unix_bindable(address, what=what, flag=flag)
+        else:
+            host, port = split_host_port(address, key)
+            check_bindable(host, port, address=address, what=what, flag=flag)
+    return addresses
 
 
 def _bracket(host: str) -> str:
