@@ -12,12 +12,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from kvsvc_client import ClientOptions
+
 from kvsvc.frames.protocol import MAGIC, PREFIX, FrameHeader, call_header, frame, hello_header
 from kvsvc.ports import unix_path
 from kvsvc.server.config import PoolConfig, ServerConfig
 from tests.server.harness import FakeRank, ServerThread, bring_up
 
 POOL = "p"
+# A client that fails fast: tests of errors do not wait out retries.
+QUICK = ClientOptions(timeout=5, retries=0, unavailable_timeout=0.0)
 # 4 layers x 2 heads x (64 + 64) x fp16 x 16 tokens = 32 KiB per block (llama_like_specs).
 BYTES_PER_BLOCK = 4 * 2 * 128 * 2 * 16
 KVCACHE = "/kvsvc.v1.KVCacheService/"
@@ -88,6 +92,19 @@ def unix_target(server: ServerThread) -> str:
 
 def tcp_target(server: ServerThread) -> str:
     return f"frames:127.0.0.1:{server.server.frames_port}"
+
+
+@contextmanager
+def unix_and_tcp_server(blocks: int = 64) -> Iterator[ServerThread]:
+    """A READY server with one framed Unix socket and one framed TCP port (the client
+    tests run each case over both)."""
+    with short_dir() as tmp, frames_server(f"unix:{tmp}/s.sock,127.0.0.1:0", blocks=blocks) as srv:
+        yield srv
+
+
+def target_of(kind: str, server: ServerThread) -> str:
+    """The client target of ``kind`` ("unix" or "tcp")."""
+    return unix_target(server) if kind == "unix" else tcp_target(server)
 
 
 def live_requests(server: ServerThread, pool: str = POOL) -> list[str]:

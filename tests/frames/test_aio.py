@@ -16,7 +16,6 @@ import grpc
 import pytest
 from kvsvc_client import (
     AsyncKVCacheClient,
-    ClientOptions,
     InvalidArgumentError,
     KVCacheClient,
     KVCacheError,
@@ -26,26 +25,25 @@ from kvsvc_client import (
 
 from tests.frames.helpers import (
     POOL,
-    frames_server,
+    QUICK,
     live_requests,
     short_dir,
-    tcp_target,
+    target_of,
+    unix_and_tcp_server,
     unix_target,
 )
 from tests.server.harness import ServerThread
 
-QUICK = ClientOptions(timeout=5, retries=0, unavailable_timeout=0.0)
-
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerThread]:
-    with short_dir() as tmp, frames_server(f"unix:{tmp}/a.sock,127.0.0.1:0", blocks=64) as srv:
+    with unix_and_tcp_server() as srv:
         yield srv
 
 
 @pytest.fixture(params=["unix", "tcp"])
 def target(request: pytest.FixtureRequest, server: ServerThread) -> Iterator[str]:
-    yield unix_target(server) if request.param == "unix" else tcp_target(server)
+    yield target_of(request.param, server)
     assert live_requests(server) == [], "a test left requests live"
 
 

@@ -30,27 +30,29 @@ from kvsvc.frames.channel import FrameChannel
 from kvsvc.frames.protocol import PREFIX
 from tests.frames.helpers import (
     POOL,
+    QUICK,
     frames_server,
     live_requests,
     short_dir,
+    target_of,
     tcp_target,
+    unix_and_tcp_server,
     unix_target,
 )
 from tests.server.harness import ServerThread
 
 BIG = 2**31  # the first token id out of bounds
-QUICK = ClientOptions(timeout=5, retries=0, unavailable_timeout=0.0)
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerThread]:
-    with short_dir() as tmp, frames_server(f"unix:{tmp}/c.sock,127.0.0.1:0", blocks=64) as srv:
+    with unix_and_tcp_server() as srv:
         yield srv
 
 
 @pytest.fixture(params=["unix", "tcp"])
 def target(request: pytest.FixtureRequest, server: ServerThread) -> Iterator[str]:
-    yield unix_target(server) if request.param == "unix" else tcp_target(server)
+    yield target_of(request.param, server)
     assert live_requests(server) == [], "a test left requests live"
 
 
@@ -190,7 +192,7 @@ def test_a_frames_client_at_a_grpc_port_says_it_is_not_a_frames_listener(
 def test_a_grpc_client_at_a_frames_listener_fails_and_the_listener_stays_up(
     server: ServerThread, transport: str
 ) -> None:
-    frames = unix_target(server) if transport == "unix" else tcp_target(server)
+    frames = target_of(transport, server)
     grpc_target = frames.removeprefix("frames:")
     options = ClientOptions(timeout=2, retries=0, unavailable_timeout=0.0)
     with (

@@ -137,21 +137,25 @@ def test_the_same_frames_client_rides_through_a_sigkill_restart(tmp: Path) -> No
         stop_all(children)
 
 
+def run_serve(listen: str, frames_listen: str) -> subprocess.CompletedProcess[str]:
+    """``kvsvc serve`` with these two addresses, expected to stop at start."""
+    return subprocess.run(
+        [
+            sys.executable, "-m", "kvsvc", "serve", "--listen", listen,
+            "--metrics-listen", "off", "--pool", POOL, "--frames-listen", frames_listen,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # fmt: skip
+
+
 def test_a_frames_port_in_use_stops_serve_with_one_line() -> None:
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        result = subprocess.run(
-            [
-                sys.executable, "-m", "kvsvc", "serve", "--listen", "127.0.0.1:0",
-                "--metrics-listen", "off", "--pool", POOL,
-                "--frames-listen", f"127.0.0.1:{port}",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )  # fmt: skip
+        result = run_serve("127.0.0.1:0", f"127.0.0.1:{port}")
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -163,16 +167,7 @@ def test_a_frames_address_equal_to_the_grpc_one_stops_serve() -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    result = subprocess.run(
-        [
-            sys.executable, "-m", "kvsvc", "serve", "--listen", f"127.0.0.1:{port}",
-            "--metrics-listen", "off", "--pool", POOL,
-            "--frames-listen", f"127.0.0.1:{port}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )  # fmt: skip
+    result = run_serve(f"127.0.0.1:{port}", f"127.0.0.1:{port}")
     assert result.returncode == 2, result.stderr
     assert "frames_listen" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
