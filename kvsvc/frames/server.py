@@ -42,7 +42,15 @@ from kvsvc.frames.protocol import (
     reply_header,
 )
 from kvsvc.ports import unix_path
-from kvsvc.server.auth import Credential, Credentials, Refusal, Role, decide, roles_for_method
+from kvsvc.server.auth import (
+    Credential,
+    Credentials,
+    Refusal,
+    Role,
+    decide,
+    report_refusal,
+    roles_for_method,
+)
 from kvsvc.server.errors import CallObserver
 from kvsvc.server.namespace import current_engine
 from kvsvc.server.seclog import RateLimitedLog
@@ -350,15 +358,7 @@ class FrameServer:
             return ""
         decision = decide(peer_auth.credential, peer_auth.header_given, method.path, allowed)
         if isinstance(decision, Refusal):
-            short = method.path.rpartition("/")[2]
-            self._log.warning(
-                f"{decision.code.name}:{peer}",
-                "auth refused: %s from %s: %s",
-                short,
-                peer,
-                decision.reason,
-            )
-            self._observer.observe(short, decision.code, 0.0)
+            report_refusal(self._log, self._observer, method.path, decision, peer)
             raise _Closing(decision.code, decision.reason)
         return decision.engine if Role.ENGINE in allowed else ""
 

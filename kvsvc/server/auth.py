@@ -262,6 +262,19 @@ def decide(
     return credential
 
 
+def report_refusal(
+    log: RateLimitedLog, observer: CallObserver, method: str, refusal: Refusal, peer: str
+) -> None:
+    """Log a refused call on the security log (rate-limited per code and peer host: a
+    flood of new connections from one host is one line per interval) and count it."""
+    short = method.rpartition("/")[2]
+    host = _peer_host(peer or "?")
+    log.warning(
+        f"{refusal.code.name}:{host}", "auth refused: %s from %s: %s", short, host, refusal.reason
+    )
+    observer.observe(short, refusal.code, 0.0)
+
+
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Refuses calls to kvsvc services without a credential of a role that may make them."""
 
@@ -287,23 +300,20 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         decision = authorize(self._credentials, header, method, allowed)
         if isinstance(decision, Refusal):
-            return self._deny(handler, method, decision.code, decision.reason)
+            return self._deny(handler, method, decision)
         if decision.engine and Role.ENGINE in allowed:
             return _with_engine(handler, decision.engine)
         return handler
 
     def _deny(
-        self, handler: grpc.RpcMethodHandler, method: str, code: grpc.StatusCode, reason: str
+        self, handler: grpc.RpcMethodHandler, method: str, refusal: Refusal
     ) -> grpc.RpcMethodHandler:
-        short = method.rpartition("/")[2]
         log = self._log
         observer = self._observer
 
         async def deny(requests: Any, context: grpc.aio.ServicerContext) -> None:
-            peer = _peer_host(context.peer() or "?")
-            log.warning(f"{code.name}:{peer}", "auth refused: %s from %s: %s", short, peer, reason)
-            observer.observe(short, code, 0.0)
-            await context.abort(code, reason)
+            report_refusal(log, observer, method, refusal, context.peer())
+            await context.abort(refusal.code, refusal.reason)
 
         def skip(_: bytes) -> None:
             return None

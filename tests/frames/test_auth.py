@@ -169,3 +169,25 @@ def test_an_engine_token_is_served_on_a_raw_connection(server: ServerThread) -> 
             reply, data = raw.call(KVCACHE + "GetUsage", body)
             assert reply.code == 0, reply
             assert kvcache_pb2.GetUsageResponse.FromString(data).pool == POOL
+
+
+def test_refusals_from_new_connections_of_one_host_are_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The security log is rate-limited per code and peer host, as for gRPC: each framed
+    connection comes from a new port, and keying by it would let a flood of connections
+    write a line each. A fresh server, so no earlier test's line holds the interval."""
+    with short_dir() as tmp:
+        (tmp / "engine").write_text(f"{ENGINE_A}\n")
+        with frames_server(
+            "127.0.0.1:0", ready=False, engine_token_file=str(tmp / "engine")
+        ) as fresh:
+            caplog.set_level("WARNING", logger="kvsvc.security")
+            for _ in range(5):
+                with RawClient(f"127.0.0.1:{fresh.server.frames_port}") as raw:
+                    raw.hello()
+                    reply, _ = raw.call(KVCACHE + "GetUsage")
+                    assert reply.code == UNAUTHENTICATED
+    refused = [r for r in caplog.records if "auth refused" in r.getMessage()]
+    assert len(refused) == 1, [r.getMessage() for r in refused]
+    assert "from 127.0.0.1:" in refused[0].getMessage()
