@@ -263,6 +263,8 @@ class StepBuilder:
     Attributes:
         free_queue_head_limit: ask the reply for this many ids from the front of the
             pool's free queue after the batch (``StepResultList.free_queue_head``).
+        free_queue_head_offset: with ``free_queue_head_limit``, skip this many ids of
+            the queue's front first (to read a large queue page by page).
     """
 
     def __init__(self, pool: str) -> None:
@@ -276,6 +278,7 @@ class StepBuilder:
         self._rejected: list[int] = []
         self._starts: dict[int, kvcache_pb2.RequestStart] = {}
         self.free_queue_head_limit = 0
+        self.free_queue_head_offset = 0
 
     def __len__(self) -> int:
         return len(self._types)
@@ -372,6 +375,7 @@ class StepBuilder:
             num_rejected_tokens=self._rejected if any(self._rejected) else (),
             starts=self._starts,
             free_queue_head_limit=self.free_queue_head_limit,
+            free_queue_head_offset=self.free_queue_head_offset,
             **columns,  # type: ignore[arg-type]
         )
         if encoded:

@@ -174,6 +174,18 @@ class FreeBlockQueue:
     def get_all_free_blocks(self) -> list[int]:
         return list(self)
 
+    def load_order(self, order: Sequence[int]) -> None:
+        """Make the queue hold exactly ``order`` (front first), as prepended ids: the
+        caller guarantees every free id appears once and no id is held."""
+        n = self.num_blocks
+        self._stack[:] = list(reversed(order))
+        self._lo = n
+        self._next[:] = array("i", bytes(4 * (n + 1)))
+        self._prev[:] = array("i", bytes(4 * (n + 1)))
+        self._next[n] = n
+        self._prev[n] = n
+        self._num_linked = 0
+
     # -- state (persistence) -----------------------------------------------------------
 
     def to_state(self) -> dict[str, Any]:

@@ -946,6 +946,10 @@ class PoolKVCache:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 
+    def request_state(self, request_id: str) -> RequestState | None:
+        """A live request's state (read it, never change it: the pool owns it)."""
+        return self._requests.get(request_id)
+
     @property
     def num_requests(self) -> int:
         """Live requests."""
@@ -1002,13 +1006,33 @@ class PoolKVCache:
         """Free blocks (cached ones included), without building a usage snapshot."""
         return self.manager.block_pool.get_num_free_blocks()
 
-    def free_queue_head(self, limit: int) -> list[int]:
-        """The first ``limit`` free block ids in the order allocations take them.
+    def free_queue_head(self, limit: int, offset: int = 0) -> list[int]:
+        """``limit`` free block ids from position ``offset`` of the free queue, in the
+        order allocations take them.
 
-        With it (and the reference counts of its own tables) an engine can name the ids
-        its next allocations get before the reply that allocates them arrives.
+        An engine that replicates its pool reads the whole queue this way (page by page)
+        when it connects, so its replica allocates the ids the server will.
         """
-        return list(itertools.islice(self.manager.block_pool.free_queue, limit))
+        offset = min(offset, self.manager.block_pool.num_blocks)
+        return list(itertools.islice(self.manager.block_pool.free_queue, offset, offset + limit))
+
+    def adopt_free_order(self, order: Sequence[int]) -> None:
+        """Make the free queue ``order`` (front first): every usable block, each once.
+
+        Only for an idle pool (no live request, no cached block), which is what a fresh
+        replica of an idle server pool is: it then allocates exactly the ids the server's
+        pool does.
+
+        Raises:
+            ValueError: the pool is not idle, or ``order`` is not a permutation of the
+                usable block ids.
+        """
+        pool = self.manager.block_pool
+        if self._requests or pool.num_index_entries():
+            raise ValueError("the free order can only be set on an idle pool with no cache")
+        if sorted(order) != list(range(1, pool.num_blocks)):
+            raise ValueError("the free order must name every usable block id exactly once")
+        pool.free_queue.load_order(order)
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix index (e.g. after a weight update).

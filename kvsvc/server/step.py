@@ -48,7 +48,9 @@ def apply_step(cache: Any, columns: StepColumns, counters: Any) -> StepResults:
         results = _apply_general(cache, columns, counters)
     counters.allocate_no_space += results.statuses.count(STATUS_NO_SPACE)
     if columns.free_queue_head_limit:
-        results.free_queue_head = cache.free_queue_head(columns.free_queue_head_limit)
+        results.free_queue_head = cache.free_queue_head(
+            columns.free_queue_head_limit, columns.free_queue_head_offset
+        )
     results.num_free_blocks = cache.usage_free_blocks()
     return results
 

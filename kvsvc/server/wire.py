@@ -136,6 +136,7 @@ class StepColumns:
 
     __slots__ = (
         "free_queue_head_limit",
+        "free_queue_head_offset",
         "num_lookahead_tokens",
         "num_new_tokens",
         "num_rejected_tokens",
@@ -190,6 +191,11 @@ class StepColumns:
             raise InvalidArgument(
                 "free_queue_head_limit",
                 f"must be in [0, {MAX_FREE_QUEUE_HEAD}], got {self.free_queue_head_limit}",
+            )
+        self.free_queue_head_offset: int = request.free_queue_head_offset
+        if self.free_queue_head_offset < 0:
+            raise InvalidArgument(
+                "free_queue_head_offset", f"must be >= 0, got {self.free_queue_head_offset}"
             )
 
 

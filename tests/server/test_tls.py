@@ -522,27 +522,32 @@ def test_demo_runs_over_mtls_and_removes_its_certificates() -> None:
 def test_vllm_settings_carry_tls_to_the_engine_side_client(
     tls_server: ServerThread, certs: dict[str, DevCerts]
 ) -> None:
-    """additional_config -> KvsvcSettings -> the mirror's client (vLLM itself not needed)."""
+    """additional_config -> KvsvcSettings -> the replica's client (vLLM itself not needed)."""
     from kvsvc.integrations.vllm.config import settings_from_additional_config, vllm_kwargs
-    from kvsvc.integrations.vllm.manager import KvsvcBlockMirror, KvsvcError
+    from kvsvc.integrations.vllm.manager import KvsvcError, KvsvcPoolReplica
+    from kvsvc.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     kwargs = vllm_kwargs(tls_server.address, POOL, tls_ca=str(certs["good"].ca))
     settings = settings_from_additional_config(kwargs["additional_config"])
     assert settings.tls_ca == str(certs["good"].ca) and settings.tls_cert is None
     with KVCacheClient(tls_server.address, POOL, options=trusting(certs["good"])) as kv:
         (info,) = [p for p in kv.list_pools() if p.name == POOL]
+    spec = FullAttentionSpec(
+        block_size=info.block_size, num_kv_heads=1, head_size=64, dtype="float16"
+    )
     shape = {
-        "num_blocks": info.num_blocks + 1,  # vLLM counts the null block
+        # vLLM counts the null block.
+        "config": KVCacheConfig(info.num_blocks + 1, [], [KVCacheGroupSpec(["l0"], spec)]),
         "block_size": info.block_size,
         "max_model_len": info.max_model_len,
         "enable_caching": True,
     }
-    KvsvcBlockMirror(settings, **shape).close()
+    KvsvcPoolReplica(settings, **shape).close()
     plain = settings_from_additional_config(
         vllm_kwargs(tls_server.address, POOL)["additional_config"]
     )
     with pytest.raises(KvsvcError, match="UNAVAILABLE"):
-        KvsvcBlockMirror(replace(plain, rpc_timeout=3.0), **shape)
+        KvsvcPoolReplica(replace(plain, rpc_timeout=3.0), **shape)
     with pytest.raises(ValueError, match="tls_cert and tls_key go together"):
         vllm_kwargs(tls_server.address, POOL, tls_cert="/c.crt")
     with pytest.raises(ValueError, match="unknown TLS setting"):

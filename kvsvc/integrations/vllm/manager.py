@@ -1,44 +1,49 @@
-"""vLLM's scheduler-side KV cache manager, answered by a kvsvc pool.
+"""vLLM's scheduler-side KV cache manager, answered by a replica of a kvsvc pool.
 
 vLLM's scheduler asks its KV cache manager one question per running request per step
 (``allocate_slots``: slots, or ``None`` to preempt) and one per admission
 (``get_computed_blocks``: the cached prefix), and needs each answer at once. One RPC per
-question would cost a round trip per request per step. This manager answers from a
-mirror and lets the server decide everything that needs its state:
+question would cost a round trip per request per step. So the engine runs a **replica**
+of its pool: kvsvc's own core (:class:`kvsvc.core.PoolKVCache`, the code the server runs
+for the pool), fed the same operations in the same order as the server:
 
-* **Which blocks a request gets.** The server owns the block pool. This manager mirrors
-  only what it can know exactly: the block tables it was given, so every block's
-  reference count and the number of free blocks, and the front of the server's free
-  queue (``StepResponse.free_queue_head``), kept up to date by replaying on it what the
-  server does: allocations take ids from the front, a prefix hit on a free block takes it
-  out, a freed block goes to the front when it holds no hash and to the back when it does.
-  So the answer to ``allocate_slots`` (enough free blocks or not, and which ids) is known
-  locally, exactly as the server will decide it.
-* **The cached prefix of an admission** needs the server's prefix index: that is the one
-  synchronous call, a Step that carries the operations queued so far and a LOOKUP (so the
-  server sees them in vLLM's order) and returns the hit and its blocks.
-* **Everything else is queued** and sent as one Step per scheduling step, without waiting
-  for its reply: the next call waits for it and checks that the server gave exactly the
-  predicted ids, hits and free count. A mismatch is a bug and stops the engine with an
-  error; it never lets vLLM run on block ids the server did not hand out.
+* **The replica answers vLLM locally.** kvsvc's core is deterministic: given the same
+  free-queue order, the same groups and the same operations, it hands out the same block
+  ids, finds the same prefix hits, drops the same out-of-window blocks and frees in the
+  same order as the server's copy. Every attention kind the core has (full attention,
+  sliding window, chunked local attention, Mamba state, cross attention, the hybrid
+  coordinators) is therefore served by one implementation, the core, not by a second
+  prediction of it here.
+* **The server stays the owner.** Every operation that changes the pool is queued and
+  sent as one ``Step`` per scheduling step, without waiting. The reply is checked at the
+  start of the next step against what the replica answered: each operation's status,
+  block ids per group, prefix hit and null blocks, and the pool's free count. A restart of
+  vLLM or a router reading the pool sees the server's real state.
+* **Hashes stay the server's secret.** The replica hashes with a seed of its own: which
+  blocks hit depends on which prompts share prefixes, not on the hash values, so the
+  replica needs neither the server's seed nor its hash algorithm.
+* **Faults are preemptions.** When the server says a request must be recomputed (a rank
+  came back with fresh tensors, or an operator reset the pool by force) or answers
+  anything but what the replica predicted, the scheduler preempts its running requests
+  (as vLLM preempts for lack of blocks), the pool's prefix cache is reset, and the
+  replica is rebuilt from the server's free queue; the requests are recomputed and the
+  engine goes on.
 
-The server stays the owner (a restart of vLLM or a router reading the pool sees the real
-state); vLLM sees the same block ids, hits and preemptions it would see with its own
-manager, because kvsvc's core keeps vLLM's free-queue order and hit rules.
+A pool serves one engine (its blocks are that engine's KV memory), and the replica starts
+from an idle pool whose prefix cache it resets: what a pool cached was computed in another
+engine's memory.
 
-Supported: pools with one full-attention KV cache group (dense decoder models), prefix
-caching on or off, chunked prefill, preemption, speculative decoding's lookahead and
-rejected tokens, cache salts, LoRA and multimodal hashing context. Not supported (refused
-at start with a clear error): hybrid models (several groups or sliding windows), KV
-connectors (P/D disaggregation, offloading), hash block sizes other than the block size.
+Not supported (refused at start with a clear error): KV connectors (P/D disaggregation,
+offloading), and async scheduling with groups that drop blocks (vLLM frees a window's
+blocks on the processed-token basis there, which a Step does not carry).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import secrets
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -48,14 +53,20 @@ from kvsvc_client import (
     HashingContext,
     KVCacheClient,
     KVCacheError,
-    LookupResult,
     MultiModalItem,
     RequestStart,
     StepFuture,
     StepResultList,
 )
 
+from kvsvc.core.hashing import HashingContext as CoreHashingContext
+from kvsvc.core.hashing import MultiModalItem as CoreMultiModalItem
+from kvsvc.core.managers import CrossAttentionManager
+from kvsvc.core.pool import PoolKVCache
+from kvsvc.core.pool import RequestStart as CoreRequestStart
+from kvsvc.errors import KvsvcError as CoreError
 from kvsvc.integrations.vllm.config import KvsvcSettings
+from kvsvc.specs import KVCacheConfig
 from kvsvc.v1 import kvcache_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -64,69 +75,66 @@ _T = TypeVar("_T")
 _ALLOCATE = pb.STEP_OPERATION_TYPE_ALLOCATE
 _FREE = pb.STEP_OPERATION_TYPE_FREE
 _PREEMPT = pb.STEP_OPERATION_TYPE_PREEMPT
-_LOOKUP = pb.STEP_OPERATION_TYPE_LOOKUP
 _OK = pb.ALLOCATE_STATUS_OK
 _RECOMPUTE = pb.ALLOCATE_STATUS_RECOMPUTE
-# How many free-queue ids a refresh asks for: a decode step that crosses more block
-# boundaries than the mirror knows ids for costs one synchronous refresh.
-_HEAD_WINDOW = 1024
-_MAX_HEAD = 65536  # the server's bound on free_queue_head_limit
+# The server's bound on free_queue_head_limit: a larger queue is read in pages.
+_MAX_HEAD = 65536
 
 
 class KvsvcError(RuntimeError):
     """kvsvc could not serve vLLM's KV cache manager (server unreachable, refused, or a
-    reply that disagrees with the mirror); the message names the server and pool."""
-
-
-@dataclass(slots=True)
-class _Request:
-    """The mirror of one live request: what the server holds for it."""
-
-    table: list[int] = field(default_factory=list)
-    # Tokens the server knows (prompt + outputs sent so far).
-    num_sent_tokens: int = 0
-    # The server's computed-token count after the operations sent or queued.
-    num_computed_tokens: int = 0
-    # Leading blocks of the table that carry a hash (full and cached): they go to the back
-    # of the free queue when freed, the others to the front.
-    num_hashed_blocks: int = 0
-
-
-@dataclass(slots=True)
-class _Expected:
-    """What the server must answer for one queued operation."""
-
-    kind: int
-    request_id: str
-    new_block_ids: list[int] = field(default_factory=list)
-    num_cached_tokens: int = 0
+    reply that disagrees with the replica); the message names the server and pool."""
 
 
 @dataclass
 class ManagerStats:
-    """What the manager cost its engine (for benchmarks and logs)."""
+    """What the manager cost its engine (for benchmarks and logs).
+
+    Attributes:
+        steps_sent: Step RPCs sent.
+        sync_calls: RPCs the scheduler waited for while it scheduled (connect and resyncs).
+        operations_sent: operations those Steps carried.
+        seconds_waiting: time the scheduler waited on kvsvc's replies.
+        rpcs_by_step: RPCs per scheduling step.
+        resyncs: times the replica was rebuilt after the server invalidated the pool.
+    """
 
     steps_sent: int = 0
     sync_calls: int = 0
     operations_sent: int = 0
     seconds_waiting: float = 0.0
     rpcs_by_step: list[int] = field(default_factory=list)
+    resyncs: int = 0
 
 
-class KvsvcBlockMirror:
-    """The engine-side half of a kvsvc pool: queued operations and the predicted state.
+@dataclass(slots=True)
+class _Prediction:
+    """What the server must answer for one Step: the replica's results, in the reply's
+    column layout (see ``StepResponse`` in kvcache.proto)."""
 
-    vLLM-free (token lists and counts in, block ids out) so it is tested without vLLM;
+    request_ids: list[str] = field(default_factory=list)
+    num_new_blocks: list[int] = field(default_factory=list)
+    new_block_ids: list[int] = field(default_factory=list)
+    num_null_blocks: list[int] = field(default_factory=list)
+    num_cached_tokens: list[int] = field(default_factory=list)
+    num_free_blocks: int = 0
+
+
+class KvsvcPoolReplica:
+    """The engine-side half of a kvsvc pool: a replica of the pool and the Step queue.
+
+    vLLM-free (token lists and counts in, block ids out), so it is tested without vLLM;
     :class:`kvsvc.integrations.vllm.scheduler.KvsvcKVCacheManager` adapts vLLM's objects
     to it.
 
     Args:
         settings: the server and pool.
-        num_blocks: blocks of the engine's KV cache, null block included (must be the
-            pool's).
-        block_size: tokens per block (must be the pool's).
+        config: the engine's KV cache groups as kvsvc specs (the scheduler's view: one
+            spec per group) and its block count, null block included (must be the pool's).
+        block_size: the engine's block size (must be the pool's).
         max_model_len: the engine's longest sequence.
         enable_caching: whether the engine caches prefixes (must match the pool).
+        hash_block_size: the engine's hashing granularity (None: the core's default).
 
     Raises:
         KvsvcError: the server is unreachable, the pool is another size, or the pool
@@ -137,17 +145,21 @@ class KvsvcBlockMirror:
         self,
         settings: KvsvcSettings,
         *,
-        num_blocks: int,
+        config: KVCacheConfig,
         block_size: int,
         max_model_len: int,
         enable_caching: bool,
+        hash_block_size: int | None = None,
     ) -> None:
         self.settings = settings
         self.pool = settings.pool
+        self.config = config
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
-        self.num_blocks = num_blocks
+        self.hash_block_size = hash_block_size
+        self.num_blocks = config.num_blocks
+        self.num_groups = len(config.kv_cache_groups)
         self._where = f"kvsvc server {settings.engine_target} (pool {settings.pool!r})"
         self._client = KVCacheClient(
             settings.engine_target,
@@ -162,22 +174,40 @@ class KvsvcBlockMirror:
                 tls_server_name=settings.tls_server_name,
             ),
         )
-        self.requests: dict[str, _Request] = {}
-        self.ref_count = [0] * num_blocks
-        self.head: deque[int] = deque()
-        # Whether ``head`` is the whole free queue (then frees of cached blocks extend it).
-        self.head_is_whole_queue = False
-        self.num_free_blocks = 0
+        # Tokens of each live request the server knows (prompt + outputs sent so far).
+        self._num_sent: dict[str, int] = {}
         self.pending = self._client.step()
-        self._expected: list[_Expected] = []
-        self._in_flight: tuple[StepFuture, list[_Expected], int] | None = None
+        self._prediction = _Prediction()
+        self._in_flight: tuple[StepFuture, _Prediction, int] | None = None
+        # Set when a reply showed the server invalidated the pool (or diverged): the
+        # scheduler preempts its requests and calls resync() before it schedules again.
+        self.needs_resync = False
+        self._resync_reason = ""
         self.stats = ManagerStats()
         self._step_rpcs = 0
         self._closed = False
-        self._free_known = False
+        self.cache: PoolKVCache = self._new_cache()
         self._connect()
 
     # -- start ---------------------------------------------------------------------------
+
+    def _new_cache(self) -> PoolKVCache:
+        try:
+            return PoolKVCache(
+                self.config,
+                max_model_len=self.max_model_len,
+                enable_caching=self.enable_caching,
+                hash_algo="xxh3_128",
+                # The replica's own secret: hits depend on shared prefixes, not on values.
+                hash_seed=secrets.token_hex(16),
+                hash_block_size=self.hash_block_size,
+                enable_events=False,
+                recently_freed=0,
+            )
+        except ValueError as exc:
+            raise KvsvcError(
+                f"{self._where}: cannot replicate the engine's KV cache: {exc}"
+            ) from None
 
     def _connect(self) -> None:
         pools = self._call(self._client.list_pools, "list the server's pools")
@@ -232,11 +262,39 @@ class KvsvcBlockMirror:
                 "the other engine (a dead engine's requests are freed here once its ranks "
                 "came back with fresh tensors)"
             )
-        # A new engine's KV tensors hold nothing: whatever the pool has cached was computed
-        # in another engine's memory and must not be served as a hit.
+        self._start_from_idle_pool()
+
+    def _start_from_idle_pool(self) -> None:
+        """Reset the (idle) pool's prefix cache and copy its free queue into a fresh replica.
+
+        A new engine's KV tensors hold nothing: whatever the pool cached was computed in
+        another engine's memory and must not be served as a hit. With no request live and
+        nothing cached, the free queue's order is the whole state of the pool.
+        """
         if not self._call(self._client.reset_prefix_cache, "reset the prefix cache"):
-            raise KvsvcError(f"{self._where} refused to reset its prefix cache")
-        self._refresh_head()
+            raise KvsvcError(
+                f"{self._where} refused to reset its prefix cache: a request still holds "
+                "blocks (another engine uses the pool)"
+            )
+        order: list[int] = []
+        while True:
+            step = self._client.step()
+            step.free_queue_head_limit = _MAX_HEAD
+            step.free_queue_head_offset = len(order)
+            results = self._sync(step, "read the pool's free queue")
+            page = results.free_queue_head
+            order.extend(page)
+            if len(page) < _MAX_HEAD:
+                break
+        if len(order) != results.num_free_blocks or len(order) != self.num_blocks - 1:
+            raise KvsvcError(
+                f"{self._where}: the pool's free queue holds {len(order)} of "
+                f"{self.num_blocks - 1} blocks while idle (another engine uses the pool)"
+            )
+        cache = self._new_cache()
+        cache.adopt_free_order(order)
+        self.cache = cache
+        self._num_sent.clear()
 
     # -- RPC plumbing --------------------------------------------------------------------
 
@@ -246,107 +304,121 @@ class KvsvcBlockMirror:
         except KVCacheError as err:
             raise KvsvcError(f"{self._where} failed to {what}: {err}") from None
 
-    def _await_in_flight(self) -> None:
-        """Wait for the Step sent last and check its reply against the prediction."""
+    def _sync(self, step: Any, what: str) -> StepResultList:
+        """Send ``step`` and wait for its reply (start-up and resyncs only)."""
+        self.stats.sync_calls += 1
+        self._step_rpcs += 1
+        started = time.perf_counter()
+        try:
+            return self._call(step.send, what)
+        finally:
+            self.stats.seconds_waiting += time.perf_counter() - started
+
+    def await_reply(self) -> None:
+        """Wait for the Step sent last and check it against the replica's answers.
+
+        Sets :attr:`needs_resync` when the server flagged requests for recompute or
+        answered otherwise than predicted; the scheduler then preempts and resyncs.
+        """
         in_flight = self._in_flight
         if in_flight is None:
             return
         self._in_flight = None
-        future, expected, expected_free = in_flight
+        future, prediction, num_operations = in_flight
         started = time.perf_counter()
         try:
-            results = self._call(future.result, f"apply a Step of {len(expected)} operations")
+            results = self._call(future.result, f"apply a Step of {num_operations} operations")
         finally:
             self.stats.seconds_waiting += time.perf_counter() - started
-        self._check(expected, results, expected_free)
+        self._check(prediction, results)
 
-    def _send(self, *, wait: bool, head_limit: int = 0) -> StepResultList | None:
-        """Send the queued operations as one Step (after the previous one is answered)."""
-        self._await_in_flight()
-        step, expected = self.pending, self._expected
-        self.pending, self._expected = self._client.step(), []
-        step.free_queue_head_limit = head_limit
-        self.stats.steps_sent += 1
-        self.stats.operations_sent += len(step)
-        self._step_rpcs += 1
-        expected_free = self.num_free_blocks if self._free_known else -1
-        if not wait:
-            self._in_flight = (step.send_future(), expected, expected_free)
-            return None
-        self.stats.sync_calls += 1
-        started = time.perf_counter()
-        try:
-            results = self._call(step.send, f"apply a Step of {len(step)} operations")
-        finally:
-            self.stats.seconds_waiting += time.perf_counter() - started
-        self._check(expected, results, expected_free)
-        return results
-
-    def _check(
-        self, expected: list[_Expected], results: StepResultList, expected_free: int
-    ) -> None:
-        """Fail loudly where the server's answer is not the one vLLM was given."""
+    def _check(self, prediction: _Prediction, results: StepResultList) -> None:
+        """Compare a Step's reply with the replica's answers, column by column."""
         response = results.response
         if response.errors:
             index, error = min(response.errors.items())
             raise KvsvcError(
-                f"{self._where} rejected operation {index} ({expected[index].request_id!r}) of "
-                f"a Step: {error.message}"
+                f"{self._where} rejected operation {index} "
+                f"({prediction.request_ids[index]!r}) of a Step: {error.message}"
             )
-        if response.num_groups != 1:
-            raise KvsvcError(f"{self._where} answered for {response.num_groups} KV cache groups")
-        statuses = response.statuses
-        new_ids = response.new_block_ids
-        counts = response.num_new_blocks
-        cached = response.num_cached_tokens
-        pos = 0
-        for i, op in enumerate(expected):
-            n = counts[i]
-            if op.kind == _ALLOCATE and statuses[i] == _RECOMPUTE:
-                # The scheduler already ran on the mirror's answer: it cannot be taken back.
-                raise KvsvcError(
-                    f"{self._where}: the pool's KV data was invalidated (a rank came back "
-                    "with fresh tensors, or a forced reset), so request "
-                    f"{op.request_id!r} must be recomputed; vLLM on kvsvc does not re-admit "
-                    "on ALLOCATE_STATUS_RECOMPUTE yet: restart the engine"
-                )
-            if op.kind == _ALLOCATE:
-                got = list(new_ids[pos : pos + n])
-                if (
-                    statuses[i] != _OK
-                    or got != op.new_block_ids
-                    or cached[i] != op.num_cached_tokens
-                ):
-                    raise KvsvcError(
-                        f"{self._where} diverged from the engine's mirror on "
-                        f"{op.request_id!r}: expected blocks {op.new_block_ids} and "
-                        f"{op.num_cached_tokens} cached tokens, got status "
-                        f"{pb.AllocateStatus.Name(statuses[i])}, blocks {got} and "
-                        f"{cached[i]} cached tokens"
-                    )
-            pos += n
-        if expected_free >= 0 and response.num_free_blocks != expected_free:
+        statuses = list(response.statuses)
+        if _RECOMPUTE in statuses:
+            index = statuses.index(_RECOMPUTE)
+            self._flag_resync(
+                f"the pool's KV data was invalidated (request "
+                f"{prediction.request_ids[index]!r} must be recomputed: a rank came back with "
+                "fresh tensors, or an operator reset the pool by force)"
+            )
+            return
+        if response.num_groups != self.num_groups:
             raise KvsvcError(
-                f"{self._where} diverged from the engine's mirror: {response.num_free_blocks} "
-                f"free blocks after a Step, the mirror expected {expected_free}"
+                f"{self._where} answered for {response.num_groups} KV cache groups, the "
+                f"engine has {self.num_groups}"
             )
+        if (
+            statuses.count(_OK) == len(statuses)
+            and list(response.num_new_blocks) == prediction.num_new_blocks
+            and list(response.new_block_ids) == prediction.new_block_ids
+            and list(response.num_cached_tokens) == prediction.num_cached_tokens
+            and list(response.num_null_blocks) == prediction.num_null_blocks
+            and response.num_free_blocks == prediction.num_free_blocks
+        ):
+            return
+        self._flag_resync(self._describe_divergence(prediction, response))
 
-    def _refresh_head(self, at_least: int = 0) -> None:
-        """Make the mirror's free-queue front exact (one synchronous, possibly empty Step)."""
-        limit = min(max(_HEAD_WINDOW, at_least), _MAX_HEAD)
-        results = self._send(wait=True, head_limit=limit)
-        assert results is not None
-        self.head = deque(results.free_queue_head)
-        self.num_free_blocks = results.num_free_blocks
-        self.head_is_whole_queue = len(self.head) == self.num_free_blocks
-        self._free_known = True
+    def _describe_divergence(self, prediction: _Prediction, response: Any) -> str:
+        """Name the first operation whose reply differs from the replica's answer."""
+        groups = self.num_groups
+        got_pos = want_pos = 0
+        for i, request_id in enumerate(prediction.request_ids):
+            got_counts = list(response.num_new_blocks[i * groups : (i + 1) * groups])
+            want_counts = prediction.num_new_blocks[i * groups : (i + 1) * groups]
+            got = list(response.new_block_ids[got_pos : got_pos + sum(got_counts)])
+            want = prediction.new_block_ids[want_pos : want_pos + sum(want_counts)]
+            got_pos += sum(got_counts)
+            want_pos += sum(want_counts)
+            status = response.statuses[i]
+            if (
+                status != _OK
+                or got_counts != want_counts
+                or got != want
+                or response.num_cached_tokens[i] != prediction.num_cached_tokens[i]
+            ):
+                return (
+                    f"the server diverged from the engine's replica on {request_id!r}: "
+                    f"expected blocks {want} (per group {want_counts}) and "
+                    f"{prediction.num_cached_tokens[i]} cached tokens, got status "
+                    f"{pb.AllocateStatus.Name(status)}, blocks {got} (per group "
+                    f"{got_counts}) and {response.num_cached_tokens[i]} cached tokens"
+                )
+        return (
+            f"the server diverged from the engine's replica: {response.num_free_blocks} free "
+            f"blocks after a Step, the replica has {prediction.num_free_blocks}"
+        )
+
+    def _flag_resync(self, reason: str) -> None:
+        if not self.needs_resync:
+            logger.warning("%s: %s; preempting and resynchronising", self._where, reason)
+        self.needs_resync = True
+        self._resync_reason = reason
+
+    def _send(self) -> None:
+        """Send the queued operations as one Step (after the previous one is answered)."""
+        self.await_reply()
+        step, prediction = self.pending, self._prediction
+        self.pending, self._prediction = self._client.step(), _Prediction()
+        prediction.num_free_blocks = self.cache.usage_free_blocks()
+        self.stats.steps_sent += 1
+        self.stats.operations_sent += len(step)
+        self._step_rpcs += 1
+        self._in_flight = (step.send_future(), prediction, len(step))
 
     # -- the per-step protocol -----------------------------------------------------------
 
     def end_step(self) -> int:
         """Send what the step queued without waiting; returns the step's RPC count."""
         if len(self.pending):
-            self._send(wait=False)
+            self._send()
         count = self._step_rpcs
         self._step_rpcs = 0
         self.stats.rpcs_by_step.append(count)
@@ -355,8 +427,34 @@ class KvsvcBlockMirror:
     def flush(self) -> None:
         """Send everything queued and wait until the server applied it."""
         if len(self.pending):
-            self._send(wait=False)
-        self._await_in_flight()
+            self._send()
+        self.await_reply()
+
+    def resync(self) -> None:
+        """Bring the replica back to the server's state after :attr:`needs_resync`.
+
+        The caller has freed (preempted) every request it holds, so the server's pool is
+        idle once the queued frees are applied; their replies are not checked (the
+        replica already diverged). The prefix cache is then reset (a flagged pool's KV
+        data is gone, and blocks cached from a diverged step may not hold what their
+        hashes say) and the replica rebuilt from the server's free queue.
+        """
+        if len(self.pending):
+            step, self.pending, self._prediction = self.pending, self._client.step(), _Prediction()
+            self._in_flight = None
+            self._sync(step, f"free {len(step)} requests for a resync")
+        self._in_flight = None
+        usage = self._call(self._client.usage, "read the pool's usage")
+        if usage.num_requests:
+            freed = self._call(self._client.free_needing_recompute, "free flagged requests")
+            if usage.num_requests != freed:
+                raise KvsvcError(
+                    f"{self._where}: {usage.num_requests - freed} requests are still live after "
+                    f"the engine preempted all of its own ({self._resync_reason})"
+                )
+        self._start_from_idle_pool()
+        self.needs_resync = False
+        self.stats.resyncs += 1
 
     def close(self) -> None:
         if self._closed:
@@ -367,115 +465,63 @@ class KvsvcBlockMirror:
         finally:
             self._client.close()
 
-    # -- the mirror ----------------------------------------------------------------------
-
-    def _take_blocks(self, n: int) -> list[int]:
-        """The ids the server's next allocation of ``n`` blocks takes (n <= free blocks)."""
-        if n > len(self.head):
-            self._refresh_head(n)
-        head = self.head
-        assert n <= len(head), "the free count said there were enough free blocks"
-        taken = [head.popleft() for _ in range(n)]
-        ref = self.ref_count
-        for block_id in taken:
-            ref[block_id] = 1
-        self.num_free_blocks -= n
-        return taken
-
-    def _touch(self, block_ids: Sequence[int]) -> None:
-        ref = self.ref_count
-        for block_id in block_ids:
-            if ref[block_id] == 0:
-                self.num_free_blocks -= 1
-                try:
-                    self.head.remove(block_id)
-                except ValueError:
-                    if self.head_is_whole_queue:
-                        raise KvsvcError(
-                            f"{self._where}: prefix hit on block {block_id}, which the "
-                            "mirror has neither held nor free"
-                        ) from None
-            ref[block_id] += 1
-
-    def _release(self, state: _Request) -> None:
-        """What the server's free does to the queue: the table tail first; blocks without
-        a hash to the front (reused first), cached ones to the back (evicted last)."""
-        ref = self.ref_count
-        fresh: list[int] = []
-        cached: list[int] = []
-        table = state.table
-        num_hashed = state.num_hashed_blocks if self.enable_caching else 0
-        for j in range(len(table) - 1, -1, -1):
-            block_id = table[j]
-            count = ref[block_id] - 1
-            ref[block_id] = count
-            if count == 0:
-                (cached if j < num_hashed else fresh).append(block_id)
-        self.num_free_blocks += len(fresh) + len(cached)
-        if fresh:
-            self.head.extendleft(reversed(fresh))
-        if cached and self.head_is_whole_queue:
-            self.head.extend(cached)
-
-    def _note_cached(self, state: _Request) -> None:
-        if self.enable_caching:
-            full = min(state.num_computed_tokens, state.num_sent_tokens) // self.block_size
-            if full > state.num_hashed_blocks:
-                state.num_hashed_blocks = full
-
     # -- what the scheduler asks ---------------------------------------------------------
 
     def lookup(
         self, token_ids: Sequence[int], hashing: HashingContext | None
-    ) -> tuple[int, list[int]]:
-        """The prefix hit an admission of ``token_ids`` gets now (one synchronous Step that
-        also carries everything queued before it)."""
-        self.pending.lookup(token_ids, hashing)
-        self._expected.append(_Expected(_LOOKUP, ""))
-        want_head = len(self.head) < _HEAD_WINDOW // 2 and not self.head_is_whole_queue
-        results = self._send(wait=True, head_limit=_HEAD_WINDOW if want_head else 0)
-        assert results is not None
-        if want_head:
-            self.head = deque(results.free_queue_head)
-            self.head_is_whole_queue = len(self.head) == self.num_free_blocks
-        hit = results[len(results) - 1]
-        assert isinstance(hit, LookupResult)
-        return hit.num_cached_tokens, list(hit.block_ids[0])
+    ) -> tuple[int, tuple[list[int], ...]]:
+        """The prefix hit an admission of ``token_ids`` gets now: tokens, blocks per group."""
+        cache = self.cache
+        try:
+            prepared = cache.prepare_lookup(token_ids, _core_hashing(hashing))
+        except CoreError as exc:
+            raise KvsvcError(f"{self._where}: {exc}") from None
+        return cache.probe_lookup(prepared)
 
-    def blocks_needed_to_admit(self, num_tokens: int, hits: Sequence[int]) -> int:
-        """Blocks an admission with ``hits`` takes from the free queue for ``num_tokens``."""
-        new = max(-(-num_tokens // self.block_size) - len(hits), 0)
-        ref = self.ref_count
-        return new + sum(1 for block_id in hits if ref[block_id] == 0)
+    def blocks_to_admit(
+        self,
+        request_id: str,
+        num_tokens: int,
+        hits: Sequence[Sequence[int]],
+        num_hit_tokens: int,
+        num_encoder_tokens: int = 0,
+    ) -> int:
+        """Blocks the free queue must supply to admit a request with ``hits`` and
+        ``num_tokens`` slots (vLLM's ``get_num_blocks_to_allocate`` of a new request)."""
+        num_tokens = min(num_tokens, self.max_model_len)
+        return self.cache.manager.coordinator.get_num_blocks_to_allocate(
+            request_id, num_tokens, hits, num_encoder_tokens, num_hit_tokens, num_tokens
+        )
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.cache.usage_free_blocks()
 
     def admit(
         self,
         request_id: str,
         token_ids: Sequence[int],
-        hits: Sequence[int],
-        num_cached_tokens: int,
         num_new_tokens: int,
         num_lookahead_tokens: int,
         start: RequestStart,
-    ) -> list[int]:
-        """Queue an admission the caller checked fits; returns the request's new blocks."""
-        num_slots = min(
-            num_cached_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len
+    ) -> tuple[list[int], ...] | None:
+        """Admit a request the caller checked fits; returns its whole tables (None: the
+        pool is short after all; nothing changed, nothing queued)."""
+        core_start = CoreRequestStart(
+            hashing=_core_hashing(start.hashing),
+            skip_prefix_cache_read=start.skip_prefix_cache_read,
+            resumed=start.resumed,
+            num_encoder_tokens=start.num_encoder_tokens,
         )
-        num_new = max(-(-num_slots // self.block_size) - len(hits), 0)
-        if len(self.head) < num_new + len(hits) and not self.head_is_whole_queue:
-            # Refresh before touching: the server has not seen this admission yet.
-            self._refresh_head(num_new + len(hits))
-        self._touch(hits)
-        new = self._take_blocks(num_new)
-        state = _Request(
-            table=[*hits, *new],
-            num_sent_tokens=len(token_ids),
-            num_computed_tokens=num_cached_tokens + num_new_tokens,
-            num_hashed_blocks=len(hits),
-        )
-        self._note_cached(state)
-        self.requests[request_id] = state
+        try:
+            outcome = self.cache.allocate(
+                request_id, token_ids, num_new_tokens, num_lookahead_tokens, core_start
+            )
+        except CoreError as exc:
+            raise KvsvcError(f"{self._where}: admission of {request_id!r}: {exc}") from None
+        if not outcome.ok:
+            return None
+        self._num_sent[request_id] = len(token_ids)
         self.pending.allocate(
             request_id,
             token_ids,
@@ -483,16 +529,9 @@ class KvsvcBlockMirror:
             num_lookahead_tokens=num_lookahead_tokens,
             start=start,
         )
-        # The reply to a first call with a hit is the whole table, else the new blocks.
-        self._expected.append(
-            _Expected(
-                _ALLOCATE,
-                request_id,
-                state.table[:] if num_cached_tokens else new,
-                num_cached_tokens,
-            )
-        )
-        return new
+        self._predict(request_id, outcome.new_block_ids, outcome.num_null_blocks)
+        self._prediction.num_cached_tokens[-1] = outcome.num_cached_tokens
+        return self.tables(request_id)
 
     def allocate_running(
         self,
@@ -501,30 +540,34 @@ class KvsvcBlockMirror:
         num_computed_tokens: int,
         num_new_tokens: int,
         num_lookahead_tokens: int,
-    ) -> list[int] | None:
-        """Slots for a running request: its new blocks, or None (not enough free blocks;
-        nothing queued, nothing changed)."""
-        state = self.requests[request_id]
-        computed = min(num_computed_tokens, self.max_model_len)
-        num_slots = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        table = state.table
-        needed = max(-(-num_slots // self.block_size) - len(table), 0)
-        if needed > self.num_free_blocks:
-            return None
-        rejected = state.num_computed_tokens - num_computed_tokens
+    ) -> tuple[list[int], ...] | None:
+        """Slots for a running request: its new blocks per group, or None (the pool is
+        short; nothing changed, nothing queued)."""
+        cache = self.cache
+        request = cache.request_state(request_id)
+        if request is None:
+            raise KvsvcError(f"{self._where}: request {request_id!r} is not live in the replica")
+        rejected = request.num_computed_tokens - num_computed_tokens
         if rejected < 0:
             raise KvsvcError(
                 f"{self._where}: request {request_id!r} has {num_computed_tokens} computed "
-                f"tokens in vLLM but {state.num_computed_tokens} in the pool"
+                f"tokens in vLLM but {request.num_computed_tokens} in the pool"
             )
-        new = self._take_blocks(needed) if needed else []
-        if new:
-            table.extend(new)
-        sent = state.num_sent_tokens
+        sent = self._num_sent[request_id]
         tokens = all_token_ids[sent:]
-        state.num_sent_tokens = sent + len(tokens)
-        state.num_computed_tokens = num_computed_tokens + num_new_tokens
-        self._note_cached(state)
+        try:
+            outcome = cache.allocate(
+                request_id,
+                tokens,
+                num_new_tokens,
+                num_lookahead_tokens,
+                num_rejected_tokens=rejected,
+            )
+        except CoreError as exc:
+            raise KvsvcError(f"{self._where}: allocation for {request_id!r}: {exc}") from None
+        if not outcome.ok:
+            return None
+        self._num_sent[request_id] = sent + len(tokens)
         self.pending.allocate(
             request_id,
             tokens,
@@ -532,54 +575,102 @@ class KvsvcBlockMirror:
             num_lookahead_tokens=num_lookahead_tokens,
             num_rejected_tokens=rejected,
         )
-        self._expected.append(_Expected(_ALLOCATE, request_id, new))
-        return new
+        self._predict(request_id, outcome.new_block_ids, outcome.num_null_blocks)
+        return outcome.new_block_ids
 
     def append_tokens(self, request_id: str, all_token_ids: Sequence[int]) -> None:
         """Async scheduling: outputs arrived after their slots were allocated; send them so
-        the server caches the blocks they complete (a zero-token allocation)."""
-        state = self.requests.get(request_id)
-        if state is None:
+        the pool caches the blocks they complete (a zero-token allocation)."""
+        sent = self._num_sent.get(request_id)
+        if sent is None:
             return
-        tokens = all_token_ids[state.num_sent_tokens :]
+        tokens = all_token_ids[sent:]
         if not tokens:
             return
-        state.num_sent_tokens += len(tokens)
-        self._note_cached(state)
+        outcome = self.cache.allocate(request_id, tokens, 0)
+        assert outcome.ok, "a zero-token allocation needs no block"
+        self._num_sent[request_id] = sent + len(tokens)
         self.pending.allocate(request_id, tokens, 0)
-        self._expected.append(_Expected(_ALLOCATE, request_id))
+        self._predict(request_id, outcome.new_block_ids, outcome.num_null_blocks)
 
     def free(self, request_id: str, *, preempted: bool) -> None:
-        """Queue the release of a request (finished or preempted)."""
-        state = self.requests.pop(request_id, None)
-        if state is None:
+        """Release a request (finished or preempted) here and queue it for the server."""
+        if self._num_sent.pop(request_id, None) is None:
             return  # never admitted (vLLM frees requests that never got blocks)
-        self._release(state)
+        self.cache.free([request_id], preempted=preempted)
         if preempted:
             self.pending.preempt(request_id)
         else:
             self.pending.free(request_id)
-        self._expected.append(_Expected(_PREEMPT if preempted else _FREE, request_id))
+        self._predict(request_id, (), ())
 
-    def table(self, request_id: str) -> list[int]:
-        state = self.requests.get(request_id)
-        return state.table if state is not None else []
+    def _predict(
+        self,
+        request_id: str,
+        new_block_ids: Sequence[Sequence[int]],
+        num_null_blocks: Sequence[int],
+    ) -> None:
+        """Record what the server must answer for the operation just queued."""
+        prediction = self._prediction
+        prediction.request_ids.append(request_id)
+        groups = self.num_groups
+        if new_block_ids:
+            for ids in new_block_ids:
+                prediction.num_new_blocks.append(len(ids))
+                prediction.new_block_ids.extend(ids)
+            prediction.num_null_blocks.extend(num_null_blocks)
+        else:
+            prediction.num_new_blocks.extend([0] * groups)
+            prediction.num_null_blocks.extend([0] * groups)
+        prediction.num_cached_tokens.append(0)
+
+    def tables(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block tables per group (null id 0 where blocks were dropped)."""
+        if not self.cache.has_request(request_id):
+            return tuple([] for _ in range(self.num_groups))
+        return self.cache.manager.coordinator.get_blocks(request_id)
 
     def cached_tokens(self, request_id: str) -> int:
-        state = self.requests.get(request_id)
-        return state.num_hashed_blocks * self.block_size if state is not None else 0
+        """Tokens of the request whose blocks are cached in every cacheable group."""
+        counts = [
+            m.num_cached_block.get(request_id, 0) * m.block_size
+            for m in self.cache.manager.coordinator.managers
+            if not isinstance(m, CrossAttentionManager)
+        ]
+        return min(counts) if counts else 0
 
     def usage(self) -> float:
         usable = self.num_blocks - 1
         return 1.0 - self.num_free_blocks / usable if usable else 0.0
 
     def reset_prefix_cache(self) -> bool:
+        """Reset the pool's prefix cache (refused while a request holds blocks)."""
+        if self.cache.num_requests:
+            return False
         self.flush()
+        if self.needs_resync:
+            self.resync()
+            return True
         reset = self._call(self._client.reset_prefix_cache, "reset the prefix cache")
         if reset:
-            # Every free block lost its hash; live requests hold none (else refused).
-            self._refresh_head()
+            self.cache.reset_prefix_cache()
         return reset
+
+
+def _core_hashing(hashing: HashingContext | None) -> CoreHashingContext | None:
+    """The client's hashing context as the core's (the same fields)."""
+    if hashing is None:
+        return None
+    return CoreHashingContext(
+        cache_salt=hashing.cache_salt or None,
+        lora_name=hashing.lora_name or None,
+        lora_path=hashing.lora_path or None,
+        mm_items=tuple(
+            CoreMultiModalItem(item.identifier, item.offset, item.length)
+            for item in hashing.mm_items
+        ),
+        prompt_embeds_digests=tuple(hashing.prompt_embeds_digests),
+    )
 
 
 def hashing_context(request: Any, block_size: int) -> HashingContext | None:

@@ -7,8 +7,8 @@ of its manager from a kvsvc pool (see :mod:`kvsvc.integrations.vllm.manager` for
 answers stay exact without a round trip per call). Scheduling itself (budgets, chunking,
 preemption order, outputs) is unchanged vLLM code.
 
-Per step the adapter sends one Step RPC (without waiting for it) plus one synchronous Step
-per admission (the prefix lookup). Select it with ``vllm_kwargs`` or
+Per step the adapter sends one Step RPC, without waiting for it: its reply is checked at
+the start of the next step. Select it with ``vllm_kwargs`` or
 ``--scheduler-cls kvsvc.integrations.vllm.scheduler.KvsvcScheduler``.
 """
 
@@ -24,16 +24,26 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    KVCacheConfig,
+    SlidingWindowSpec,
+)
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
 from kvsvc.integrations.vllm.config import settings_from_additional_config
 from kvsvc.integrations.vllm.manager import (
-    KvsvcBlockMirror,
     KvsvcError,
+    KvsvcPoolReplica,
     hashing_context,
 )
+from kvsvc.integrations.vllm.specs import UnsupportedSpecError, kvsvc_spec_from_vllm
+from kvsvc.specs import KVCacheConfig as KvsvcKVCacheConfig
+from kvsvc.specs import KVCacheGroupSpec
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +74,7 @@ class KvsvcKVCacheManager:
     """The calls vLLM's scheduler makes of ``KVCacheManager``, answered by a kvsvc pool.
 
     Args:
-        mirror: the pool's engine-side mirror (owns the connection).
+        replica: the engine's replica of the pool (owns the connection).
         kv_cache_config: vLLM's KV cache config (the pool's plan, allocated by the workers).
         log_stats: whether vLLM collects prefix-cache stats.
         watermark: vLLM's admission watermark (fraction of blocks kept free).
@@ -73,48 +83,65 @@ class KvsvcKVCacheManager:
 
     def __init__(
         self,
-        mirror: KvsvcBlockMirror,
+        replica: KvsvcPoolReplica,
         *,
         kv_cache_config: KVCacheConfig,
         log_stats: bool,
         watermark: float,
         needs_zeroing: bool,
     ) -> None:
-        self.mirror = mirror
+        self.replica = replica
         self.kv_cache_config = kv_cache_config
-        self.block_size = mirror.block_size
-        self.max_model_len = mirror.max_model_len
-        self.enable_caching = mirror.enable_caching
+        self.block_size = replica.block_size
+        self.max_model_len = replica.max_model_len
+        self.enable_caching = replica.enable_caching
         self.log_stats = log_stats
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
-        self.num_kv_cache_groups = 1
+        self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
-        self.empty_kv_cache_blocks = KVCacheBlocks(((),))
+        self.empty_kv_cache_blocks = KVCacheBlocks(
+            tuple(() for _ in range(self.num_kv_cache_groups))
+        )
         self.coordinator = _CoordinatorDescription(
             tuple(
                 _GroupDescription(i, group.kv_cache_spec, group.kv_cache_spec.block_size)
                 for i, group in enumerate(kv_cache_config.kv_cache_groups)
             )
         )
+        # Attention groups whose tables vLLM clips to the computed tokens.
+        self._clipped_block_sizes = tuple(
+            group.kv_cache_spec.block_size
+            if isinstance(group.kv_cache_spec, AttentionSpec)
+            and not isinstance(group.kv_cache_spec, (CrossAttentionSpec, EncoderOnlyAttentionSpec))
+            else 0
+            for group in kv_cache_config.kv_cache_groups
+        )
         self._needs_zeroing = needs_zeroing
         self._new_block_ids: list[int] = []
+        null_block = KVCacheBlock(0)
+        null_block.is_null = True
         self._block_objects: list[KVCacheBlock | None] = [None] * kv_cache_config.num_blocks
-        # The last lookup: (request id, hit blocks, hit tokens), consumed by its admission.
-        self._lookup: tuple[str, list[int], int] | None = None
+        self._block_objects[0] = null_block
+        # The last lookup: (request id, hit tokens, hit blocks per group), consumed by its
+        # admission.
+        self._lookup: tuple[str, int, tuple[list[int], ...]] | None = None
 
     # -- blocks as vLLM's objects --------------------------------------------------------
 
-    def _blocks(self, block_ids: Sequence[int]) -> KVCacheBlocks:
-        if not block_ids:
+    def _blocks(self, tables: Sequence[Sequence[int]]) -> KVCacheBlocks:
+        if not any(tables):
             return self.empty_kv_cache_blocks
         objects = self._block_objects
-        out = []
-        for block_id in block_ids:
-            block = objects[block_id]
-            if block is None:
-                block = objects[block_id] = KVCacheBlock(block_id)
-            out.append(block)
-        return KVCacheBlocks((out,))
+        groups = []
+        for block_ids in tables:
+            out = []
+            for block_id in block_ids:
+                block = objects[block_id]
+                if block is None:
+                    block = objects[block_id] = KVCacheBlock(block_id)
+                out.append(block)
+            groups.append(out)
+        return KVCacheBlocks(tuple(groups))
 
     def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
         return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
@@ -123,7 +150,7 @@ class KvsvcKVCacheManager:
 
     @property
     def usage(self) -> float:
-        return self.mirror.usage()
+        return self.replica.usage()
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
         if not self.log_stats:
@@ -162,19 +189,25 @@ class KvsvcKVCacheManager:
         return {}  # Mamba "align" states only
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
-        return [0]
+        return [0] * self.num_kv_cache_groups
+
+    def _note_new_blocks(self, tables: Sequence[Sequence[int]], skip: Sequence[int]) -> None:
+        """Record newly allocated ids for vLLM to zero (past ``skip`` entries per group)."""
+        if self._needs_zeroing:
+            for table, first in zip(tables, skip, strict=True):
+                self._new_block_ids.extend(b for b in table[first:] if b)
 
     # -- lookups and allocations ---------------------------------------------------------
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
-        """The cached prefix (one synchronous Step carrying the step's queued operations)."""
+        """The cached prefix, from the replica (no RPC)."""
         if not self.prefix_cache_lookup_enabled(request):
-            self._lookup = (request.request_id, [], 0)
+            self._lookup = (request.request_id, 0, ())
             return self.empty_kv_cache_blocks, 0, 0
-        num_hit_tokens, hits = self.mirror.lookup(
+        num_hit_tokens, hits = self.replica.lookup(
             request.all_token_ids, hashing_context(request, self.block_size)
         )
-        self._lookup = (request.request_id, hits, num_hit_tokens)
+        self._lookup = (request.request_id, num_hit_tokens, hits)
         return self._blocks(hits), num_hit_tokens, 0
 
     def get_computed_blocks_for_connector(
@@ -199,21 +232,19 @@ class KvsvcKVCacheManager:
     ) -> KVCacheBlocks | None:
         """vLLM's ``allocate_slots``: the new blocks, or None when they do not fit.
 
-        Decided from the mirror exactly as vLLM's manager decides it; the operation is
-        queued for the step's Step RPC.
+        Decided by the replica exactly as the server's copy of the pool will decide it;
+        the operation is queued for the step's Step RPC.
         """
-        if num_external_computed_tokens or delay_cache_blocks or num_encoder_tokens:
-            raise KvsvcError(
-                "kvsvc's vLLM scheduler does not serve KV connectors or encoder-decoder models"
-            )
+        if num_external_computed_tokens or delay_cache_blocks:
+            raise KvsvcError("kvsvc's vLLM scheduler does not serve KV connectors")
         if num_new_tokens == 0 and num_new_computed_tokens == 0:
             raise ValueError(
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
             )
-        mirror = self.mirror
+        replica = self.replica
         request_id = request.request_id
-        if request_id in mirror.requests:
-            new = mirror.allocate_running(
+        if replica.cache.has_request(request_id):
+            new = replica.allocate_running(
                 request_id,
                 request.all_token_ids,
                 request.num_computed_tokens,
@@ -222,14 +253,14 @@ class KvsvcKVCacheManager:
             )
             if new is None:
                 return None
-            if new and self._needs_zeroing:
-                self._new_block_ids.extend(new)
+            self._note_new_blocks(new, [0] * len(new))
             return self._blocks(new)
         return self._admit(
             request,
             num_new_tokens,
             num_new_computed_tokens,
             num_lookahead_tokens,
+            num_encoder_tokens,
             full_sequence_must_fit=full_sequence_must_fit,
             reserved_blocks=reserved_blocks,
             has_scheduled_reqs=has_scheduled_reqs,
@@ -241,6 +272,7 @@ class KvsvcKVCacheManager:
         num_new_tokens: int,
         num_hit_tokens: int,
         num_lookahead_tokens: int,
+        num_encoder_tokens: int,
         *,
         full_sequence_must_fit: bool,
         reserved_blocks: int,
@@ -248,81 +280,85 @@ class KvsvcKVCacheManager:
     ) -> KVCacheBlocks | None:
         lookup = self._lookup
         self._lookup = None
+        request_id = request.request_id
         if num_hit_tokens:
-            if lookup is None or lookup[0] != request.request_id or lookup[2] != num_hit_tokens:
+            if lookup is None or lookup[0] != request_id or lookup[1] != num_hit_tokens:
                 raise KvsvcError(
-                    f"admission of {request.request_id!r} with {num_hit_tokens} cached tokens "
+                    f"admission of {request_id!r} with {num_hit_tokens} cached tokens "
                     "that its lookup did not report"
                 )
-            hits = lookup[1]
+            hits: Sequence[Sequence[int]] = lookup[2]
         else:
-            hits = []
-        mirror = self.mirror
+            hits = tuple(() for _ in range(self.num_kv_cache_groups))
+        replica = self.replica
         watermark = 0
         if has_scheduled_reqs and request.status in (
             RequestStatus.WAITING,
             RequestStatus.PREEMPTED,
         ):
             watermark = self.watermark_blocks
+        num_free = replica.num_free_blocks
         computed = min(request.num_computed_tokens + num_hit_tokens, self.max_model_len)
         if full_sequence_must_fit:
             full = min(request.num_tokens, self.max_model_len)
-            if mirror.blocks_needed_to_admit(full, hits) + watermark > mirror.num_free_blocks:
+            needed = replica.blocks_to_admit(request_id, full, hits, computed, num_encoder_tokens)
+            if needed + watermark > num_free:
                 return None
         num_slots = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        needed = mirror.blocks_needed_to_admit(num_slots, hits)
-        if needed + watermark > mirror.num_free_blocks - reserved_blocks:
+        needed = replica.blocks_to_admit(request_id, num_slots, hits, computed, num_encoder_tokens)
+        if needed + watermark > num_free - reserved_blocks:
             return None
         start = RequestStart(
             hashing=hashing_context(request, self.block_size),
             skip_prefix_cache_read=bool(request.skip_reading_prefix_cache),
             resumed=request.num_preemptions > 0,
+            num_encoder_tokens=num_encoder_tokens,
         )
-        new = mirror.admit(
-            request.request_id,
-            request.all_token_ids,
-            hits,
-            num_hit_tokens,
-            num_new_tokens,
-            num_lookahead_tokens,
-            start,
+        tables = replica.admit(
+            request_id, request.all_token_ids, num_new_tokens, num_lookahead_tokens, start
         )
-        if new and self._needs_zeroing:
-            self._new_block_ids.extend(new)
-        return self._blocks(new)
+        if tables is None:
+            return None
+        self._note_new_blocks(tables, [len(group) for group in hits])
+        return self._blocks(tables)
 
     def free(self, request: Request) -> None:
-        self.mirror.free(request.request_id, preempted=not request.is_finished())
+        self.replica.free(request.request_id, preempted=not request.is_finished())
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Async scheduling delivers outputs after their slots: send them to be cached."""
         if self.enable_caching:
-            self.mirror.append_tokens(request.request_id, request.all_token_ids)
+            self.replica.append_tokens(request.request_id, request.all_token_ids)
 
     def remove_skipped_blocks(
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
     ) -> None:
-        """Full attention keeps every block: nothing to remove."""
+        """vLLM calls this only for KV connectors, which kvsvc's scheduler refuses: the
+        pool drops out-of-window blocks itself as each allocation advances the request."""
 
     # -- tables --------------------------------------------------------------------------
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
-        return self._blocks(self.mirror.table(request_id))
+        return self._blocks(self.replica.tables(request_id))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        return (list(self.mirror.table(request_id)),)
+        return tuple(list(table) for table in self.replica.tables(request_id))
 
     def get_block_ids_for_computed_tokens(
         self, request_id: str, num_computed_tokens: int
     ) -> tuple[list[int], ...]:
-        table = self.mirror.table(request_id)
-        return (list(table[: -(-num_computed_tokens // self.block_size)]),)
+        return tuple(
+            list(table[: -(-num_computed_tokens // size)]) if size else list(table)
+            for table, size in zip(
+                self.replica.tables(request_id), self._clipped_block_sizes, strict=True
+            )
+        )
 
     def estimate_cached_tokens(self, request: Request) -> int:
-        return self.mirror.cached_tokens(request.request_id)
+        return self.replica.cached_tokens(request.request_id)
 
     def reset_prefix_cache(self) -> bool:
-        if not self.mirror.reset_prefix_cache():
+        if not self.replica.reset_prefix_cache():
             return False
         if self.log_stats:
             assert self.prefix_cache_stats is not None
@@ -350,21 +386,49 @@ class KvsvcKVCacheManager:
         return []
 
 
+# Group kinds vLLM's CPU backend cannot run here, so kvsvc has not checked them against
+# stock vLLM end to end: refused until a GPU run does.
+_UNVERIFIED_KINDS = {
+    "MambaSpec": "Mamba state groups (vLLM's CPU backend has no Mamba kernels to check them "
+    "against stock vLLM; they need a GPU run)",
+    "CrossAttentionSpec": "cross-attention groups of encoder-decoder models (not yet checked "
+    "against stock vLLM)",
+}
+
+
 def _check_supported(scheduler: Scheduler, kv_cache_config: KVCacheConfig) -> None:
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec:
-        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
-        raise KvsvcError(
-            "kvsvc's vLLM scheduler serves models with one full-attention KV cache group; "
-            f"this model has: {kinds}"
-        )
+    for group in kv_cache_config.kv_cache_groups:
+        reason = _UNVERIFIED_KINDS.get(type(group.kv_cache_spec).__name__)
+        if reason is not None:
+            raise KvsvcError(f"kvsvc's vLLM scheduler does not serve {reason} yet")
     if scheduler.connector is not None:
         raise KvsvcError("kvsvc's vLLM scheduler does not support KV connectors")
-    if scheduler.hash_block_size != scheduler.block_size:
+    drops_blocks = any(
+        isinstance(group.kv_cache_spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec))
+        for group in kv_cache_config.kv_cache_groups
+    )
+    if drops_blocks and scheduler.scheduler_config.async_scheduling:
         raise KvsvcError(
-            f"kvsvc's vLLM scheduler needs hash_block_size == block_size "
-            f"({scheduler.hash_block_size} != {scheduler.block_size})"
+            "kvsvc's vLLM scheduler does not serve sliding-window or chunked-local attention "
+            "with async scheduling (vLLM frees their out-of-window blocks on the processed-"
+            "token basis there, which a Step does not carry): run with async_scheduling=False"
         )
+
+
+def replica_config(kv_cache_config: KVCacheConfig) -> KvsvcKVCacheConfig:
+    """vLLM's KV cache groups as kvsvc's scheduler config (one spec per group).
+
+    Raises:
+        KvsvcError: a group kvsvc cannot represent (naming it).
+    """
+    groups = []
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        try:
+            spec = kvsvc_spec_from_vllm(f"group {i}", group.kv_cache_spec)
+        except UnsupportedSpecError as exc:
+            raise KvsvcError(str(exc)) from None
+        groups.append(KVCacheGroupSpec(list(group.layer_names), spec))
+    return KvsvcKVCacheConfig(num_blocks=kv_cache_config.num_blocks, kv_cache_groups=groups)
 
 
 class KvsvcScheduler(Scheduler):
@@ -392,16 +456,17 @@ class KvsvcScheduler(Scheduler):
                 "vLLM's KV events are not published with kvsvc's scheduler: kvsvc publishes the "
                 "pool's events in vLLM's format (kvsvc serve --kv-events-zmq ENDPOINT)"
             )
-        mirror = KvsvcBlockMirror(
+        replica = KvsvcPoolReplica(
             settings,
-            num_blocks=kv_cache_config.num_blocks,
+            config=replica_config(kv_cache_config),
             block_size=self.block_size,
             max_model_len=self.max_model_len,
             enable_caching=self.cache_config.enable_prefix_caching,
+            hash_block_size=self.hash_block_size,
         )
         # Replaces the manager vLLM built (its block pool is never used).
         self.kv_cache_manager = KvsvcKVCacheManager(
-            mirror,
+            replica,
             kv_cache_config=kv_cache_config,
             log_stats=self.log_stats,
             watermark=self.scheduler_config.watermark,
@@ -416,13 +481,21 @@ class KvsvcScheduler(Scheduler):
         )
 
     @property
-    def kvsvc(self) -> KvsvcBlockMirror:
-        """The pool's mirror (its ``stats`` say what the manager cost)."""
-        return self.kv_cache_manager.mirror
+    def kvsvc(self) -> KvsvcPoolReplica:
+        """The pool's replica (its ``stats`` say what the manager cost)."""
+        return self.kv_cache_manager.replica
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        replica = self.kv_cache_manager.replica
+        # The previous step's reply: had vLLM's forward pass to arrive in.
+        replica.await_reply()
+        if replica.needs_resync:
+            # The pool's KV data is gone (or the server answered otherwise than the
+            # replica): preempt everything running, as vLLM does for a reset of the
+            # prefix cache with running requests, and start again from the server's state.
+            self.reset_prefix_cache(reset_running_requests=True)
         output = super().schedule(*args, **kwargs)
-        self.kv_cache_manager.mirror.end_step()
+        replica.end_step()
         return output
 
     def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
@@ -430,20 +503,20 @@ class KvsvcScheduler(Scheduler):
         if not self.has_unfinished_requests():
             # Idle now: no schedule() may come to carry the frees of the requests that
             # just ended, so send them (and wait: nothing else is waiting meanwhile).
-            self.kv_cache_manager.mirror.flush()
+            self.kv_cache_manager.replica.flush()
         return outputs
 
     def finish_requests(self, *args: Any, **kwargs: Any) -> Any:
         result = super().finish_requests(*args, **kwargs)
         if not self.has_unfinished_requests():
-            self.kv_cache_manager.mirror.flush()
+            self.kv_cache_manager.replica.flush()
         return result
 
     def shutdown(self) -> None:
         try:
             super().shutdown()
         finally:
-            self.kv_cache_manager.mirror.close()
+            self.kv_cache_manager.replica.close()
 
 
 class KvsvcAsyncScheduler(KvsvcScheduler, AsyncScheduler):
