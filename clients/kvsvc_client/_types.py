@@ -46,6 +46,8 @@ class RequestStart:
     skip_prefix_cache_read: bool = False
     resumed: bool = False
     num_encoder_tokens: int = 0
+    # Of a resumed request's tokens, how many were its prompt (0: all of them).
+    num_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,3 +232,6 @@ class PoolInfo:
     epoch: str = ""
     # Its state is kept in a state directory (survives restarts).
     persistent: bool = False
+    # Which sliding-window blocks the pool caches (vLLM's prefix_cache_retention_interval;
+    # -1: every full block).
+    prefix_cache_retention_interval: int = 0

@@ -133,6 +133,7 @@ def start_to_pb(start: RequestStart | bool) -> kvcache_pb2.RequestStart | None:
         skip_prefix_cache_read=start.skip_prefix_cache_read,
         resumed=start.resumed,
         num_encoder_tokens=start.num_encoder_tokens,
+        num_prompt_tokens=start.num_prompt_tokens,
     )
 
 
@@ -583,6 +584,7 @@ def pool_info(summary: admin_pb2.PoolSummary) -> PoolInfo:
         max_model_len=summary.max_model_len,
         epoch=summary.epoch,
         persistent=summary.persistent,
+        prefix_cache_retention_interval=summary.prefix_cache_retention_interval,
         workers=tuple(
             WorkerInfo(
                 rank=w.rank,

@@ -212,6 +212,15 @@ def add_parser(subparsers: Any) -> None:
     pool.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     pool.add_argument("--max-num-batched-tokens", type=int, default=8192)
     pool.add_argument("--disable-hybrid-kv-cache-manager", action="store_true")
+    pool.add_argument(
+        "--prefix-cache-retention-interval",
+        type=int,
+        default=0,
+        metavar="N",
+        help="which blocks of sliding-window groups are cached, as vLLM's setting of that "
+        "name: 0 (its default) only those a later prefix hit can use, N > 0 also a window "
+        "tail per N-token segment, -1 every full block (default: 0)",
+    )
     pool.add_argument("--layout", choices=LAYOUTS, default="layer_outer")
     pool.add_argument(
         "--max-subscribers",
@@ -290,6 +299,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
                 layout=args.layout,
                 max_subscribers=args.max_subscribers,
                 subscriber_max_lag_bytes=args.subscriber_max_lag_bytes,
+                prefix_cache_retention_interval=args.prefix_cache_retention_interval,
             ),
         )
     return server_config_from_dict(data, overrides)

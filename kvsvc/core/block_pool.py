@@ -410,11 +410,13 @@ class BlockPool:
         block_size: int,
         token_ids: Sequence[int] = (),
         lora_name: str | None = None,
+        block_mask: Sequence[bool] | None = None,
     ) -> None:
         """Index ``blocks[num_cached_blocks:num_full_blocks]`` under their hashes.
 
         Null entries are skipped; blocks that already carry the hash (a prefix hit) are left
-        as they are.
+        as they are; so are blocks whose ``block_mask`` entry is False (blocks of a window
+        group that no hit can use, under sparse retention).
 
         Args:
             blocks: the request's block table of this group.
@@ -425,11 +427,20 @@ class BlockPool:
             block_size: the group's block size (events).
             token_ids: the request's tokens (events).
             lora_name: the request's adapter (events).
+            block_mask: per block of ``blocks[num_cached_blocks:num_full_blocks]``,
+                whether to cache it (None: all).
         """
         if num_cached_blocks >= num_full_blocks:
             return
         assert len(block_hashes) >= num_full_blocks
+        assert block_mask is None or len(block_mask) == num_full_blocks - num_cached_blocks
         hashes = self.block_hash
+        if block_mask is not None and not all(block_mask):
+            masked = list(blocks)
+            for i, keep in enumerate(block_mask):
+                if not keep:
+                    masked[num_cached_blocks + i] = NULL_BLOCK_ID
+            blocks = masked
         if num_full_blocks == num_cached_blocks + 1:
             # A decode step filling one block: the loop below, unrolled for one block.
             i = num_cached_blocks

@@ -57,6 +57,9 @@ class KVCacheCoordinator:
             for group_id, spec in enumerate(specs)
         )
         self._is_cross = tuple(isinstance(m, CrossAttentionManager) for m in self.managers)
+        # Set by the hybrid find_longest_cache_hit: the longest single-group hit when it
+        # is longer than the combined one (else 0).
+        self.last_junction = 0
         self._dropping = tuple(m for m in self.managers if m.may_drop_blocks)
         self._first = self.managers[0] if self.managers else None
 
@@ -279,6 +282,7 @@ class HybridCoordinator(KVCacheCoordinator):
     ) -> tuple[tuple[list[int], ...], int]:
         hit_length = max_cache_hit_length
         hits_by_group: list[list[int] | None] = [None] * self.num_groups
+        longest = 0
         while True:
             current = hit_length
             for spec, group_ids, cls in self.attention_groups:
@@ -296,6 +300,7 @@ class HybridCoordinator(KVCacheCoordinator):
                     self.lcm_block_size,
                 )
                 current = len(hits[0]) * spec.block_size
+                longest = max(longest, current)
                 for group_id, blocks in zip(group_ids, hits, strict=True):
                     hits_by_group[group_id] = blocks
             if current >= hit_length:
@@ -311,6 +316,9 @@ class HybridCoordinator(KVCacheCoordinator):
                 group_hits = hits_by_group[group_id]
                 if group_hits is not None:
                     del group_hits[keep:]
+        # A group that matched further than all of them: the prefix is shared but a
+        # window group has not cached it (yet): the admission keeps its junction.
+        self.last_junction = longest if longest > hit_length else 0
         return tuple(b if b is not None else [] for b in hits_by_group), hit_length
 
 

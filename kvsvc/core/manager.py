@@ -110,6 +110,9 @@ class KVCacheManager:
         hash_block_size: hashing granularity (see :func:`resolve_block_sizes`).
         enable_events: record KV events for ``take_events``.
         medium: medium named in events.
+        prefix_cache_retention_interval: vLLM's setting of that name for sliding-window
+            groups: None caches every full block (dense), 0 only the blocks a later hit
+            can reach (vLLM's default), N > 0 also a window tail per N-token segment.
     """
 
     def __init__(
@@ -123,6 +126,7 @@ class KVCacheManager:
         hash_block_size: int | None = None,
         enable_events: bool = False,
         medium: str = MEDIUM_GPU,
+        prefix_cache_retention_interval: int | None = None,
     ) -> None:
         specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
         self.kv_cache_config = kv_cache_config
@@ -155,6 +159,17 @@ class KVCacheManager:
             hash_block_size=self.hash_block_size,
         )
         self.num_kv_cache_groups = len(specs)
+        interval = prefix_cache_retention_interval
+        if interval is not None and (interval < 0 or interval % self.block_size):
+            raise ValueError(
+                "prefix_cache_retention_interval must be >= 0 and a multiple of the block "
+                f"size {self.block_size}, got {interval}"
+            )
+        self.prefix_cache_retention_interval = interval
+        for window_manager in self.coordinator.managers:
+            if isinstance(window_manager, SlidingWindowManager):
+                window_manager.retention_interval = interval
+                window_manager.alignment_tokens = self.block_size
         self.prefix_cache_stats = PrefixCacheStats()
         self._empty_blocks: tuple[Sequence[int], ...] = tuple(() for _ in specs)
         # Shortcuts for running requests: one full-attention group, or attention groups
@@ -228,6 +243,7 @@ class KVCacheManager:
         hits, num_hit_tokens = self.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1
         )
+        request.shared_prefix_boundary = self.coordinator.last_junction
         if record_stats:
             self.record_prefix_lookup(request, num_hit_tokens)
         return KVCacheBlocks(hits), num_hit_tokens

@@ -236,8 +236,18 @@ class SingleTypeKVCacheManager:
             self.block_size,
             request.all_token_ids,
             request.lora_name,
+            self.cache_mask(request, num_cached, num_full),
         )
         self.num_cached_block[request_id] = num_full
+
+    def cache_mask(
+        self, request: RequestState, start_block: int, end_block: int
+    ) -> list[bool] | None:
+        """Which of blocks ``start_block..end_block`` to cache (None: every one).
+
+        Full attention caches every full block: any prefix of them can be a hit.
+        """
+        return None
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, tail first (tails are evicted first)."""
@@ -384,6 +394,48 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         )
         assert isinstance(spec, SlidingWindowSpec)
         self.sliding_window = spec.sliding_window
+        # vLLM's prefix_cache_retention_interval: None caches every full block; 0 only
+        # the window's blocks before the reachable boundaries (the prompt's end and a
+        # shared-prefix junction); N > 0 also one window tail per N-token segment. Set by
+        # the pool (KVCacheManager), as is the hit alignment (the scheduler block size).
+        self.retention_interval: int | None = None
+        self.alignment_tokens = self.block_size
+
+    def cache_mask(
+        self, request: RequestState, start_block: int, end_block: int
+    ) -> list[bool] | None:
+        """Under sparse retention, only blocks a later hit can use get a hash.
+
+        A window hit at length L needs the ``cdiv(window - 1, block_size)`` blocks before
+        L and nothing else, and hits land only where a later request can resume: just
+        before the prompt's end (a resend recomputes its last token), at a shared-prefix
+        junction the admission's lookup found, and (with a positive interval) at the end
+        of each interval-sized segment. Blocks outside those tails are never read by a
+        hit, so they are freed without a hash (reused first) instead of evicting blocks
+        that could hit: vLLM's sparse retention (``reachable_block_mask``).
+        """
+        interval = self.retention_interval
+        block_size = self.block_size
+        alignment = self.alignment_tokens
+        if interval is None or alignment % block_size:
+            return None
+        need = cdiv(self.sliding_window - 1, block_size)
+        mask = [False] * (end_block - start_block)
+        if interval > 0:
+            per_segment = interval // block_size
+            if need >= per_segment:
+                return None
+            for i in range(start_block, end_block):
+                if i % per_segment >= per_segment - need:
+                    mask[i - start_block] = True
+        boundaries = [request.num_prompt_tokens - 1]
+        if request.shared_prefix_boundary:
+            boundaries.append(request.shared_prefix_boundary)
+        for boundary in boundaries:
+            end = boundary // alignment * alignment // block_size
+            for j in range(max(start_block, end - need), min(end_block, end)):
+                mask[j - start_block] = True
+        return mask
 
     @classmethod
     def find_longest_cache_hit(

@@ -70,12 +70,16 @@ class RequestStart:
             the request's blocks are still cached for others.
         resumed: re-admission after preemption (prefix stats count it apart).
         num_encoder_tokens: encoder input length, for cross-attention groups.
+        num_prompt_tokens: of a resumed request's tokens, how many were its prompt (0:
+            all of them); sparse window retention keeps the blocks before the prompt's
+            end, where a resend of it can hit.
     """
 
     hashing: HashingContext | None = None
     skip_prefix_cache_read: bool = False
     resumed: bool = False
     num_encoder_tokens: int = 0
+    num_prompt_tokens: int = 0
 
 
 # Freed request ids remembered per pool, so a retried Free succeeds (see PoolKVCache.free).
@@ -205,6 +209,8 @@ class PoolKVCache:
             ResourceExhausted (None: no bound).
         recently_freed: how many freed request ids are remembered, oldest forgotten
             first, so that a retried ``free`` of one succeeds (see :meth:`free`).
+        prefix_cache_retention_interval: which blocks of sliding-window groups are
+            cached (see :class:`kvsvc.core.KVCacheManager`); None: every full block.
 
     Raises:
         ValueError: an unknown ``hash_algo`` (listing the valid names), a
@@ -226,6 +232,7 @@ class PoolKVCache:
         event_medium: str = MEDIUM_GPU,
         max_requests: int | None = None,
         recently_freed: int = DEFAULT_RECENTLY_FREED,
+        prefix_cache_retention_interval: int | None = None,
     ) -> None:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
@@ -244,6 +251,7 @@ class PoolKVCache:
             hash_block_size=hash_block_size,
             enable_events=enable_events,
             medium=event_medium,
+            prefix_cache_retention_interval=prefix_cache_retention_interval,
         )
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -470,6 +478,11 @@ class PoolKVCache:
             raise InvalidArgument(
                 "start.num_encoder_tokens", f"must be >= 0, got {start.num_encoder_tokens}"
             )
+        if not 0 <= start.num_prompt_tokens <= len(prompt):
+            raise InvalidArgument(
+                "start.num_prompt_tokens",
+                f"must be in [0, {len(prompt)}] (the tokens sent), got {start.num_prompt_tokens}",
+            )
         check_mm_items(start.hashing, len(prompt), "start.hashing")
         if self.max_requests is not None and len(self._requests) >= self.max_requests:
             raise ResourceExhausted(
@@ -490,6 +503,8 @@ class PoolKVCache:
             )
         except (TypeError, struct.error) as exc:
             raise InvalidArgument("new_token_ids", f"token ids must be integers ({exc})") from None
+        if start.num_prompt_tokens:
+            request.num_prompt_tokens = start.num_prompt_tokens
         hits, num_cached = manager.get_computed_blocks(request, record_stats=False)
         num_scheduled = min(budget, request.num_tokens - num_cached)
         block_ids = manager.allocate_block_ids(
@@ -1090,7 +1105,7 @@ class PoolKVCache:
         shape of the pool and its groups, the hashing settings (seed included: a secret
         for xxh3) and the length bound."""
         managers = self.manager.coordinator.managers
-        return {
+        config: dict[str, Any] = {
             "num_blocks": self.manager.block_pool.num_blocks,
             "groups": [[type(m).__name__, m.block_size] for m in managers],
             "hash_algo": self.hash_algo,
@@ -1099,6 +1114,11 @@ class PoolKVCache:
             "enable_caching": self.enable_caching,
             "max_model_len": self.max_model_len,
         }
+        interval = self.manager.prefix_cache_retention_interval
+        if interval is not None:
+            # Absent for dense retention, so states saved before the setting existed load.
+            config["prefix_cache_retention_interval"] = interval
+        return config
 
     def to_state(self) -> dict[str, Any]:
         """Everything that decides what this pool answers next, as plain values.
@@ -1266,6 +1286,7 @@ class PoolKVCache:
             max_num_batched_tokens=limits["max_num_batched_tokens"],
             max_requests=limits["max_requests"],
             recently_freed=limits["recently_freed"],
+            prefix_cache_retention_interval=saved.get("prefix_cache_retention_interval"),
             **kwargs,
         )
         pool.load_state(state)

@@ -42,6 +42,7 @@ class RequestState:
         "num_prompt_tokens",
         "request_id",
         "resumed",
+        "shared_prefix_boundary",
         "skip_reading_prefix_cache",
     )
 
@@ -61,6 +62,10 @@ class RequestState:
         self.all_token_ids = token_ids
         self.num_prompt_tokens = len(token_ids)
         self.num_computed_tokens = 0
+        # Where the admission's lookup found a longer hit in some group than in all of
+        # them (a shared prefix a window group has not cached yet): sparse window
+        # retention keeps the blocks ending there (vLLM's ``shared_prefix_boundary``).
+        self.shared_prefix_boundary = 0
         self.block_hashes: list[BlockHash] = []
         self.hashing = hashing
         self.lora_name = hashing.lora_name if hashing is not None else None
@@ -117,8 +122,9 @@ class RequestState:
 
     def to_state(self) -> list[Any]:
         """``[id, tokens, num_prompt_tokens, num_computed_tokens, block_hashes, hashing,
-        skip_reading_prefix_cache, resumed, num_encoder_tokens]`` as plain values (the
-        tokens as an ``array('I')`` whatever sequence holds them here)."""
+        skip_reading_prefix_cache, resumed, num_encoder_tokens, shared_prefix_boundary]``
+        as plain values (the tokens as an ``array('I')`` whatever sequence holds them
+        here)."""
         tokens = self.all_token_ids
         return [
             self.request_id,
@@ -130,6 +136,7 @@ class RequestState:
             self.skip_reading_prefix_cache,
             self.resumed,
             self.num_encoder_tokens,
+            self.shared_prefix_boundary,
         ]
 
     @classmethod
@@ -150,8 +157,11 @@ class RequestState:
             skip,
             resumed,
             num_encoder_tokens,
+            *rest,
         ) = state
         self = cls.__new__(cls)
+        # States written before shared_prefix_boundary was kept have none.
+        self.shared_prefix_boundary = rest[0] if rest else 0
         self.request_id = request_id
         # The wire's own token type (see unpack_token_ids); the fast paths expect it.
         self.all_token_ids = array.array("I", tokens)  # type: ignore[assignment]

@@ -90,6 +90,11 @@ class PoolConfig:
             past the smallest it has had (about 0 for one that kept up; a replay from an
             old start may take its time); past it, it gets a gap marker and resumes from
             the replay within half of this of the newest batch.
+        prefix_cache_retention_interval: which blocks of sliding-window groups are cached,
+            as vLLM's setting of that name: 0 (vLLM's default) only the window's blocks a
+            later hit can use (before a prompt's end and shared-prefix junctions); N > 0
+            (a multiple of the block size) also a window tail per N-token segment; -1 every
+            full block. An engine on the pool must use the same setting.
     """
 
     name: str
@@ -109,6 +114,7 @@ class PoolConfig:
     recently_freed: int = 65536
     max_subscribers: int = DEFAULT_MAX_SUBSCRIBERS
     subscriber_max_lag_bytes: int = DEFAULT_SUBSCRIBER_MAX_LAG_BYTES
+    prefix_cache_retention_interval: int = 0
 
     def __post_init__(self) -> None:
         where = f"pool {self.name!r}"
@@ -162,6 +168,11 @@ class PoolConfig:
             raise ConfigError(f"{where}: max_subscribers must be >= 1")
         if self.subscriber_max_lag_bytes < 4096:
             raise ConfigError(f"{where}: subscriber_max_lag_bytes must be >= 4096")
+        if self.prefix_cache_retention_interval < -1:
+            raise ConfigError(
+                f"{where}: prefix_cache_retention_interval must be -1 (every block), 0 or a "
+                f"multiple of the block size, got {self.prefix_cache_retention_interval}"
+            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -745,6 +745,11 @@ class Pool:
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_requests=self.config.max_requests,
             recently_freed=self.config.recently_freed,
+            prefix_cache_retention_interval=(
+                None
+                if self.config.prefix_cache_retention_interval < 0
+                else self.config.prefix_cache_retention_interval
+            ),
         )
 
     def slot_for(self, rank: int, session_id: str) -> RankSlot:

@@ -559,6 +559,7 @@ def pool_summary(pool: Pool, now: float) -> admin_pb2.PoolSummary:
         max_model_len=plan.max_model_len if plan is not None else 0,
         epoch=pool.events.epoch,
         persistent=pool.persistence is not None,
+        prefix_cache_retention_interval=pool.config.prefix_cache_retention_interval,
     )
 
 

@@ -99,11 +99,14 @@ def hashing_from_pb(msg: pb.HashingContext, where: str) -> HashingContext | None
 def start_from_pb(msg: pb.RequestStart, where: str) -> RequestStart:
     if msg.num_encoder_tokens < 0:
         raise InvalidArgument(f"{where}.num_encoder_tokens", "must be >= 0")
+    if msg.num_prompt_tokens < 0:
+        raise InvalidArgument(f"{where}.num_prompt_tokens", "must be >= 0")
     return RequestStart(
         hashing=hashing_from_pb(msg.hashing, f"{where}.hashing"),
         skip_prefix_cache_read=msg.skip_prefix_cache_read,
         resumed=msg.resumed,
         num_encoder_tokens=msg.num_encoder_tokens,
+        num_prompt_tokens=msg.num_prompt_tokens,
     )
 
 

@@ -42,7 +42,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., registered: _Optional[bool] = ..., allocated: _Optional[bool] = ..., heartbeat_age_seconds: _Optional[float] = ..., kv_cache_bytes: _Optional[int] = ..., memory_free_bytes: _Optional[int] = ..., allocated_bytes: _Optional[int] = ..., views: _Optional[_Iterable[_Union[_worker_pb2.AllocatedView, _Mapping]]] = ..., connected: _Optional[bool] = ..., live: _Optional[bool] = ...) -> None: ...
 
 class PoolSummary(_message.Message):
-    __slots__ = ("name", "state", "world_size", "num_registered", "block_size", "num_blocks", "hash_algo", "enable_prefix_caching", "error", "workers", "max_model_len", "epoch", "persistent")
+    __slots__ = ("name", "state", "world_size", "num_registered", "block_size", "num_blocks", "hash_algo", "enable_prefix_caching", "error", "workers", "max_model_len", "epoch", "persistent", "prefix_cache_retention_interval")
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class PoolSummary(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PERSISTENT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_RETENTION_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: _pools_pb2.PoolState
     world_size: int
@@ -69,7 +70,8 @@ class PoolSummary(_message.Message):
     max_model_len: int
     epoch: str
     persistent: bool
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[_pools_pb2.PoolState, str]] = ..., world_size: _Optional[int] = ..., num_registered: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., hash_algo: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., error: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., max_model_len: _Optional[int] = ..., epoch: _Optional[str] = ..., persistent: _Optional[bool] = ...) -> None: ...
+    prefix_cache_retention_interval: int
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[_pools_pb2.PoolState, str]] = ..., world_size: _Optional[int] = ..., num_registered: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., hash_algo: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., error: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., max_model_len: _Optional[int] = ..., epoch: _Optional[str] = ..., persistent: _Optional[bool] = ..., prefix_cache_retention_interval: _Optional[int] = ...) -> None: ...
 
 class ListPoolsResponse(_message.Message):
     __slots__ = ("pools",)

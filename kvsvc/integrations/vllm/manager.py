@@ -66,7 +66,7 @@ from kvsvc.core.pool import PoolKVCache
 from kvsvc.core.pool import RequestStart as CoreRequestStart
 from kvsvc.errors import KvsvcError as CoreError
 from kvsvc.integrations.vllm.config import KvsvcSettings
-from kvsvc.specs import KVCacheConfig
+from kvsvc.specs import KVCacheConfig, SlidingWindowSpec
 from kvsvc.v1 import kvcache_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -135,6 +135,8 @@ class KvsvcPoolReplica:
         max_model_len: the engine's longest sequence.
         enable_caching: whether the engine caches prefixes (must match the pool).
         hash_block_size: the engine's hashing granularity (None: the core's default).
+        prefix_cache_retention_interval: the engine's setting of that name (must match
+            the pool's; None: every full block of a window group is cached).
 
     Raises:
         KvsvcError: the server is unreachable, the pool is another size, or the pool
@@ -150,6 +152,7 @@ class KvsvcPoolReplica:
         max_model_len: int,
         enable_caching: bool,
         hash_block_size: int | None = None,
+        prefix_cache_retention_interval: int | None = 0,
     ) -> None:
         self.settings = settings
         self.pool = settings.pool
@@ -158,6 +161,7 @@ class KvsvcPoolReplica:
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
+        self.retention_interval = prefix_cache_retention_interval
         self.num_blocks = config.num_blocks
         self.num_groups = len(config.kv_cache_groups)
         self._where = f"kvsvc server {settings.engine_target} (pool {settings.pool!r})"
@@ -188,6 +192,7 @@ class KvsvcPoolReplica:
         self._closed = False
         self.cache: PoolKVCache = self._new_cache()
         self._connect()
+        self._step_rpcs = 0  # start-up's calls are no scheduling step's
 
     # -- start ---------------------------------------------------------------------------
 
@@ -203,6 +208,7 @@ class KvsvcPoolReplica:
                 hash_block_size=self.hash_block_size,
                 enable_events=False,
                 recently_freed=0,
+                prefix_cache_retention_interval=self.retention_interval,
             )
         except ValueError as exc:
             raise KvsvcError(
@@ -234,6 +240,14 @@ class KvsvcPoolReplica:
                 f"vLLM's max_model_len is {self.max_model_len}: lower vLLM's or raise the "
                 "pool's --max-model-len"
             )
+        retention = -1 if self.retention_interval is None else self.retention_interval
+        if self._has_window_group() and summary.prefix_cache_retention_interval != retention:
+            raise KvsvcError(
+                f"{self._where} caches sliding-window blocks with "
+                f"prefix_cache_retention_interval={summary.prefix_cache_retention_interval}"
+                f" but vLLM uses {retention}: start the pool with "
+                f"--prefix-cache-retention-interval {retention} (or give vLLM the pool's)"
+            )
         usage = self._call(self._client.usage, "read the pool's usage")
         if usage.num_blocks != self.num_blocks - 1:
             raise KvsvcError(
@@ -263,6 +277,12 @@ class KvsvcPoolReplica:
                 "came back with fresh tensors)"
             )
         self._start_from_idle_pool()
+
+    def _has_window_group(self) -> bool:
+        return any(
+            isinstance(group.kv_cache_spec, SlidingWindowSpec)
+            for group in self.config.kv_cache_groups
+        )
 
     def _start_from_idle_pool(self) -> None:
         """Reset the (idle) pool's prefix cache and copy its free queue into a fresh replica.
@@ -364,7 +384,15 @@ class KvsvcPoolReplica:
             and response.num_free_blocks == prediction.num_free_blocks
         ):
             return
-        self._flag_resync(self._describe_divergence(prediction, response))
+        divergence = self._describe_divergence(prediction, response)
+        usage = self._call(self._client.usage, "read the pool's usage")
+        if not usage.num_requests_needing_recompute:
+            # Not a fault the pool reports: a bug, or a pool changed behind the engine's
+            # back. Never let vLLM run on block ids the server did not hand out.
+            raise KvsvcError(f"{self._where}: {divergence}")
+        # Invalidated after the reply's first operations were applied: the replica went
+        # on from a state the server left.
+        self._flag_resync(divergence)
 
     def _describe_divergence(self, prediction: _Prediction, response: Any) -> str:
         """Name the first operation whose reply differs from the replica's answer."""
@@ -512,6 +540,7 @@ class KvsvcPoolReplica:
             skip_prefix_cache_read=start.skip_prefix_cache_read,
             resumed=start.resumed,
             num_encoder_tokens=start.num_encoder_tokens,
+            num_prompt_tokens=start.num_prompt_tokens,
         )
         try:
             outcome = self.cache.allocate(

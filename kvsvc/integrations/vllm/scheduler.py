@@ -313,6 +313,9 @@ class KvsvcKVCacheManager:
             skip_prefix_cache_read=bool(request.skip_reading_prefix_cache),
             resumed=request.num_preemptions > 0,
             num_encoder_tokens=num_encoder_tokens,
+            num_prompt_tokens=(
+                request.num_prompt_tokens if request.num_tokens > request.num_prompt_tokens else 0
+            ),
         )
         tables = replica.admit(
             request_id, request.all_token_ids, num_new_tokens, num_lookahead_tokens, start
@@ -463,6 +466,7 @@ class KvsvcScheduler(Scheduler):
             max_model_len=self.max_model_len,
             enable_caching=self.cache_config.enable_prefix_caching,
             hash_block_size=self.hash_block_size,
+            prefix_cache_retention_interval=self.cache_config.prefix_cache_retention_interval,
         )
         # Replaces the manager vLLM built (its block pool is never used).
         self.kv_cache_manager = KvsvcKVCacheManager(
