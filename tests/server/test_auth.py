@@ -333,6 +333,75 @@ def test_engines_have_their_own_request_namespaces(server: ServerThread) -> None
         assert shared.free("d1") > 0
 
 
+def _live_ids(server: ServerThread, request_id: str) -> set[str]:
+    """The server-side ids of the live requests an engine calls ``request_id``."""
+
+    def read() -> set[str]:
+        ids = server.server.pools.by_name["p"].cache.request_ids()
+        return {rid for rid in ids if rid.rpartition("\x00")[2] == request_id}
+
+    return server.run(read)  # type: ignore[no-any-return]
+
+
+def _refused_in_step(outcome: Any, request_id: str) -> None:
+    """``outcome`` is a Step operation refused as NOT_FOUND, naming the id as sent."""
+    assert isinstance(outcome, OperationError), outcome
+    assert outcome.code == grpc.StatusCode.NOT_FOUND, outcome
+    assert quoted(request_id) in outcome.message
+    assert "engine-a" not in outcome.message and "\\u0000" not in outcome.message
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_named_engines_are_isolated_in_steps(server: ServerThread, transport: str) -> None:
+    """Engines admit, extend, preempt and free through Step (as the vLLM adapter does):
+    engine B cannot see, extend, free or preempt engine A's request, and the same id used
+    by both names two independent requests."""
+    address = _listener(server, transport)
+    target = address if transport == "grpc" else f"frames:{address}"
+    prompt = list(range(3000, 3040))
+    # An id per transport: a freed id is remembered a while (a repeated Free of it is OK).
+    rid = f"s-{transport}"
+
+    def engine(token: str) -> KVCacheClient:
+        options = ClientOptions(token=token, retries=0, timeout=5)
+        return KVCacheClient(target, pool="p", options=options)
+
+    with engine(ENGINE_A) as a, engine(ENGINE_B) as b:
+        (admitted,) = a.step().allocate(rid, prompt, 40, start=RequestStart()).send()
+        assert admitted.ok and admitted.num_computed_tokens == 40
+        a_blocks = a.block_table(rid).groups
+        try:
+            refused = b.step().allocate(rid, [7], 1).free(rid).preempt(rid).send()
+            for outcome in refused:
+                _refused_in_step(outcome, rid)
+            with pytest.raises(NotFoundError):
+                b.block_table(rid)
+            assert a.block_table(rid).groups == a_blocks
+            assert a.block_table(rid).num_computed_tokens == 40
+            # B's own s1, admitted with the very same prompt: a request of its own (not
+            # a repeat of A's admission answered with A's blocks).
+            (b_admitted,) = b.step().allocate(rid, prompt, 40, start=RequestStart()).send()
+            assert b_admitted.ok and b_admitted.num_cached_tokens == 32
+            assert _live_ids(server, rid) == {
+                scoped_request_id(rid, "engine-a"),
+                scoped_request_id(rid, "engine-b"),
+            }
+            (extended,) = a.step().allocate(rid, [1], 1).send()
+            assert extended.ok and extended.num_computed_tokens == 41
+            assert b.block_table(rid).num_computed_tokens == 40
+            (preempted,) = b.step().preempt(rid).send()
+            assert preempted.num_freed_blocks > 0
+            assert a.block_table(rid).num_computed_tokens == 41
+            with pytest.raises(NotFoundError):
+                b.block_table(rid)
+            (freed,) = a.step().free(rid).send()
+            assert freed.num_freed_blocks > 0
+            assert _live_ids(server, rid) == set()
+        finally:
+            for client in (a, b):
+                client.step().free(rid).send()
+
+
 @pytest.mark.parametrize("request_id", ["r1", 'say "hi"\\now', "é-ü", "x" * 256])
 def test_the_namespace_prefix_leaves_quoted_ids_however_they_are_quoted(request_id: str) -> None:
     """Messages quote ids with kvsvc.errors.quoted (JSON: NUL is \\u0000), repr (\\x00) or
