@@ -568,8 +568,11 @@ class SourceStore:
         for start in range(0, len(flips), PIPELINE_CHUNK):
             chunk = flips[start : start + PIPELINE_CHUNK]
             self.client.hset(stage_pending, mapping=dict(self._pending_entry(*f) for f in chunk))
-        self.client.hdel(self.keys.sources, self.name)
         self._check(self._install(keys=self._keys, args=[self.owner]))
+        # Only once the script found the lease held: a purger that stalled past its lease
+        # must not drop the new holder's entry (its engine would go unscored until its
+        # next install).
+        self.client.hdel(self.keys.sources, self.name)
         self.flush_pending()
         return len(flips)
 

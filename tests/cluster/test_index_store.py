@@ -5,7 +5,7 @@ purges, and Score over what was written."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -249,3 +249,89 @@ def test_after_redis_lost_everything_the_sources_get_ids_anew(redis_url: str, ke
     scorer = Scorer(client, SEED, keys)
     assert scorer.score(prompt_a, max_registry_age=0).scores == {"a:1/p": 48, "b:1/p": 0}
     assert scorer.score(prompt_b, max_registry_age=0).scores == {"a:1/p": 0, "b:1/p": 32}
+
+
+def block_keys(keys: Keys, *prompts: list[int]) -> list[bytes]:
+    """The bitmap keys of every block of ``prompts``."""
+    return [keys.block(h) for p in prompts for h in HASHER.block_hashes(p, 16, 16)]
+
+
+def test_a_purge_leaves_no_block_bits_behind(redis_url: str, keys: Keys) -> None:
+    """The purged engine's bit is cleared in every bitmap it was set in (a bitmap left
+    with no bit is deleted), its pending bits are gone, and another engine's bits in the
+    same bitmaps stay."""
+    client = connect(redis_url)
+    a = new_source(client, "a:1/p", keys)
+    b = new_source(client, "b:1/p", keys)
+    own, shared, other = prompt(3, base=100), prompt(2, base=200), prompt(2, base=300)
+    a.apply("e1", 1, 1, TRACKING, stored(own) + stored(shared))
+    b.apply("e1", 1, 1, TRACKING, stored(shared) + stored(other))
+    assert a.purge() == 5
+    assert a.engine_id is not None and b.engine_id is not None
+    for key in block_keys(keys, own, shared, other):
+        assert client.getbit(key, a.engine_id) == 0, key
+    assert not any(client.exists(key) for key in block_keys(keys, own))
+    assert all(client.getbit(key, b.engine_id) for key in block_keys(keys, shared, other))
+    source = keys.source_keys("a:1/p")
+    assert not client.exists(source[2]) and not client.exists(source[5])  # no pending left
+    assert a.counts() == {}
+
+
+def stall_past_the_lease(
+    monkeypatch: pytest.MonkeyPatch, store: SourceStore, takeover: Callable[[], None]
+) -> None:
+    """``store`` stalls past its lease in the middle of its next install or purge (after
+    its first flush, when it reads the counts it is about to replace): the lease runs out
+    and ``takeover`` (another indexer taking the source) runs meanwhile."""
+    real = store.counts
+
+    def stalled() -> dict[bytes, int]:
+        monkeypatch.setattr(store, "counts", real)
+        store.client.delete(store.keys.source(store.name, "lease"))  # it ran out
+        takeover()
+        return real()
+
+    monkeypatch.setattr(store, "counts", stalled)
+
+
+@pytest.mark.parametrize("write", ["install", "purge"])
+def test_a_writer_that_lost_its_lease_leaves_the_holder_alone(
+    redis_url: str, keys: Keys, monkeypatch: pytest.MonkeyPatch, write: str
+) -> None:
+    """An indexer stalled in a resync (or a purge) past its lease while another took the
+    source over and installed its snapshot: when it wakes up its write raises LeaseLost
+    and the holder's meta, counts, registry entry and scores are as the holder left
+    them. Before the write starts it raises at once too."""
+    client = connect(redis_url)
+    name = "h:1/p"
+    old, stale, fresh = prompt(3, base=0), prompt(2, base=5000), prompt(2, base=9000)
+    a = new_source(client, name, keys, owner="a")
+    a.apply("e1", 1, 1, TRACKING, stored(old))
+    b = SourceStore(client, name, "b", keys, lease_ttl_s=5)
+    fresh_counts = {op[1:]: 1 for op in stored(fresh)}
+
+    def takeover() -> None:
+        assert b.acquire() == "new"
+        b.install("e2", 4, TRACKING, fresh_counts)
+
+    def holder_state() -> tuple[object, ...]:
+        scorer = Scorer(client, SEED, keys)
+        scores = [scorer.score(p, max_registry_age=0).scores for p in (old, stale, fresh)]
+        return b.state(), b.counts(), client.hget(keys.sources, name), scores
+
+    def write_as_a() -> None:
+        if write == "install":
+            a.install("e1", 9, TRACKING, {op[1:]: 1 for op in stored(stale)})
+        else:
+            a.purge()
+
+    stall_past_the_lease(monkeypatch, a, takeover)
+    with pytest.raises(LeaseLost):
+        write_as_a()
+    held = holder_state()
+    assert held[0].epoch == "e2" and held[0].seq == 4 and held[1] == fresh_counts
+    assert held[2] is not None
+    assert held[3] == [{name: 0}, {name: 0}, {name: 32}]
+    with pytest.raises(LeaseLost):
+        write_as_a()  # the lease long gone: refused before anything is written
+    assert holder_state() == held
