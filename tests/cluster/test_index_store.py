@@ -118,6 +118,8 @@ def test_only_the_lease_holder_writes(redis_url: str, keys: Keys) -> None:
     a = new_source(client, "h:1/p", keys, owner="a")
     b = SourceStore(client, "h:1/p", "b", keys, lease_ttl_s=5)
     assert b.acquire() == "held"
+    b.release()  # not its lease to give back: nothing happens
+    assert b.acquire() == "held"
     with pytest.raises(LeaseLost):
         b.apply("e1", 1, 1, TRACKING, stored(prompt(1)))
     assert a.acquire() == "ok"
