@@ -42,12 +42,7 @@ def serve(state_dir: Path) -> tuple[Child, str]:
 def join(address: str) -> FakeRank:
     """Rank 0 registers (its tensors: "A-0", the same across the restart) and reports."""
     rank = FakeRank(address, "p", 0, 1, llama_like_specs(), MEMORY, allocation_id="A-0")
-    rank.register()
-    rank.open_stream()
-    update = rank.wait_for_config()
-    assert not update.error, update.error
-    rank.report()
-    return rank
+    return rank.join()
 
 
 def pool_snapshot(kv: KVCacheClient, out: Path) -> Snapshot:

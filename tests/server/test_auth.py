@@ -1,11 +1,10 @@
 """Roles, credentials and engine namespaces against a real server.
 
-Every method of every kvsvc service is called over every transport the server listens on
-(gRPC, and the framed transport on its Unix socket and its TCP port) without a
-credential, with an unknown one, with each role's and with the all-roles one. The table is
-built from the service descriptors and the server's listeners, so a method or a listener
-added later is covered without editing this file; a refused call must answer its exact
-code and leave the pool as it was.
+Every method of every kvsvc service is called on every listener of the server (gRPC and
+the framed transport, each on a TCP port and a Unix socket) without a credential, with an
+unknown one, with each role's and with the all-roles one. The table is built from the
+service descriptors, so a method added later is covered without editing this file; a
+refused call must answer its exact code and leave the pool as it was.
 """
 
 from __future__ import annotations
@@ -71,8 +70,9 @@ TOKEN_OF = {Role.ENGINE: ENGINE_A, Role.AGENT: AGENT, Role.ADMIN: ADMIN}
 METHODS = [
     (service, method, role) for service, role in SERVICES.items() for method in service.methods
 ]
-# The listeners every method is called on (each server listener of these kinds).
-TRANSPORTS = ("grpc", "frames-unix", "frames-tcp")
+# The server's listeners, by transport and kind of address: every method is called on
+# each (test_the_table_covers_every_listener_of_the_server keeps it complete).
+LISTENERS = ("grpc-tcp", "grpc-unix", "frames-tcp", "frames-unix")
 
 
 def _write(path: Path, text: str) -> str:
@@ -95,7 +95,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
         short_dir() as sockets,
         running_server(
             PoolConfig(name="p", max_model_len=256),
-            frames_listen=f"unix:{sockets}/a.sock,127.0.0.1:0",
+            listen=f"127.0.0.1:0,unix:{sockets}/g.sock",
+            frames_listen=f"unix:{sockets}/f.sock,127.0.0.1:0",
             **config,
         ) as srv,
     ):
@@ -115,13 +116,28 @@ def test_every_service_of_the_contract_is_in_the_table() -> None:
     assert contract == {s.full_name for s in SERVICES} | NOT_SERVED
 
 
-def _listener(server: ServerThread, transport: str) -> str:
-    """The address of the server's listener of ``transport`` (one of TRANSPORTS)."""
-    if transport == "grpc":
-        return server.address
-    addresses = server.server.frames_addresses
-    unix = [a for a in addresses if a.startswith("unix:")]
-    return unix[0] if transport == "frames-unix" else next(a for a in addresses if a not in unix)
+def _listeners(server: ServerThread) -> dict[str, list[str]]:
+    """The server's listening addresses by LISTENERS name."""
+    srv = server.server
+    frames = srv.frames_addresses
+    return {
+        "grpc-tcp": [f"127.0.0.1:{srv.port}"],
+        "grpc-unix": list(srv.unix_sockets),
+        "frames-tcp": [a for a in frames if not a.startswith("unix:")],
+        "frames-unix": [a for a in frames if a.startswith("unix:")],
+    }
+
+
+def test_the_table_covers_every_listener_of_the_server(server: ServerThread) -> None:
+    assert {name: len(found) for name, found in _listeners(server).items()} == dict.fromkeys(
+        LISTENERS, 1
+    )
+
+
+def _listener(server: ServerThread, name: str) -> str:
+    """The address of the server's listener ``name`` (one of LISTENERS)."""
+    (address,) = _listeners(server)[name]
+    return address
 
 
 def _request(method: Any, pool: str) -> Any:
@@ -210,22 +226,22 @@ def held_state(server: ServerThread) -> Iterator[None]:
         a.free("held")
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("listener", LISTENERS)
 @pytest.mark.parametrize(
     ("service", "method", "role"),
     METHODS,
     ids=[f"{s.name}.{m.name}" for s, m, _ in METHODS],
 )
 def test_every_method_checks_the_credential_and_its_role_on_every_transport(
-    server: ServerThread, held_state: None, service: Any, method: Any, role: Role, transport: str
+    server: ServerThread, held_state: None, service: Any, method: Any, role: Role, listener: str
 ) -> None:
     """No credential: UNAUTHENTICATED; an unknown one: UNAUTHENTICATED; another role's:
     PERMISSION_DENIED; each with the pool unchanged. The method's own roles (and the
     all-roles token) are served: the same answer on every transport. Over frames, a
     streaming method or one of a service frames do not carry answers UNIMPLEMENTED to
     every caller."""
-    address = _listener(server, transport)
-    framed = transport != "grpc"
+    address = _listener(server, listener)
+    framed = listener.startswith("frames")
     call = _framed_call if framed else _call
     allowed = SHARED.get(method.name, {role})
     # What a refused call sends names the live pool: were it let through, it would act.
@@ -351,16 +367,16 @@ def _refused_in_step(outcome: Any, request_id: str) -> None:
     assert "engine-a" not in outcome.message and "\\u0000" not in outcome.message
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_named_engines_are_isolated_in_steps(server: ServerThread, transport: str) -> None:
+@pytest.mark.parametrize("listener", LISTENERS)
+def test_named_engines_are_isolated_in_steps(server: ServerThread, listener: str) -> None:
     """Engines admit, extend, preempt and free through Step (as the vLLM adapter does):
     engine B cannot see, extend, free or preempt engine A's request, and the same id used
     by both names two independent requests."""
-    address = _listener(server, transport)
-    target = address if transport == "grpc" else f"frames:{address}"
+    address = _listener(server, listener)
+    target = f"frames:{address}" if listener.startswith("frames") else address
     prompt = list(range(3000, 3040))
-    # An id per transport: a freed id is remembered a while (a repeated Free of it is OK).
-    rid = f"s-{transport}"
+    # An id per listener: a freed id is remembered a while (a repeated Free of it is OK).
+    rid = f"s-{listener}"
 
     def engine(token: str) -> KVCacheClient:
         options = ClientOptions(token=token, retries=0, timeout=5)
