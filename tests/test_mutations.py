@@ -53,9 +53,11 @@ def test_the_set_covers_the_areas_that_must_not_break_silently() -> None:
 def test_a_stale_mutation_is_named(tmp_path: Path) -> None:
     (tmp_path / "kvsvc").mkdir()
     (tmp_path / "kvsvc" / "a.py").write_text("x = 1\nx = 1\n")
-    twice = RUNNER.Mutation("m", "auth", "kvsvc/a.py", "x = 1", "x = 2", (), "")
+    twice = RUNNER.Mutation("m", "auth", "kvsvc/a.py", (("x = 1", "x = 2"),), (), "")
     with pytest.raises(RUNNER.StaleMutation, match="mutation m: its find text occurs 2 times"):
         RUNNER.mutated_text(twice, tmp_path)
-    gone = RUNNER.Mutation("m", "auth", "kvsvc/a.py", "y = 1", "y = 2", (), "")
-    with pytest.raises(RUNNER.StaleMutation, match=r"is gone from kvsvc/a\.py"):
+    gone = RUNNER.Mutation(
+        "m", "auth", "kvsvc/a.py", (("x = 1\nx = 1", "z = 1"), ("y = 1", "y = 2")), (), ""
+    )
+    with pytest.raises(RUNNER.StaleMutation, match=r"its find text 2 is gone from kvsvc/a\.py"):
         RUNNER.mutated_text(gone, tmp_path)

@@ -28,6 +28,7 @@ import time
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 MUTATIONS = ROOT / "tools" / "mutations.toml"
@@ -41,8 +42,9 @@ class Mutation:
     id: str
     area: str
     file: str
-    find: str
-    replace: str
+    # (find, replace) pairs applied in order: a bug is mostly one edit, sometimes two
+    # places that must change together (``find``/``replace`` lists in the file).
+    edits: tuple[tuple[str, str], ...]
     tests: tuple[str, ...]
     why: str
     # The interpreter that runs the tests (relative to the tree: ".venv-vllm/bin/python"
@@ -63,8 +65,7 @@ def load(path: Path = MUTATIONS) -> list[Mutation]:
             id=e["id"],
             area=e["area"],
             file=e["file"],
-            find=e["find"],
-            replace=e["replace"],
+            edits=_edits(e),
             tests=tuple(e["tests"]),
             why=e["why"],
             python=e.get("python", ""),
@@ -79,21 +80,37 @@ def load(path: Path = MUTATIONS) -> list[Mutation]:
     return mutations
 
 
+def _edits(entry: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """An entry's ``find``/``replace``: two strings, or two lists of the same length."""
+    finds, replaces = entry["find"], entry["replace"]
+    if isinstance(finds, str) and isinstance(replaces, str):
+        return ((finds, replaces),)
+    if isinstance(finds, list) and isinstance(replaces, list) and len(finds) == len(replaces):
+        return tuple(zip(finds, replaces, strict=True))
+    raise StaleMutation(
+        f"mutation {entry['id']}: find and replace must be two strings or two lists of "
+        "the same length"
+    )
+
+
 def mutated_text(mutation: Mutation, root: Path) -> str:
     """The mutation's file under ``root`` with the bug in.
 
     Raises:
-        StaleMutation: the ``find`` text is not exactly once in the file.
+        StaleMutation: a ``find`` text is not exactly once in the file.
     """
     text = (root / mutation.file).read_text()
-    count = text.count(mutation.find)
-    if count != 1:
-        where = "is gone from" if count == 0 else f"occurs {count} times in"
-        raise StaleMutation(
-            f"mutation {mutation.id}: its find text {where} {mutation.file}; update "
-            f"{MUTATIONS.relative_to(ROOT)} with the code"
-        )
-    return text.replace(mutation.find, mutation.replace)
+    for number, (find, replace) in enumerate(mutation.edits, 1):
+        count = text.count(find)
+        if count != 1:
+            where = "is gone from" if count == 0 else f"occurs {count} times in"
+            which = f"find text {number}" if len(mutation.edits) > 1 else "find text"
+            raise StaleMutation(
+                f"mutation {mutation.id}: its {which} {where} {mutation.file}; update "
+                f"{MUTATIONS.relative_to(ROOT)} with the code"
+            )
+        text = text.replace(find, replace)
+    return text
 
 
 def copy_tree(destination: Path) -> None:

@@ -35,7 +35,7 @@ from kvsvc.errors import quoted
 from kvsvc.server.auth import Credential, Role, load_credentials, read_token_file
 from kvsvc.server.config import ConfigError, PoolConfig, ServerConfig
 from kvsvc.server.namespace import scoped_request_id, unscope_message
-from kvsvc.v1 import admin_pb2, cluster_pb2, kvcache_pb2, pools_pb2, worker_pb2
+from kvsvc.v1 import admin_pb2, cluster_pb2, kvcache_pb2, kvcache_pb2_grpc, pools_pb2, worker_pb2
 from tests.frames.helpers import RawClient, short_dir
 from tests.server.harness import ServerThread, bring_up, running_server
 
@@ -416,6 +416,33 @@ def test_named_engines_are_isolated_in_steps(server: ServerThread, listener: str
         finally:
             for client in (a, b):
                 client.step().free(rid).send()
+
+
+def test_call_ids_are_per_engine(server: ServerThread) -> None:
+    """Two engines that send the same call id get their own replies: a repeat is one of
+    the caller's own calls, never another engine's reply (its block ids) answered back."""
+
+    def admit(token: str, prompt: list[int]) -> kvcache_pb2.AllocateResponse:
+        request = kvcache_pb2.AllocateRequest(
+            pool="p", request_id="c1", new_token_ids=prompt, num_new_tokens=len(prompt),
+            call_id="same-call-id",
+        )  # fmt: skip
+        request.start.SetInParent()
+        with grpc.insecure_channel(server.address) as channel:
+            return kvcache_pb2_grpc.KVCacheServiceStub(channel).Allocate(  # type: ignore[no-any-return]
+                request, metadata=_metadata(token), timeout=5
+            )
+
+    first = admit(ENGINE_A, list(range(4000, 4040)))
+    other = admit(ENGINE_B, list(range(5000, 5020)))
+    with _engine(server, ENGINE_A) as a, _engine(server, ENGINE_B) as b:
+        try:
+            assert first.num_computed_tokens == 40 and other.num_computed_tokens == 20
+            assert b.block_table("c1").num_tokens == 20
+            assert a.block_table("c1").num_tokens == 40
+        finally:
+            a.free("c1")
+            b.free("c1")
 
 
 @pytest.mark.parametrize("request_id", ["r1", 'say "hi"\\now', "é-ü", "x" * 256])
