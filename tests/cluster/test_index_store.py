@@ -5,6 +5,7 @@ purges, and Score over what was written."""
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -13,7 +14,14 @@ import pytest
 from kvsvc.cluster.hashing import PromptHasher
 from kvsvc.cluster.layout import APPLY, Keys
 from kvsvc.cluster.score import Scorer
-from kvsvc.cluster.store import LeaseLost, SourceMoved, SourceStore, Tracking, connect
+from kvsvc.cluster.store import (
+    STAGE_TTL_MS,
+    LeaseLost,
+    SourceMoved,
+    SourceStore,
+    Tracking,
+    connect,
+)
 from tests.cluster.redis_procs import redis_deployment, require_redis_package
 
 require_redis_package()
@@ -162,6 +170,8 @@ def test_a_snapshot_replaces_the_index_and_a_purge_drops_the_engine(
     counts = {op[1:]: 1 for op in stored(new)}
     a.install("e2", 7, TRACKING, counts)
     assert a.state().epoch == "e2" and a.state().seq == 7
+    # The staged snapshot's TTL (its leftovers expire) does not come along into the index.
+    assert client.pttl(keys.source("h:1/p", "blocks")) == -1
     scorer = Scorer(client, SEED, keys)
     assert scorer.score(old, max_registry_age=0).scores == {"h:1/p": 0}
     assert scorer.score(new).scores == {"h:1/p": 32}
@@ -337,3 +347,59 @@ def test_a_writer_that_lost_its_lease_leaves_the_holder_alone(
     with pytest.raises(LeaseLost):
         write_as_a()  # the lease long gone: refused before anything is written
     assert holder_state() == held
+
+
+def test_a_stalled_writer_cannot_touch_the_holders_snapshot_being_staged(
+    redis_url: str, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Indexer A stalls in the middle of an install, past its lease; B takes the source
+    over and, while B is staging its snapshot, A wakes up and stages its own before its
+    install script finds the lease gone. B's snapshot must be installed as B wrote it:
+    each writer stages under keys of its own."""
+    client = connect(redis_url)
+    name = "h:1/p"
+    stale, fresh = prompt(2, base=5000), prompt(2, base=9000)
+    fresh_counts = {op[1:]: 1 for op in stored(fresh)}
+    a = new_source(client, name, keys, owner="a")
+    b = SourceStore(client, name, "b", keys, lease_ttl_s=5)
+    a_stalled, a_wakes = threading.Event(), threading.Event()
+    reading = a.counts
+
+    def stall() -> dict[bytes, int]:
+        a_stalled.set()
+        assert a_wakes.wait(30)
+        return reading()
+
+    monkeypatch.setattr(a, "counts", stall)
+    outcome: list[str] = []
+
+    def install_as_a() -> None:
+        try:
+            a.install("e1", 9, TRACKING, {op[1:]: 1 for op in stored(stale)})
+            outcome.append("installed")
+        except LeaseLost:
+            outcome.append("lease lost")
+
+    writer = threading.Thread(target=install_as_a, daemon=True)
+    writer.start()
+    assert a_stalled.wait(30)
+    client.delete(keys.source(name, "lease"))  # A's lease ran out
+    assert b.acquire() == "new"
+    staging = b._pending_entry
+
+    def a_wakes_mid_staging(key: bytes, bit: int) -> tuple[bytes, str]:
+        monkeypatch.setattr(b, "_pending_entry", staging)
+        a_wakes.set()
+        writer.join(30)
+        return staging(key, bit)
+
+    monkeypatch.setattr(b, "_pending_entry", a_wakes_mid_staging)
+    b.install("e2", 4, TRACKING, fresh_counts)
+    assert outcome == ["lease lost"]
+    assert b.state().epoch == "e2" and b.counts() == fresh_counts
+    scorer = Scorer(client, SEED, keys)
+    assert scorer.score(fresh, max_registry_age=0).scores == {name: 32}
+    assert scorer.score(stale).scores == {name: 0}
+    # What A staged stays out of the index and expires by itself.
+    for key in keys.source_keys(name, "a")[4:]:
+        assert 0 < client.pttl(key) <= STAGE_TTL_MS, key
