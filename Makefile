@@ -32,7 +32,7 @@ BUF := $(NODE_DIR)/node_modules/.bin/buf
 # What `buf breaking` compares protos/ with: the previous commit (of main, in CI).
 BUF_AGAINST ?= HEAD~1
 
-.PHONY: demo test test-vllm lint lint-protos node-tools proto proto-check bench bench-vllm venv venv-vllm images clean
+.PHONY: demo test test-vllm mutate lint lint-protos node-tools proto proto-check bench bench-vllm venv venv-vllm images clean
 
 # install_torch PYTHON: torch==$(TORCH_VERSION) first, so the worker extra's range (torch>=2.4)
 # installs nothing more. A wheel pip finds with --no-index (find-links) is installed as it is
@@ -100,6 +100,11 @@ test: venv node-tools lint venv-vllm
 
 test-vllm: venv-vllm
 	$(VLLM_TEST_ENV) $(VLLM_PY) -m pytest tests/vllm $(PYTEST_ARGS)
+
+# The curated mutation set (tools/mutations.toml): each bug put into a copy of the tree,
+# only its tests run; every one must be caught. Not part of `make test` (CONTRIBUTING).
+mutate: venv
+	$(PY) tools/mutate.py
 
 lint: venv node-tools
 	$(VENV)/bin/ruff check kvsvc clients tests benchmarks deploy

@@ -18,7 +18,9 @@ Keys (``P`` is the key prefix, ``kvsvc`` by default; ``S`` a source's name,
       P:{P:src:S}:pending             HASH   H -> "0"/"1" (or key -> "k0"/"k1"): block
                                              bits decided but maybe not written yet
       P:{P:src:S}:lease               STRING the indexer that may write S (with a TTL)
-      P:{P:src:S}:stage, :stage_pending      a snapshot being written, renamed in at once
+      P:{P:src:S}:stage:O, :stage_pending:O  a snapshot indexer O (its lease token) is
+                                             writing, renamed in at once (with a TTL
+                                             until then)
 
     one slot per block hash and class (spread over the cluster; no hash tag)
       P:b:H                           STRING a bitmap over engine ids: bit i is set while
@@ -115,11 +117,21 @@ class Keys:
         """One of a source's keys (``meta``, ``blocks``, ``pending``, ``lease``, ...)."""
         return f"{self.prefix}:{{{self.prefix}:src:{source}}}:{name}"
 
-    def source_keys(self, source: str) -> list[str]:
-        """The keys every source script gets, in the order the scripts expect."""
+    def source_keys(self, source: str, owner: str = "") -> list[str]:
+        """The keys every source script gets, in the order the scripts expect; the stage
+        keys are ``owner``'s own (an indexer that lost its lease mid-write must not touch
+        the snapshot the new holder is staging)."""
+        stage = f":{owner}" if owner else ""
         return [
             self.source(source, name)
-            for name in ("meta", "blocks", "pending", "lease", "stage", "stage_pending")
+            for name in (
+                "meta",
+                "blocks",
+                "pending",
+                "lease",
+                f"stage{stage}",
+                f"stage_pending{stage}",
+            )
         ]
 
     def block(self, block_hash: bytes) -> bytes:
@@ -273,17 +285,20 @@ out[2] = tostring(missing) .. ':' .. tostring(changed)
 return out
 """
 
-# Installs a staged snapshot: stage -> blocks, stage_pending -> pending, and the meta
-# fields given (ARGV: owner, field, value, field, value, ...). Returns "ok" or "lease".
+# Installs a staged snapshot: stage -> blocks, stage_pending -> pending (without the TTL
+# the stage keys had), and the meta fields given (ARGV: owner, field, value, field,
+# value, ...). Returns "ok" or "lease".
 INSTALL = r"""
 if redis.call('GET', KEYS[4]) ~= ARGV[1] then return 'lease' end
 if redis.call('EXISTS', KEYS[5]) == 1 then
   redis.call('RENAME', KEYS[5], KEYS[2])
+  redis.call('PERSIST', KEYS[2])
 else
   redis.call('DEL', KEYS[2])
 end
 if redis.call('EXISTS', KEYS[6]) == 1 then
   redis.call('RENAME', KEYS[6], KEYS[3])
+  redis.call('PERSIST', KEYS[3])
 end
 if #ARGV > 1 then
   redis.call('DEL', KEYS[1])

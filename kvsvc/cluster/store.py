@@ -26,6 +26,10 @@ _log = logging.getLogger("kvsvc.cluster")
 # Commands per pipeline when bits or staged fields are written in bulk (bounds the
 # memory of one pipeline and the time Redis spends on one packet).
 PIPELINE_CHUNK = 4096
+# A writer's staged snapshot lives this long unless its install takes it in: what an
+# indexer that died or lost its lease mid-install left behind goes away by itself (no
+# install takes an hour; the script drops the TTL as it renames the stage in).
+STAGE_TTL_MS = 3_600_000
 
 
 def compact_ops(ops: Sequence[bytes]) -> list[bytes]:
@@ -341,7 +345,7 @@ class SourceStore:
         self.owner = owner
         self.keys = keys
         self.lease_ttl_ms = max(100, int(lease_ttl_s * 1000))
-        self._keys = keys.source_keys(name)
+        self._keys = keys.source_keys(name, owner)
         self._apply = client.register_script(layout.APPLY)
         self._install = client.register_script(layout.INSTALL)
         self._clear_pending = client.register_script(layout.CLEAR_PENDING)
@@ -536,10 +540,9 @@ class SourceStore:
         for start in range(0, len(items), PIPELINE_CHUNK):
             pipe = self.client.pipeline(transaction=False)
             pipe.hset(stage, mapping=dict(items[start : start + PIPELINE_CHUNK]))
+            pipe.pexpire(stage, STAGE_TTL_MS)
             pipe.execute()
-        for start in range(0, len(flips), PIPELINE_CHUNK):
-            chunk = flips[start : start + PIPELINE_CHUNK]
-            self.client.hset(stage_pending, mapping=dict(self._pending_entry(*f) for f in chunk))
+        self._stage_pending(flips)
         meta = {"epoch": epoch, "seq": str(seq), **tracking.to_meta(), "updated": f"{time.time()}"}
         args: list[Any] = [self.owner]
         for key, value in meta.items():
@@ -562,16 +565,27 @@ class SourceStore:
         state = self.state()
         tracking = state.tracking or Tracking((0,), 1, 1, "", "")
         old = self._present(self.counts(), tracking)
-        stage_pending = self._keys[5]
-        self.client.delete(self._keys[4], stage_pending)
+        self.client.delete(self._keys[4], self._keys[5])
         flips = [(h, 0) for h in old]
-        for start in range(0, len(flips), PIPELINE_CHUNK):
-            chunk = flips[start : start + PIPELINE_CHUNK]
-            self.client.hset(stage_pending, mapping=dict(self._pending_entry(*f) for f in chunk))
-        self.client.hdel(self.keys.sources, self.name)
+        self._stage_pending(flips)
         self._check(self._install(keys=self._keys, args=[self.owner]))
+        # Only once the script found the lease held: a purger that stalled past its lease
+        # must not drop the new holder's entry (its engine would go unscored until its
+        # next install).
+        self.client.hdel(self.keys.sources, self.name)
         self.flush_pending()
         return len(flips)
+
+    def _stage_pending(self, flips: Sequence[tuple[bytes, int]]) -> None:
+        """Stage the bits an install or a purge changes (this writer's own stage key,
+        expiring unless the install script takes it in)."""
+        stage_pending = self._keys[5]
+        for start in range(0, len(flips), PIPELINE_CHUNK):
+            chunk = flips[start : start + PIPELINE_CHUNK]
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hset(stage_pending, mapping=dict(self._pending_entry(*f) for f in chunk))
+            pipe.pexpire(stage_pending, STAGE_TTL_MS)
+            pipe.execute()
 
     def _present(self, counts: dict[bytes, int], tracking: Tracking) -> set[bytes]:
         """The bitmap keys whose bit is set for these counts: per tracked class, the

@@ -5,7 +5,8 @@ purges, and Score over what was written."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,14 @@ import pytest
 from kvsvc.cluster.hashing import PromptHasher
 from kvsvc.cluster.layout import APPLY, Keys
 from kvsvc.cluster.score import Scorer
-from kvsvc.cluster.store import LeaseLost, SourceMoved, SourceStore, Tracking, connect
+from kvsvc.cluster.store import (
+    STAGE_TTL_MS,
+    LeaseLost,
+    SourceMoved,
+    SourceStore,
+    Tracking,
+    connect,
+)
 from tests.cluster.redis_procs import redis_deployment, require_redis_package
 
 require_redis_package()
@@ -118,6 +126,8 @@ def test_only_the_lease_holder_writes(redis_url: str, keys: Keys) -> None:
     a = new_source(client, "h:1/p", keys, owner="a")
     b = SourceStore(client, "h:1/p", "b", keys, lease_ttl_s=5)
     assert b.acquire() == "held"
+    b.release()  # not its lease to give back: nothing happens
+    assert b.acquire() == "held"
     with pytest.raises(LeaseLost):
         b.apply("e1", 1, 1, TRACKING, stored(prompt(1)))
     assert a.acquire() == "ok"
@@ -160,6 +170,8 @@ def test_a_snapshot_replaces_the_index_and_a_purge_drops_the_engine(
     counts = {op[1:]: 1 for op in stored(new)}
     a.install("e2", 7, TRACKING, counts)
     assert a.state().epoch == "e2" and a.state().seq == 7
+    # The staged snapshot's TTL (its leftovers expire) does not come along into the index.
+    assert client.pttl(keys.source("h:1/p", "blocks")) == -1
     scorer = Scorer(client, SEED, keys)
     assert scorer.score(old, max_registry_age=0).scores == {"h:1/p": 0}
     assert scorer.score(new).scores == {"h:1/p": 32}
@@ -249,3 +261,145 @@ def test_after_redis_lost_everything_the_sources_get_ids_anew(redis_url: str, ke
     scorer = Scorer(client, SEED, keys)
     assert scorer.score(prompt_a, max_registry_age=0).scores == {"a:1/p": 48, "b:1/p": 0}
     assert scorer.score(prompt_b, max_registry_age=0).scores == {"a:1/p": 0, "b:1/p": 32}
+
+
+def block_keys(keys: Keys, *prompts: list[int]) -> list[bytes]:
+    """The bitmap keys of every block of ``prompts``."""
+    return [keys.block(h) for p in prompts for h in HASHER.block_hashes(p, 16, 16)]
+
+
+def test_a_purge_leaves_no_block_bits_behind(redis_url: str, keys: Keys) -> None:
+    """The purged engine's bit is cleared in every bitmap it was set in (a bitmap left
+    with no bit is deleted), its pending bits are gone, and another engine's bits in the
+    same bitmaps stay."""
+    client = connect(redis_url)
+    a = new_source(client, "a:1/p", keys)
+    b = new_source(client, "b:1/p", keys)
+    own, shared, other = prompt(3, base=100), prompt(2, base=200), prompt(2, base=300)
+    a.apply("e1", 1, 1, TRACKING, stored(own) + stored(shared))
+    b.apply("e1", 1, 1, TRACKING, stored(shared) + stored(other))
+    assert a.purge() == 5
+    assert a.engine_id is not None and b.engine_id is not None
+    for key in block_keys(keys, own, shared, other):
+        assert client.getbit(key, a.engine_id) == 0, key
+    assert not any(client.exists(key) for key in block_keys(keys, own))
+    assert all(client.getbit(key, b.engine_id) for key in block_keys(keys, shared, other))
+    source = keys.source_keys("a:1/p")
+    assert not client.exists(source[2]) and not client.exists(source[5])  # no pending left
+    assert a.counts() == {}
+
+
+def stall_past_the_lease(
+    monkeypatch: pytest.MonkeyPatch, store: SourceStore, takeover: Callable[[], None]
+) -> None:
+    """``store`` stalls past its lease in the middle of its next install or purge (after
+    its first flush, when it reads the counts it is about to replace): the lease runs out
+    and ``takeover`` (another indexer taking the source) runs meanwhile."""
+    real = store.counts
+
+    def stalled() -> dict[bytes, int]:
+        monkeypatch.setattr(store, "counts", real)
+        store.client.delete(store.keys.source(store.name, "lease"))  # it ran out
+        takeover()
+        return real()
+
+    monkeypatch.setattr(store, "counts", stalled)
+
+
+@pytest.mark.parametrize("write", ["install", "purge"])
+def test_a_writer_that_lost_its_lease_leaves_the_holder_alone(
+    redis_url: str, keys: Keys, monkeypatch: pytest.MonkeyPatch, write: str
+) -> None:
+    """An indexer stalled in a resync (or a purge) past its lease while another took the
+    source over and installed its snapshot: when it wakes up its write raises LeaseLost
+    and the holder's meta, counts, registry entry and scores are as the holder left
+    them. Before the write starts it raises at once too."""
+    client = connect(redis_url)
+    name = "h:1/p"
+    old, stale, fresh = prompt(3, base=0), prompt(2, base=5000), prompt(2, base=9000)
+    a = new_source(client, name, keys, owner="a")
+    a.apply("e1", 1, 1, TRACKING, stored(old))
+    b = SourceStore(client, name, "b", keys, lease_ttl_s=5)
+    fresh_counts = {op[1:]: 1 for op in stored(fresh)}
+
+    def takeover() -> None:
+        assert b.acquire() == "new"
+        b.install("e2", 4, TRACKING, fresh_counts)
+
+    def holder_state() -> tuple[object, ...]:
+        scorer = Scorer(client, SEED, keys)
+        scores = [scorer.score(p, max_registry_age=0).scores for p in (old, stale, fresh)]
+        return b.state(), b.counts(), client.hget(keys.sources, name), scores
+
+    def write_as_a() -> None:
+        if write == "install":
+            a.install("e1", 9, TRACKING, {op[1:]: 1 for op in stored(stale)})
+        else:
+            a.purge()
+
+    stall_past_the_lease(monkeypatch, a, takeover)
+    with pytest.raises(LeaseLost):
+        write_as_a()
+    held = holder_state()
+    assert held[0].epoch == "e2" and held[0].seq == 4 and held[1] == fresh_counts
+    assert held[2] is not None
+    assert held[3] == [{name: 0}, {name: 0}, {name: 32}]
+    with pytest.raises(LeaseLost):
+        write_as_a()  # the lease long gone: refused before anything is written
+    assert holder_state() == held
+
+
+def test_a_stalled_writer_cannot_touch_the_holders_snapshot_being_staged(
+    redis_url: str, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Indexer A stalls in the middle of an install, past its lease; B takes the source
+    over and, while B is staging its snapshot, A wakes up and stages its own before its
+    install script finds the lease gone. B's snapshot must be installed as B wrote it:
+    each writer stages under keys of its own."""
+    client = connect(redis_url)
+    name = "h:1/p"
+    stale, fresh = prompt(2, base=5000), prompt(2, base=9000)
+    fresh_counts = {op[1:]: 1 for op in stored(fresh)}
+    a = new_source(client, name, keys, owner="a")
+    b = SourceStore(client, name, "b", keys, lease_ttl_s=5)
+    a_stalled, a_wakes = threading.Event(), threading.Event()
+    reading = a.counts
+
+    def stall() -> dict[bytes, int]:
+        a_stalled.set()
+        assert a_wakes.wait(30)
+        return reading()
+
+    monkeypatch.setattr(a, "counts", stall)
+    outcome: list[str] = []
+
+    def install_as_a() -> None:
+        try:
+            a.install("e1", 9, TRACKING, {op[1:]: 1 for op in stored(stale)})
+            outcome.append("installed")
+        except LeaseLost:
+            outcome.append("lease lost")
+
+    writer = threading.Thread(target=install_as_a, daemon=True)
+    writer.start()
+    assert a_stalled.wait(30)
+    client.delete(keys.source(name, "lease"))  # A's lease ran out
+    assert b.acquire() == "new"
+    staging = b._pending_entry
+
+    def a_wakes_mid_staging(key: bytes, bit: int) -> tuple[bytes, str]:
+        monkeypatch.setattr(b, "_pending_entry", staging)
+        a_wakes.set()
+        writer.join(30)
+        return staging(key, bit)
+
+    monkeypatch.setattr(b, "_pending_entry", a_wakes_mid_staging)
+    b.install("e2", 4, TRACKING, fresh_counts)
+    assert outcome == ["lease lost"]
+    assert b.state().epoch == "e2" and b.counts() == fresh_counts
+    scorer = Scorer(client, SEED, keys)
+    assert scorer.score(fresh, max_registry_age=0).scores == {name: 32}
+    assert scorer.score(stale).scores == {name: 0}
+    # What A staged stays out of the index and expires by itself.
+    for key in keys.source_keys(name, "a")[4:]:
+        assert 0 < client.pttl(key) <= STAGE_TTL_MS, key

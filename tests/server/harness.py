@@ -194,6 +194,16 @@ class FakeRank:
             metadata=self.metadata,
         )
 
+    def join(self) -> FakeRank:
+        """Register, wait for the plan and report it allocated: this rank's whole part in
+        making its pool READY (a pool of one rank is READY after it)."""
+        self.register()
+        self.open_stream()
+        update = self.wait_for_config()
+        assert not update.error, update.error
+        self.report()
+        return self
+
     def close(self) -> None:
         if self.stream is not None:
             self.stream.cancel()

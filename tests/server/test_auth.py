@@ -1,8 +1,10 @@
 """Roles, credentials and engine namespaces against a real server.
 
-Every method of every kvsvc service is called without a credential, with an unknown one,
-with another role's and with its own role's (the parametrization is built from the service
-descriptors, so a method added later is covered without editing this file).
+Every method of every kvsvc service is called on every listener of the server (gRPC and
+the framed transport, each on a TCP port and a Unix socket) without a credential, with an
+unknown one, with each role's and with the all-roles one. The table is built from the
+service descriptors, so a method added later is covered without editing this file; a
+refused call must answer its exact code and leave the pool as it was.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from kvsvc.errors import quoted
 from kvsvc.server.auth import Credential, Role, load_credentials, read_token_file
 from kvsvc.server.config import ConfigError, PoolConfig, ServerConfig
 from kvsvc.server.namespace import scoped_request_id, unscope_message
-from kvsvc.v1 import admin_pb2, kvcache_pb2, worker_pb2
+from kvsvc.v1 import admin_pb2, cluster_pb2, kvcache_pb2, kvcache_pb2_grpc, pools_pb2, worker_pb2
+from tests.frames.helpers import RawClient, short_dir
 from tests.server.harness import ServerThread, bring_up, running_server
 
 ENGINE_A = "engine-a-token-0123456789"
@@ -42,6 +45,7 @@ ENGINE_ANON = "engine-unnamed-0123456789"
 AGENT = "agent-token-0123456789abc"
 ADMIN = "admin-token-0123456789abc"
 ALL_ROLES = "all-roles-token-0123456789"
+UNKNOWN = "not-a-token-0123456789"
 
 # Which role each method belongs to; the other roles must be refused.
 SERVICES = {
@@ -49,6 +53,11 @@ SERVICES = {
     worker_pb2.DESCRIPTOR.services_by_name["WorkerService"]: Role.AGENT,
     admin_pb2.DESCRIPTOR.services_by_name["AdminService"]: Role.ADMIN,
 }
+# Services of kvsvc.v1 the kvsvc server does not serve (the router serves Score).
+NOT_SERVED = {"kvsvc.v1.ClusterIndexService"}
+# The services whose unary methods the framed transport serves (the rest answer
+# UNIMPLEMENTED there, whatever the credential: they are gRPC's).
+FRAMED_SERVICES = {"kvsvc.v1.KVCacheService", "kvsvc.v1.AdminService"}
 # Methods a second role may also call (read-only views an engine or operator needs).
 SHARED = {
     "ResetPrefixCache": {Role.ENGINE, Role.ADMIN},
@@ -61,6 +70,9 @@ TOKEN_OF = {Role.ENGINE: ENGINE_A, Role.AGENT: AGENT, Role.ADMIN: ADMIN}
 METHODS = [
     (service, method, role) for service, role in SERVICES.items() for method in service.methods
 ]
+# The server's listeners, by transport and kind of address: every method is called on
+# each (test_the_table_covers_every_listener_of_the_server keeps it complete).
+LISTENERS = ("grpc-tcp", "grpc-unix", "frames-tcp", "frames-unix")
 
 
 def _write(path: Path, text: str) -> str:
@@ -79,67 +91,194 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
         "admin_token_file": _write(tmp / "admin", f"{ADMIN}\n"),
         "auth_token": ALL_ROLES,
     }
-    with running_server(PoolConfig(name="p", max_model_len=256), **config) as srv:
+    with (
+        short_dir() as sockets,
+        running_server(
+            PoolConfig(name="p", max_model_len=256),
+            listen=f"127.0.0.1:0,unix:{sockets}/g.sock",
+            frames_listen=f"unix:{sockets}/f.sock,127.0.0.1:0",
+            **config,
+        ) as srv,
+    ):
         ranks = bring_up(srv, "p", kv_cache_bytes=64 * 32 * 1024, token=AGENT)
         yield srv
         for rank in ranks:
             rank.close()
 
 
-def _call(address: str, service: object, method: object, token: str | None) -> grpc.StatusCode:
-    """Call ``method`` with an empty request; the status code (OK for a stream's first
-    message)."""
-    full = f"/{service.full_name}/{method.name}"  # type: ignore[attr-defined]
-    request_class = method.input_type._concrete_class  # type: ignore[attr-defined]
-    response_class = method.output_type._concrete_class  # type: ignore[attr-defined]
-    metadata = (("authorization", f"Bearer {token}"),) if token is not None else None
+def test_every_service_of_the_contract_is_in_the_table() -> None:
+    """A service added to kvsvc.v1 must be classified here (its role, framed or not)."""
+    contract = {
+        service.full_name
+        for module in (admin_pb2, cluster_pb2, kvcache_pb2, pools_pb2, worker_pb2)
+        for service in module.DESCRIPTOR.services_by_name.values()
+    }
+    assert contract == {s.full_name for s in SERVICES} | NOT_SERVED
+
+
+def _listeners(server: ServerThread) -> dict[str, list[str]]:
+    """The server's listening addresses by LISTENERS name."""
+    srv = server.server
+    frames = srv.frames_addresses
+    return {
+        "grpc-tcp": [f"127.0.0.1:{srv.port}"],
+        "grpc-unix": list(srv.unix_sockets),
+        "frames-tcp": [a for a in frames if not a.startswith("unix:")],
+        "frames-unix": [a for a in frames if a.startswith("unix:")],
+    }
+
+
+def test_the_table_covers_every_listener_of_the_server(server: ServerThread) -> None:
+    assert {name: len(found) for name, found in _listeners(server).items()} == dict.fromkeys(
+        LISTENERS, 1
+    )
+
+
+def _listener(server: ServerThread, name: str) -> str:
+    """The address of the server's listener ``name`` (one of LISTENERS)."""
+    (address,) = _listeners(server)[name]
+    return address
+
+
+def _request(method: Any, pool: str) -> Any:
+    """An otherwise empty request of ``method`` naming ``pool`` (where it names one)."""
+    request = method.input_type._concrete_class()
+    if pool and "pool" in method.input_type.fields_by_name:
+        request.pool = pool
+    return request
+
+
+def _metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    return (("authorization", f"Bearer {token}"),) if token is not None else None
+
+
+def _status(number: int) -> grpc.StatusCode:
+    return next(code for code in grpc.StatusCode if code.value[0] == number)
+
+
+def _call(
+    address: str, service: Any, method: Any, token: str | None, request: Any = None
+) -> tuple[grpc.StatusCode, str]:
+    """Call ``method`` over gRPC; its status code (OK for a stream's first message) and
+    details."""
+    full = f"/{service.full_name}/{method.name}"
+    request = _request(method, "") if request is None else request
+    response_class = method.output_type._concrete_class
+    metadata = _metadata(token)
     with grpc.insecure_channel(address) as channel:
-        if method.server_streaming:  # type: ignore[attr-defined]
-            call = channel.unary_stream(
-                full, request_class.SerializeToString, response_class.FromString
-            )
-            stream = call(request_class(), metadata=metadata, timeout=5)
-            try:
-                next(stream)
-            except grpc.RpcError as exc:
-                return exc.code()  # type: ignore[no-any-return]
-            except StopIteration:
-                return grpc.StatusCode.OK
-            finally:
-                stream.cancel()
-            return grpc.StatusCode.OK
-        unary = channel.unary_unary(
-            full, request_class.SerializeToString, response_class.FromString
-        )
         try:
-            unary(request_class(), metadata=metadata, timeout=5)
+            if method.server_streaming:
+                stream = channel.unary_stream(
+                    full, type(request).SerializeToString, response_class.FromString
+                )(request, metadata=metadata, timeout=5)
+                try:
+                    next(stream, None)
+                finally:
+                    stream.cancel()
+            else:
+                channel.unary_unary(
+                    full, type(request).SerializeToString, response_class.FromString
+                )(request, metadata=metadata, timeout=5)
         except grpc.RpcError as exc:
-            return exc.code()  # type: ignore[no-any-return]
-        return grpc.StatusCode.OK
+            return exc.code(), exc.details() or ""  # type: ignore[attr-defined]
+    return grpc.StatusCode.OK, ""
 
 
+def _framed_call(
+    address: str, service: Any, method: Any, token: str | None, request: Any
+) -> tuple[grpc.StatusCode, str]:
+    """Call ``method`` on a new framed connection whose hello carries ``token``."""
+    with RawClient(address) as raw:
+        assert raw.hello(_metadata(token)).code == 0
+        reply, _ = raw.call(f"/{service.full_name}/{method.name}", request.SerializeToString())
+    return _status(reply.code), reply.details
+
+
+def _pool_fingerprint(server: ServerThread) -> tuple[Any, ...]:
+    """Everything of pool p a call could change: its core state whole, lifecycle, events,
+    ranks and call log (read on the server's loop)."""
+
+    def read() -> tuple[Any, ...]:
+        pool = server.server.pools.by_name["p"]
+        return (
+            pool.state,
+            pool.cache.to_state(),
+            pool.events.last_sequence,
+            pool.num_invalidations,
+            pool.num_registrations,
+            pool.num_allocation_reports,
+            sorted((rank, slot.session_id) for rank, slot in pool.slots.items()),
+            pool.calls.to_state(),
+        )
+
+    return server.run(read)  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def held_state(server: ServerThread) -> Iterator[None]:
+    """The pool holds something a refused call could wrongly change: a live request of
+    engine-a and a cached prefix (a free one), so a reset, a free or an admission shows."""
+    with KVCacheClient(server.address, pool="p", options=ClientOptions(token=ENGINE_A)) as a:
+        assert a.allocate("held", list(range(7000, 7040)), 40, start=RequestStart()).ok
+        assert a.allocate("cached", list(range(8000, 8040)), 40, start=RequestStart()).ok
+        assert a.free("cached") > 0
+        yield
+        a.free("held")
+
+
+@pytest.mark.parametrize("listener", LISTENERS)
 @pytest.mark.parametrize(
     ("service", "method", "role"),
     METHODS,
     ids=[f"{s.name}.{m.name}" for s, m, _ in METHODS],
 )
-def test_every_method_checks_the_credential_and_its_role(
-    server: ServerThread, service: object, method: object, role: Role
+def test_every_method_checks_the_credential_and_its_role_on_every_transport(
+    server: ServerThread, held_state: None, service: Any, method: Any, role: Role, listener: str
 ) -> None:
-    refused = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
-    assert _call(server.address, service, method, None) == grpc.StatusCode.UNAUTHENTICATED
-    assert _call(server.address, service, method, "not-a-token-0123456789") == (
-        grpc.StatusCode.UNAUTHENTICATED
-    )
-    allowed = SHARED.get(method.name, {role})  # type: ignore[attr-defined]
-    for other in Role:
-        code = _call(server.address, service, method, TOKEN_OF[other])
-        if other in allowed:
-            assert code not in refused, (other, code)
-        else:
-            assert code == grpc.StatusCode.PERMISSION_DENIED, (other, code)
-    # The all-roles token (--auth-token, compatibility) passes everywhere.
-    assert _call(server.address, service, method, ALL_ROLES) not in refused
+    """No credential: UNAUTHENTICATED; an unknown one: UNAUTHENTICATED; another role's:
+    PERMISSION_DENIED; each with the pool unchanged. The method's own roles (and the
+    all-roles token) are served: the same answer on every transport. Over frames, a
+    streaming method or one of a service frames do not carry answers UNIMPLEMENTED to
+    every caller."""
+    address = _listener(server, listener)
+    framed = listener.startswith("frames")
+    call = _framed_call if framed else _call
+    allowed = SHARED.get(method.name, {role})
+    # What a refused call sends names the live pool: were it let through, it would act.
+    real = _request(method, "p")
+    if framed and (method.server_streaming or service.full_name not in FRAMED_SERVICES):
+        for token in (None, UNKNOWN, *TOKEN_OF.values(), ALL_ROLES):
+            code, details = call(address, service, method, token, real)
+            assert code == grpc.StatusCode.UNIMPLEMENTED, (token, code, details)
+            assert "not served over frames" in details
+        return
+    refusals: list[tuple[str | None, grpc.StatusCode]] = [
+        (None, grpc.StatusCode.UNAUTHENTICATED),
+        (UNKNOWN, grpc.StatusCode.UNAUTHENTICATED),
+    ]
+    refusals += [
+        (TOKEN_OF[other], grpc.StatusCode.PERMISSION_DENIED)
+        for other in Role
+        if other not in allowed
+    ]
+    for token, expected in refusals:
+        before = _pool_fingerprint(server)
+        code, details = call(address, service, method, token, real)
+        assert code == expected, (token, code, details)
+        assert _pool_fingerprint(server) == before, f"a refused {method.name} changed the pool"
+        if token is not None:
+            assert token not in details  # the secret is not echoed back
+    # Served: an empty request gets the same answer over every transport, never a refusal.
+    empty = _request(method, "")
+    for token in (*(TOKEN_OF[r] for r in allowed), ALL_ROLES):
+        code, details = call(address, service, method, token, empty)
+        assert code not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED), (
+            token,
+            code,
+            details,
+        )
+        if framed:
+            assert (code, details) == _call(server.address, service, method, token, empty)
 
 
 def test_health_and_reflection_stay_open(server: ServerThread) -> None:
@@ -208,6 +347,102 @@ def test_engines_have_their_own_request_namespaces(server: ServerThread) -> None
         assert anon.allocate("d1", prompt, 40, start=RequestStart()).ok
         assert shared.block_table("d1").num_tokens == 40
         assert shared.free("d1") > 0
+
+
+def _live_ids(server: ServerThread, request_id: str) -> set[str]:
+    """The server-side ids of the live requests an engine calls ``request_id``."""
+
+    def read() -> set[str]:
+        ids = server.server.pools.by_name["p"].cache.request_ids()
+        return {rid for rid in ids if rid.rpartition("\x00")[2] == request_id}
+
+    return server.run(read)  # type: ignore[no-any-return]
+
+
+def _refused_in_step(outcome: Any, request_id: str) -> None:
+    """``outcome`` is a Step operation refused as NOT_FOUND, naming the id as sent."""
+    assert isinstance(outcome, OperationError), outcome
+    assert outcome.code == grpc.StatusCode.NOT_FOUND, outcome
+    assert quoted(request_id) in outcome.message
+    assert "engine-a" not in outcome.message and "\\u0000" not in outcome.message
+
+
+@pytest.mark.parametrize("listener", LISTENERS)
+def test_named_engines_are_isolated_in_steps(server: ServerThread, listener: str) -> None:
+    """Engines admit, extend, preempt and free through Step (as the vLLM adapter does):
+    engine B cannot see, extend, free or preempt engine A's request, and the same id used
+    by both names two independent requests."""
+    address = _listener(server, listener)
+    target = f"frames:{address}" if listener.startswith("frames") else address
+    prompt = list(range(3000, 3040))
+    # An id per listener: a freed id is remembered a while (a repeated Free of it is OK).
+    rid = f"s-{listener}"
+
+    def engine(token: str) -> KVCacheClient:
+        options = ClientOptions(token=token, retries=0, timeout=5)
+        return KVCacheClient(target, pool="p", options=options)
+
+    with engine(ENGINE_A) as a, engine(ENGINE_B) as b:
+        (admitted,) = a.step().allocate(rid, prompt, 40, start=RequestStart()).send()
+        assert admitted.ok and admitted.num_computed_tokens == 40
+        a_blocks = a.block_table(rid).groups
+        try:
+            refused = b.step().allocate(rid, [7], 1).free(rid).preempt(rid).send()
+            for outcome in refused:
+                _refused_in_step(outcome, rid)
+            with pytest.raises(NotFoundError):
+                b.block_table(rid)
+            assert a.block_table(rid).groups == a_blocks
+            assert a.block_table(rid).num_computed_tokens == 40
+            # B's own s1, admitted with the very same prompt: a request of its own (not
+            # a repeat of A's admission answered with A's blocks).
+            (b_admitted,) = b.step().allocate(rid, prompt, 40, start=RequestStart()).send()
+            assert b_admitted.ok and b_admitted.num_cached_tokens == 32
+            assert _live_ids(server, rid) == {
+                scoped_request_id(rid, "engine-a"),
+                scoped_request_id(rid, "engine-b"),
+            }
+            (extended,) = a.step().allocate(rid, [1], 1).send()
+            assert extended.ok and extended.num_computed_tokens == 41
+            assert b.block_table(rid).num_computed_tokens == 40
+            (preempted,) = b.step().preempt(rid).send()
+            assert preempted.num_freed_blocks > 0
+            assert a.block_table(rid).num_computed_tokens == 41
+            with pytest.raises(NotFoundError):
+                b.block_table(rid)
+            (freed,) = a.step().free(rid).send()
+            assert freed.num_freed_blocks > 0
+            assert _live_ids(server, rid) == set()
+        finally:
+            for client in (a, b):
+                client.step().free(rid).send()
+
+
+def test_call_ids_are_per_engine(server: ServerThread) -> None:
+    """Two engines that send the same call id get their own replies: a repeat is one of
+    the caller's own calls, never another engine's reply (its block ids) answered back."""
+
+    def admit(token: str, prompt: list[int]) -> kvcache_pb2.AllocateResponse:
+        request = kvcache_pb2.AllocateRequest(
+            pool="p", request_id="c1", new_token_ids=prompt, num_new_tokens=len(prompt),
+            call_id="same-call-id",
+        )  # fmt: skip
+        request.start.SetInParent()
+        with grpc.insecure_channel(server.address) as channel:
+            return kvcache_pb2_grpc.KVCacheServiceStub(channel).Allocate(  # type: ignore[no-any-return]
+                request, metadata=_metadata(token), timeout=5
+            )
+
+    first = admit(ENGINE_A, list(range(4000, 4040)))
+    other = admit(ENGINE_B, list(range(5000, 5020)))
+    with _engine(server, ENGINE_A) as a, _engine(server, ENGINE_B) as b:
+        try:
+            assert first.num_computed_tokens == 40 and other.num_computed_tokens == 20
+            assert b.block_table("c1").num_tokens == 20
+            assert a.block_table("c1").num_tokens == 40
+        finally:
+            a.free("c1")
+            b.free("c1")
 
 
 @pytest.mark.parametrize("request_id", ["r1", 'say "hi"\\now', "é-ü", "x" * 256])

@@ -99,12 +99,7 @@ def rejoin(
         token=token,
         allocation_id=allocation_id,
     )
-    rank.register()
-    rank.open_stream()
-    update = rank.wait_for_config()
-    assert not update.error, update.error
-    rank.report()
-    return rank
+    return rank.join()
 
 
 def core_state(srv: ServerThread) -> dict[str, Any]:

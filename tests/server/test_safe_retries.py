@@ -316,3 +316,28 @@ def test_the_async_client_retries_admissions_and_frees(
     # The free's retry answers the lost attempt's reply (3 blocks freed), by its call id.
     assert (sent_allocate, sent_free, freed) == (2, 2, 3)
     assert kv.usage().num_requests == 0
+
+
+@pytest.mark.parametrize(
+    "code", [grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE], ids=str
+)
+def test_the_async_client_retries_a_step_applying_it_once(
+    server: ServerThread, kv: KVCacheClient, code: grpc.StatusCode
+) -> None:
+    """As the sync client's case: the Step's first reply is lost after the server applied
+    it; the retry carries the same call id, so it is answered, not applied again."""
+    assert kv.allocate("aio-step", tokens(0, 20), 20, start=True).ok
+
+    async def scenario() -> tuple[Any, int]:
+        async with AsyncKVCacheClient(server.address, pool="p", options=OPTIONS) as client:
+            client._stub = lossy = _LossyAioStub(client._stub, "Step", code)
+            results = (
+                await client.step().allocate("aio-step", [2], 1).allocate("aio-step", [3], 1).send()
+            )
+            return results, lossy.sent
+
+    results, sent = asyncio.run(scenario())
+    assert sent == 2
+    assert [r.num_computed_tokens for r in results] == [21, 22]  # the first attempt's reply
+    table = kv.block_table("aio-step")
+    assert (table.num_computed_tokens, table.num_tokens) == (22, 22)  # applied once

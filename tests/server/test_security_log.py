@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from kvsvc.server.config import PoolConfig
+from kvsvc.v1 import worker_pb2
 from tests.server.harness import FakeRank, bring_up, llama_like_specs, running_server
 
 
@@ -63,4 +64,37 @@ def test_a_session_id_must_match_exactly(caplog: pytest.LogCaptureFixture) -> No
             assert rank.heartbeat().reregister, forged
         rank.session_id = real
         assert not rank.heartbeat().reregister
+        rank.close()
+
+
+def test_a_report_or_a_plan_stream_needs_the_ranks_session() -> None:
+    """ReportAllocation and WatchPlan check the session as Heartbeat does: with a forged
+    one (a stale agent's, another agent's guess) they are NOT_FOUND ("register again")
+    and change nothing; a report of other tensors would otherwise invalidate the pool."""
+    with running_server(PoolConfig(name="p", max_model_len=256)) as srv:
+        (rank,) = bring_up(srv, "p", kv_cache_bytes=64 * 32 * 1024, allocation_id="A")
+
+        def pool_view() -> tuple[object, ...]:
+            pool = srv.server.pools.by_name["p"]
+            return pool.state, pool.num_invalidations, pool.num_allocation_reports
+
+        before = srv.run(pool_view)
+        real = rank.session_id
+        rank.allocation_id = "other-tensors"
+        for forged in ("", real[:-1], real + "0"):
+            rank.session_id = forged
+            with pytest.raises(grpc.RpcError) as report:
+                rank.report()
+            assert report.value.code() == grpc.StatusCode.NOT_FOUND, forged
+            assert "register again" in (report.value.details() or "")
+            stream = rank.stub.WatchPlan(
+                worker_pb2.WatchPlanRequest(pool="p", rank=0, session_id=forged), timeout=5
+            )
+            with pytest.raises(grpc.RpcError) as watch:
+                next(stream)
+            assert watch.value.code() == grpc.StatusCode.NOT_FOUND, forged
+            assert srv.run(pool_view) == before
+        rank.session_id = real
+        rank.allocation_id = "A-0"
+        rank.report()  # the real session is served
         rank.close()

@@ -117,12 +117,7 @@ def bring_up_over(server: ServerThread, tls: ClientTls | None, pool_name: str = 
     rank.channel.close()
     rank.channel = open_channel(server.address, tls)
     rank.stub = worker_pb2_grpc.WorkerServiceStub(rank.channel)
-    rank.register()
-    rank.open_stream()
-    update = rank.wait_for_config()
-    assert not update.error, update.error
-    rank.report()
-    return rank
+    return rank.join()
 
 
 def list_pools(address: str, options: ClientOptions) -> list[str]:

@@ -51,12 +51,7 @@ def _serving(listen: str) -> Iterator[ServerThread]:
 def _ready(address: str) -> FakeRank:
     """Register the pool's one rank over ``address`` and make the pool READY."""
     rank = FakeRank(address, POOL, 0, 1, llama_like_specs(), 8 << 20)
-    rank.register()
-    rank.open_stream()
-    update = rank.wait_for_config()
-    assert not update.error, update.error
-    rank.report()
-    return rank
+    return rank.join()
 
 
 @pytest.fixture
