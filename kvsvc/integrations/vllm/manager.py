@@ -676,10 +676,12 @@ class KvsvcPoolReplica:
         """Reset the pool's prefix cache (refused while a request holds blocks)."""
         if self.cache.num_requests:
             return False
-        self.flush()
         if self.needs_resync:
+            # The scheduler preempted everything for a resync: the replica's answers to
+            # those frees are not the server's to check.
             self.resync()
             return True
+        self.flush()
         reset = self._call(self._client.reset_prefix_cache, "reset the prefix cache")
         if reset:
             self.cache.reset_prefix_cache()
