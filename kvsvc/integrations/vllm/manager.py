@@ -430,15 +430,17 @@ class KvsvcPoolReplica:
         self.needs_resync = True
         self._resync_reason = reason
 
-    def _send(self) -> None:
-        """Send the queued operations as one Step (after the previous one is answered)."""
+    def _send(self, *, in_step: bool = True) -> None:
+        """Send the queued operations as one Step (after the previous one is answered);
+        ``in_step``: counted as the scheduling step's RPC (a flush while idle is not)."""
         self.await_reply()
         step, prediction = self.pending, self._prediction
         self.pending, self._prediction = self._client.step(), _Prediction()
         prediction.num_free_blocks = self.cache.usage_free_blocks()
         self.stats.steps_sent += 1
         self.stats.operations_sent += len(step)
-        self._step_rpcs += 1
+        if in_step:
+            self._step_rpcs += 1
         self._in_flight = (step.send_future(), prediction, len(step))
 
     # -- the per-step protocol -----------------------------------------------------------
@@ -455,7 +457,7 @@ class KvsvcPoolReplica:
     def flush(self) -> None:
         """Send everything queued and wait until the server applied it."""
         if len(self.pending):
-            self._send()
+            self._send(in_step=False)
         self.await_reply()
 
     def resync(self) -> None:
