@@ -1145,6 +1145,8 @@ class PoolKVCache:
         for request_id, request in requests.items():
             record = request.to_state()
             record.append([m.request_state(request_id) for m in managers])
+            # After the groups, so states without it (older ones) still load.
+            record.append(request.shared_prefix_boundary)
             records.append(record)
         admissions = [
             [
@@ -1157,6 +1159,7 @@ class PoolKVCache:
                 a.num_lookahead_tokens,
                 a.num_cached_tokens,
                 a.num_scheduled_tokens,
+                a.start.num_prompt_tokens,
             ]
             for request_id, a in self._admissions.items()
         ]
@@ -1208,6 +1211,8 @@ class PoolKVCache:
         requests = {}
         for record in state["requests"]:
             request = RequestState.from_state(record[:9], hasher)
+            if len(record) > 10:
+                request.shared_prefix_boundary = record[10]
             if len(record[9]) != len(managers):
                 raise ValueError(f"request {request.request_id!r} has entries for other groups")
             requests[request.request_id] = (request, record[9])
@@ -1228,12 +1233,15 @@ class PoolKVCache:
             num_lookahead,
             num_cached,
             num_scheduled,
+            *newer,
         ) in state["admissions"]:
             start = RequestStart(
                 hashing=None if hashing is None else HashingContext.from_state(hashing),
                 skip_prefix_cache_read=skip,
                 resumed=resumed,
                 num_encoder_tokens=num_encoder_tokens,
+                # Absent from states saved before it was kept.
+                num_prompt_tokens=newer[0] if newer else 0,
             )
             self._admissions[request_id] = _Admission(
                 start, num_new, num_lookahead, num_cached, num_scheduled

@@ -122,9 +122,9 @@ class RequestState:
 
     def to_state(self) -> list[Any]:
         """``[id, tokens, num_prompt_tokens, num_computed_tokens, block_hashes, hashing,
-        skip_reading_prefix_cache, resumed, num_encoder_tokens, shared_prefix_boundary]``
-        as plain values (the tokens as an ``array('I')`` whatever sequence holds them
-        here)."""
+        skip_reading_prefix_cache, resumed, num_encoder_tokens]`` as plain values (the
+        tokens as an ``array('I')`` whatever sequence holds them here; the pool keeps
+        ``shared_prefix_boundary`` beside it)."""
         tokens = self.all_token_ids
         return [
             self.request_id,
@@ -136,7 +136,6 @@ class RequestState:
             self.skip_reading_prefix_cache,
             self.resumed,
             self.num_encoder_tokens,
-            self.shared_prefix_boundary,
         ]
 
     @classmethod
@@ -157,11 +156,9 @@ class RequestState:
             skip,
             resumed,
             num_encoder_tokens,
-            *rest,
         ) = state
         self = cls.__new__(cls)
-        # States written before shared_prefix_boundary was kept have none.
-        self.shared_prefix_boundary = rest[0] if rest else 0
+        self.shared_prefix_boundary = 0
         self.request_id = request_id
         # The wire's own token type (see unpack_token_ids); the fast paths expect it.
         self.all_token_ids = array.array("I", tokens)  # type: ignore[assignment]

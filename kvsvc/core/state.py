@@ -145,7 +145,8 @@ def _decode_block_pool(data: dict[str, Any], sections: list[bytes]) -> dict[str,
 
 def _encode_request(record: list[Any], sections: _Sections) -> list[Any]:
     # [id, tokens, num_prompt, num_computed, block_hashes, hashing, skip, resumed,
-    #  num_encoder, groups]; groups: per group [table | None, num_cached, *extras].
+    #  num_encoder, groups, *newer]; groups: per group [table | None, num_cached,
+    #  *extras]; newer: fields kept since (shared_prefix_boundary), absent in old states.
     groups = [
         [None if entry[0] is None else sections.add(_pack("i", entry[0])), *entry[1:]]
         for entry in record[9]
@@ -157,6 +158,7 @@ def _encode_request(record: list[Any], sections: _Sections) -> list[Any]:
         _pack_hashes(record[4], sections),
         *record[5:9],
         groups,
+        *record[10:],
     ]
 
 
@@ -172,6 +174,7 @@ def _decode_request(data: list[Any], sections: list[bytes]) -> list[Any]:
         _unpack_hashes(data[4], sections),
         *data[5:9],
         groups,
+        *data[10:],
     ]
 
 
