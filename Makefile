@@ -32,7 +32,7 @@ BUF := $(NODE_DIR)/node_modules/.bin/buf
 # What `buf breaking` compares protos/ with: the previous commit (of main, in CI).
 BUF_AGAINST ?= HEAD~1
 
-.PHONY: demo test test-vllm mutate lint lint-protos node-tools proto proto-check bench bench-vllm venv venv-vllm images clean
+.PHONY: demo test test-vllm mutate docs lint lint-protos node-tools proto proto-check bench bench-vllm venv venv-vllm images clean
 
 # install_torch PYTHON: torch==$(TORCH_VERSION) first, so the worker extra's range (torch>=2.4)
 # installs nothing more. A wheel pip finds with --no-index (find-links) is installed as it is
@@ -51,13 +51,13 @@ define install_torch
 endef
 
 $(STAMP): pyproject.toml
-	@echo "== $(VENV): setting up (the first time ~1-3 min and about 1 GiB, mostly torch; again"
+	@echo "== $(VENV): setting up (the first time ~1-3 min and about 1.4 GiB, mostly torch; again"
 	@echo "   only when pyproject.toml changes): pip, torch $(TORCH_VERSION), kvsvc and its extras"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(call install_torch,$(PY))
 	@echo "   kvsvc (editable) with grpcio, protobuf, numpy, pytest, ruff, mypy, ..."
-	$(PY) -m pip install --progress-bar off -e '.[worker,dev,cluster]'
+	$(PY) -m pip install --progress-bar off -e '.[worker,dev,cluster,docs]'
 	touch $(STAMP)
 	@echo "== $(VENV) is ready"
 
@@ -94,7 +94,7 @@ node-tools: $(NODE_STAMP)
 demo: venv
 	$(VENV)/bin/kvsvc demo
 
-test: venv node-tools lint venv-vllm
+test: venv node-tools lint docs venv-vllm
 	$(PY) -m pytest $(PYTEST_ARGS)
 	$(VLLM_TEST_ENV) $(VLLM_PY) -m pytest tests/vllm $(PYTEST_ARGS)
 
@@ -105,6 +105,11 @@ test-vllm: venv-vllm
 # only its tests run; every one must be caught. Not part of `make test` (CONTRIBUTING).
 mutate: venv
 	$(PY) tools/mutate.py
+
+# The reference site from docs/ (mkdocs.yml) into site/; --strict: a broken link, a
+# missing anchor or a page left out of the navigation fails the build (and `make test`).
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 lint: venv node-tools
 	$(VENV)/bin/ruff check kvsvc clients tests benchmarks deploy
@@ -154,10 +159,10 @@ bench-vllm: venv-vllm
 	$(VLLM_TEST_ENV) $(VLLM_PY) benchmarks/vllm_bench.py
 
 # The container images built with podman (a local Debian base where no registry answers)
-# and smoke-tested: README "Building the images without registry access".
+# and smoke-tested: docs/deployment.md, "Building the images without registry access".
 images: venv
 	deploy/images/build.sh
 	$(PY) deploy/images/smoke.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache .mypy_cache site
