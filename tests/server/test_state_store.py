@@ -56,7 +56,10 @@ def make_state(state_dir: Path, calls: int = 12) -> dict[str, Any]:
 
 
 def start(state_dir: Path, pool: PoolConfig = POOL) -> ServerThread:
-    return ServerThread(ServerConfig(pools=(pool,), listen="127.0.0.1:0", state_dir=str(state_dir)))
+    config = ServerConfig(
+        pools=(pool,), listen="127.0.0.1:0", metrics_listen=None, state_dir=str(state_dir)
+    )
+    return ServerThread(config)
 
 
 def journal_db(state_dir: Path) -> sqlite3.Connection:
