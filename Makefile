@@ -38,7 +38,9 @@ BUF_AGAINST ?= HEAD~1
 # installs nothing more. A wheel pip finds with --no-index (find-links) is installed as it is
 # (its dependencies from the usual indexes); otherwise TORCH_INDEX_URL is added as an extra
 # index: its +cpu (or +cuXXX) build is a higher version than PyPI's plain 2.13.0, so pip
-# takes it, and torch's dependencies still come from PyPI.
+# takes it, and torch's dependencies still come from PyPI. Then kvsvc.tools.torchcheck stops
+# here, saying what to set, unless torch is the build asked for (+cpu, or the CUDA index's):
+# pip that cannot reach the index falls back on PyPI's multi-GB CUDA torch without a word.
 define install_torch
 	@if [ "$(TORCH_LOCAL_FIRST)" = yes ] && \
 		$(1) -m pip install --dry-run --no-index --no-deps -q torch==$(TORCH_VERSION) >/dev/null 2>&1; then \
@@ -48,6 +50,7 @@ define install_torch
 		echo "   torch $(TORCH_VERSION) from $(TORCH_INDEX_URL) (the CPU build: ~200 MB download, ~750 MB installed)"; \
 		$(1) -m pip install --progress-bar off --extra-index-url $(TORCH_INDEX_URL) torch==$(TORCH_VERSION); \
 	fi
+	$(1) -m kvsvc.tools.torchcheck '$(TORCH_INDEX_URL)'
 endef
 
 $(STAMP): pyproject.toml

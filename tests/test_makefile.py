@@ -82,3 +82,14 @@ def test_the_first_run_says_what_it_installs(tmp_path: Path) -> None:
             for command in line.split(";"):
                 if "pip install" in command and "--dry-run" not in command:
                     assert " -q" not in command, command
+
+
+@pytest.mark.parametrize("index", [None, "https://download.pytorch.org/whl/cu128"])
+def test_torch_is_checked_right_after_its_install(tmp_path: Path, index: str | None) -> None:
+    """Before kvsvc's own install: a venv whose torch is not the build asked for stops
+    there (kvsvc.tools.torchcheck, tests/test_torchcheck.py), with the index it asked."""
+    lines = dry_run(tmp_path, *([f"TORCH_INDEX_URL={index}"] if index else []))
+    installed = lines.index(torch_line(lines))
+    check = lines[installed + 1]
+    assert check.endswith(f"-m kvsvc.tools.torchcheck '{index or CPU_INDEX}'"), check
+    assert any("pip install" in line and "-e '.[" in line for line in lines[installed + 2 :])
