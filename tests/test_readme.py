@@ -346,3 +346,19 @@ def test_every_documented_command_uses_flags_it_has(name: str, line: str) -> Non
     known = options_of(subparsers.choices[command])
     flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", line))
     assert flags <= known, f"{name}: `{line}`: {sorted(flags - known)} not in kvsvc {command}"
+
+
+def test_the_vllm_page_s_ipc_endpoint_rule_is_the_server_s() -> None:
+    """The page's example: one pool publishes on the ipc:// path as given; only later pools
+    get ``_<pool>`` appended (the walk-through found "is appended" imprecise)."""
+    from kvsvc.server.config import ServerConfig, kv_events_targets
+
+    text = " ".join(section("KV events in vLLM's format", "docs/vllm.md").split())
+    example = re.search(r"publishes on `(ipc://\S+)` itself, not `(ipc://\S+)`", text)
+    assert example, "the page gives the one-pool example"
+    given, suffixed = example.groups()
+    one = ServerConfig(pools=(PoolConfig(name="llama"),), kv_events_zmq=given)
+    assert [t.endpoint for t in kv_events_targets(one)] == [given]
+    assert suffixed == f"{given}_llama"
+    two = ServerConfig(pools=(PoolConfig(name="a"), PoolConfig(name="b")), kv_events_zmq=given)
+    assert [t.endpoint for t in kv_events_targets(two)] == [given, f"{given}_b"]
