@@ -111,8 +111,9 @@ mutate: venv
 
 # The reference site from docs/ (mkdocs.yml) into site/; --strict: a broken link, a
 # missing anchor or a page left out of the navigation fails the build (and `make test`).
+# Never --quiet: it hides the warnings --strict counts, and the build passes with them.
 docs: venv
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 lint: venv node-tools
 	$(VENV)/bin/ruff check kvsvc clients tests benchmarks deploy
