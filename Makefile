@@ -32,13 +32,15 @@ BUF := $(NODE_DIR)/node_modules/.bin/buf
 # What `buf breaking` compares protos/ with: the previous commit (of main, in CI).
 BUF_AGAINST ?= HEAD~1
 
-.PHONY: demo test test-vllm mutate lint lint-protos node-tools proto proto-check bench bench-vllm venv venv-vllm images clean
+.PHONY: demo test test-vllm mutate docs lint lint-protos node-tools proto proto-check bench bench-vllm venv venv-vllm images clean
 
 # install_torch PYTHON: torch==$(TORCH_VERSION) first, so the worker extra's range (torch>=2.4)
 # installs nothing more. A wheel pip finds with --no-index (find-links) is installed as it is
 # (its dependencies from the usual indexes); otherwise TORCH_INDEX_URL is added as an extra
 # index: its +cpu (or +cuXXX) build is a higher version than PyPI's plain 2.13.0, so pip
-# takes it, and torch's dependencies still come from PyPI.
+# takes it, and torch's dependencies still come from PyPI. Then kvsvc.tools.torchcheck stops
+# here, saying what to set, unless torch is the build asked for (+cpu, or the CUDA index's):
+# pip that cannot reach the index falls back on PyPI's multi-GB CUDA torch without a word.
 define install_torch
 	@if [ "$(TORCH_LOCAL_FIRST)" = yes ] && \
 		$(1) -m pip install --dry-run --no-index --no-deps -q torch==$(TORCH_VERSION) >/dev/null 2>&1; then \
@@ -48,16 +50,17 @@ define install_torch
 		echo "   torch $(TORCH_VERSION) from $(TORCH_INDEX_URL) (the CPU build: ~200 MB download, ~750 MB installed)"; \
 		$(1) -m pip install --progress-bar off --extra-index-url $(TORCH_INDEX_URL) torch==$(TORCH_VERSION); \
 	fi
+	$(1) -m kvsvc.tools.torchcheck '$(TORCH_INDEX_URL)'
 endef
 
 $(STAMP): pyproject.toml
-	@echo "== $(VENV): setting up (the first time ~1-3 min and about 1 GiB, mostly torch; again"
+	@echo "== $(VENV): setting up (the first time ~1-3 min and about 1.4 GiB, mostly torch; again"
 	@echo "   only when pyproject.toml changes): pip, torch $(TORCH_VERSION), kvsvc and its extras"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(call install_torch,$(PY))
 	@echo "   kvsvc (editable) with grpcio, protobuf, numpy, pytest, ruff, mypy, ..."
-	$(PY) -m pip install --progress-bar off -e '.[worker,dev,cluster]'
+	$(PY) -m pip install --progress-bar off -e '.[worker,dev,cluster,docs]'
 	touch $(STAMP)
 	@echo "== $(VENV) is ready"
 
@@ -94,7 +97,7 @@ node-tools: $(NODE_STAMP)
 demo: venv
 	$(VENV)/bin/kvsvc demo
 
-test: venv node-tools lint venv-vllm
+test: venv node-tools lint docs venv-vllm
 	$(PY) -m pytest $(PYTEST_ARGS)
 	$(VLLM_TEST_ENV) $(VLLM_PY) -m pytest tests/vllm $(PYTEST_ARGS)
 
@@ -105,6 +108,12 @@ test-vllm: venv-vllm
 # only its tests run; every one must be caught. Not part of `make test` (CONTRIBUTING).
 mutate: venv
 	$(PY) tools/mutate.py
+
+# The reference site from docs/ (mkdocs.yml) into site/; --strict: a broken link, a
+# missing anchor or a page left out of the navigation fails the build (and `make test`).
+# Never --quiet: it hides the warnings --strict counts, and the build passes with them.
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 lint: venv node-tools
 	$(VENV)/bin/ruff check kvsvc clients tests benchmarks deploy
@@ -154,10 +163,10 @@ bench-vllm: venv-vllm
 	$(VLLM_TEST_ENV) $(VLLM_PY) benchmarks/vllm_bench.py
 
 # The container images built with podman (a local Debian base where no registry answers)
-# and smoke-tested: README "Building the images without registry access".
+# and smoke-tested: docs/deployment.md, "Building the images without registry access".
 images: venv
 	deploy/images/build.sh
 	$(PY) deploy/images/smoke.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache .mypy_cache site

@@ -9,15 +9,20 @@ blob; no database (a fresh clone has none, and a derandomized run needs none).
 
 CI also fails at once when a Python module that the suite imports with
 ``pytest.importorskip`` is missing: there the skip would hide a broken install.
+
+Ports: kvsvc's default addresses are held for the whole session (tests/ports.py), so a test
+that starts a server on one fails on every machine, not only where the port is taken.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterator
 
 import pytest
 
+from tests.ports import DefaultPortHolder
 from tests.tooling import hypothesis_profile, in_ci
 
 # Modules of the ``worker`` and ``dev`` extras that tests import with importorskip (the
@@ -68,3 +73,14 @@ def pytest_configure(config: pytest.Config) -> None:
             f"CI=true but {', '.join(absent)} cannot be imported: the tests that need them "
             "would skip; install the worker and dev extras (make test does)"
         )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def default_ports_held() -> Iterator[DefaultPortHolder]:
+    """kvsvc's default ports, held while the tests run: every test server takes port 0 or
+    a free port (tests/ports.py)."""
+    holder = DefaultPortHolder()
+    try:
+        yield holder
+    finally:
+        holder.close()

@@ -159,6 +159,25 @@ def test_events_count_stops_when_caught_up(pool_with_events: ServerThread) -> No
     assert two.stderr == ""  # stopped at the count
 
 
+def test_events_of_an_unknown_pool_says_not_found_and_nothing_about_waiting(
+    pool_with_events: ServerThread,
+) -> None:
+    done = ctl(pool_with_events.address, "events", "nosuch")
+    assert done.returncode == 1
+    assert done.stderr.strip() == 'kvsvc ctl: NOT_FOUND: unknown pool "nosuch" (pools: e)'
+
+
+def test_events_idle_must_be_more_than_0(pool_with_events: ServerThread) -> None:
+    """--idle 0 stopped before the held batches arrived, "caught up after 0 of 1"."""
+    args = ("events", "e", "--from", "1", "--count", "1", "--idle")
+    done = ctl(pool_with_events.address, *args, "0")
+    assert done.returncode == 2
+    assert "argument --idle: expected a positive number, got '0'" in done.stderr
+    done = ctl(pool_with_events.address, *args, "0.5")
+    assert done.returncode == 0, done.stderr
+    assert [json.loads(line)["sequence"] for line in done.stdout.splitlines()] == [1]
+
+
 def test_events_follow_waits_for_the_count(pool_with_events: ServerThread) -> None:
     with pytest.raises(subprocess.TimeoutExpired):
         ctl(

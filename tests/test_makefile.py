@@ -66,7 +66,15 @@ def test_a_given_torch_index_is_used_as_given(tmp_path: Path, how: str) -> None:
 def test_the_first_run_says_what_it_installs(tmp_path: Path) -> None:
     lines = dry_run(tmp_path)
     echoed = [line for line in lines if line.startswith("echo ")]
-    assert any(re.search(r"setting up .*~1-3 min.*1 GiB", line) for line in echoed), echoed
+    sizes = [
+        m.group(1)
+        for line in echoed
+        if (m := re.search(r"setting up .*~1-3 min.*about ([\d.]+ GiB)", line))
+    ]
+    assert sizes, echoed
+    # README and the install page say the same size as the Makefile (measured: 1.4 GiB).
+    for page in ("README.md", "docs/install.md"):
+        assert f"about {sizes[0]}" in " ".join((REPO / page).read_text().split()), page
     assert any("kvsvc (editable)" in line for line in echoed), echoed
     # The long steps are not silenced: pip shows what it downloads and installs.
     for line in lines:
@@ -74,3 +82,14 @@ def test_the_first_run_says_what_it_installs(tmp_path: Path) -> None:
             for command in line.split(";"):
                 if "pip install" in command and "--dry-run" not in command:
                     assert " -q" not in command, command
+
+
+@pytest.mark.parametrize("index", [None, "https://download.pytorch.org/whl/cu128"])
+def test_torch_is_checked_right_after_its_install(tmp_path: Path, index: str | None) -> None:
+    """Before kvsvc's own install: a venv whose torch is not the build asked for stops
+    there (kvsvc.tools.torchcheck, tests/test_torchcheck.py), with the index it asked."""
+    lines = dry_run(tmp_path, *([f"TORCH_INDEX_URL={index}"] if index else []))
+    installed = lines.index(torch_line(lines))
+    check = lines[installed + 1]
+    assert check.endswith(f"-m kvsvc.tools.torchcheck '{index or CPU_INDEX}'"), check
+    assert any("pip install" in line and "-e '.[" in line for line in lines[installed + 2 :])

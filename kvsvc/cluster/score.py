@@ -366,8 +366,9 @@ class Scorer:
             family.by_bit[bit] = name
         if mismatch:
             _log.warning(
-                "%d engines hash with another seed than this scorer (e.g. %s): scored 0",
+                "%d %s with another seed than this scorer (e.g. %s): scored 0",
                 len(mismatch),
+                "engine hashes" if len(mismatch) == 1 else "engines hash",
                 mismatch[0],
             )
         plan = _Plan(

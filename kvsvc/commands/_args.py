@@ -1,4 +1,4 @@
-"""Flags shared by the commands that build a model's specs (``plan`` and ``worker``).
+"""Flags and flag types shared by the commands (the model flags of ``plan`` and ``worker``).
 
 One definition, so the two commands accept the same spellings, choices and defaults.
 """
@@ -27,6 +27,17 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a number of seconds (or a ratio) above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
 
 
 def add_model_source(parser: argparse.ArgumentParser, spec_file_help: str) -> Any:

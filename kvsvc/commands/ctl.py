@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from kvsvc.commands._args import positive_float
 from kvsvc.commands._tls import add_client_tls_flags, client_tls_from_args, tls_exit_status
 from kvsvc.server.config import DEFAULT_LISTEN
 from kvsvc.tls import TlsError
@@ -109,11 +110,11 @@ def add_parser(subparsers: Any) -> None:
     )
     events.add_argument(
         "--idle",
-        type=float,
+        type=positive_float,  # 0 would stop before the held batches could arrive
         default=1.0,
         metavar="S",
-        help="with --count, from a server that does not say it: seconds without a batch "
-        "that count as caught up (default 1)",
+        help="with --count, from a server that does not say it: seconds (more than 0) "
+        "without a batch that count as caught up (default 1)",
     )
     reset = commands.add_parser(
         "reset-prefix-cache",
@@ -302,13 +303,9 @@ def _events(
 
     from kvsvc_client import KVCacheError
 
-    if from_sequence is None:
-        print(
-            f"kvsvc ctl: waiting for new events of pool {client.pool!r} (--from 1 starts "
-            "with the held ones; Ctrl-C stops)",
-            file=sys.stderr,
-            flush=True,
-        )
+    # "Waiting for new events" is said once the server's first caught_up marker shows the
+    # stream is open: not before an unknown pool's NOT_FOUND.
+    announced = from_sequence is not None
     batches: queue.Queue[Any] = queue.Queue()
 
     def read() -> None:
@@ -344,6 +341,14 @@ def _events(
                     file=sys.stderr,
                 )
                 return 0
+            if not announced:
+                announced = True
+                print(
+                    f"kvsvc ctl: waiting for new events of pool {client.pool!r} (--from 1 "
+                    "starts with the held ones; Ctrl-C stops)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             continue
         seen += 1
         print(

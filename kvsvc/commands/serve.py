@@ -328,9 +328,8 @@ async def serve(
     snapshot, so the next start replays nothing)."""
     from kvsvc.server.app import create_server
 
+    # A restored pool's line is logged by the server (KvsvcServer), once: not printed here.
     server, port = await create_server(config, restore=restore, freeze_gc=True)
-    for line in server.restored:
-        print(line, flush=True)
     if server.kv_events is not None:
         # Before the 'serving' line, which tools wait for: by then these are printed too.
         for line in server.kv_events.describe():

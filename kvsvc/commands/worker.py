@@ -20,7 +20,12 @@ import threading
 import warnings
 from typing import Any
 
-from kvsvc.commands._args import add_model_flags, add_model_source, int_at_least
+from kvsvc.commands._args import (
+    add_model_flags,
+    add_model_source,
+    int_at_least,
+    positive_float,
+)
 from kvsvc.commands._tls import (
     add_client_tls_flags,
     add_metrics_tls_flags,
@@ -45,16 +50,6 @@ examples:
 """
 
 logger = logging.getLogger("kvsvc.worker")
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
 
 
 def _byte_size(text: str) -> int:
@@ -150,14 +145,14 @@ def add_parser(subparsers: Any) -> None:
 
     agent = parser.add_argument_group("agent")
     agent.add_argument(
-        "--heartbeat-interval", type=_positive_float, default=2.0, help="seconds (default 2)"
+        "--heartbeat-interval", type=positive_float, default=2.0, help="seconds (default 2)"
     )
     agent.add_argument(
-        "--rpc-timeout", type=_positive_float, default=10.0, help="deadline per call, seconds"
+        "--rpc-timeout", type=positive_float, default=10.0, help="deadline per call, seconds"
     )
     agent.add_argument(
         "--connect-timeout",
-        type=_positive_float,
+        type=positive_float,
         help="give up after this many seconds without the server (default: retry forever)",
     )
     agent.add_argument(

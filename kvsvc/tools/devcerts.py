@@ -2,7 +2,7 @@
 
 ::
 
-    python -m kvsvc.tools.devcerts DIR [--san server --san localhost --san 127.0.0.1] \
+    python -m kvsvc.tools.devcerts DIR [--san server localhost 127.0.0.1] \
         [--days 30] [--client-name NAME]
 
 writes into ``DIR``::
@@ -214,11 +214,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(not for production).",
     )
     parser.add_argument("directory", help="output directory")
+    # extend + nargs: `--san a b` and `--san a --san b` alike (the docs wrote the first,
+    # and only the second worked).
     parser.add_argument(
         "--san",
-        action="append",
+        action="extend",
+        nargs="+",
         metavar="NAME|IP",
-        help=f"a name of the server (repeatable; default {', '.join(DEFAULT_SANS)})",
+        help=f"the server's names (--san a b, or repeated; default {', '.join(DEFAULT_SANS)})",
     )
     parser.add_argument("--days", type=int, default=30, help="validity (default 30)")
     parser.add_argument("--client-name", default="kvsvc-client", help="client certificate CN")

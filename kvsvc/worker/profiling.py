@@ -42,6 +42,9 @@ class SettingNames:
     kv_cache_memory: str
     gpu_memory_utilization: str
     example_budget: str
+    device: str
+    # How to run on a CPU-only machine instead, in the caller's terms.
+    on_cpu: str
 
 
 # A Python caller's spelling (the default): the fields of WorkerAgentConfig.
@@ -49,12 +52,17 @@ PYTHON_NAMES = SettingNames(
     kv_cache_memory="kv_cache_memory (WorkerAgentConfig)",
     gpu_memory_utilization="gpu_memory_utilization (WorkerAgentConfig)",
     example_budget="4 << 30 for 4 GiB",
+    device="device",
+    on_cpu="device='cpu' and a fixed kv_cache_memory, and no CUDA snapshot (memory_baseline=None)",
 )
 # ``kvsvc worker``'s spelling: its flags.
 FLAG_NAMES = SettingNames(
     kv_cache_memory="--kv-cache-memory",
     gpu_memory_utilization="--gpu-memory-utilization",
     example_budget="4GiB",
+    device="--device",
+    on_cpu="--device cpu --kv-cache-memory 4GiB (a fixed budget: on the CPU there is "
+    "nothing to profile)",
 )
 
 
@@ -262,21 +270,28 @@ def _torch() -> Any:
     return torch
 
 
-def _require_cuda(torch: Any, what: str) -> None:
+def _require_cuda(torch: Any, what: str, names: SettingNames = PYTHON_NAMES) -> None:
     """Raise a kvsvc error instead of torch's bare ``AssertionError: Torch not compiled
-    with CUDA enabled`` (or a driver error) when CUDA cannot be used."""
+    with CUDA enabled`` (or a driver error) when CUDA cannot be used, saying what to do
+    in the caller's terms (``names``: Python arguments, or ``kvsvc worker``'s flags)."""
     if torch.cuda.is_available():
         return
+    cpu_build = torch.version.cuda is None
     why = (
         f"this torch ({torch.__version__}) is a CPU-only build"
-        if torch.version.cuda is None
+        if cpu_build
         else f"this torch ({torch.__version__}) sees no CUDA device"
     )
+    gpu = (
+        "; on a GPU machine, install torch's CUDA build (make venv "
+        "TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128, the CUDA your driver runs)"
+        if cpu_build
+        else ""
+    )
     raise InvalidArgument(
-        "device",
+        names.device,
         f"{what} needs CUDA, and {why}. On a CPU-only machine run the agent with "
-        "device='cpu' and a fixed kv_cache_memory, and no CUDA snapshot "
-        "(memory_baseline=None).",
+        f"{names.on_cpu}{gpu}.",
     )
 
 
@@ -333,7 +348,7 @@ def profile_memory(
     """
     if device.startswith("cuda"):
         torch = _torch()
-        _require_cuda(torch, f"device {device!r}")
+        _require_cuda(torch, f"device {device!r}", names)
         dev = torch.device(device)
         torch.cuda.synchronize(dev)
         current = take_cuda_snapshot(dev)

@@ -5,6 +5,8 @@ purges, and Score over what was written."""
 from __future__ import annotations
 
 import itertools
+import logging
+import re
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -184,12 +186,27 @@ def test_a_snapshot_replaces_the_index_and_a_purge_drops_the_engine(
     assert a.engine_id == engine == int(client.hget(keys.ids, "h:1/p"))
 
 
-def test_a_scorer_with_another_seed_scores_nothing_and_says_so(redis_url: str, keys: Keys) -> None:
+def test_a_scorer_with_another_seed_scores_nothing_and_says_so(
+    redis_url: str, keys: Keys, caplog: pytest.LogCaptureFixture
+) -> None:
     client = connect(redis_url)
     a = new_source(client, "h:1/p", keys)
     a.apply("e1", 1, 1, TRACKING, stored(prompt(2)))
-    result = Scorer(client, "another-seed", keys).score(prompt(2))
+    with caplog.at_level(logging.WARNING, "kvsvc.cluster"):
+        result = Scorer(client, "another-seed", keys).score(prompt(2))
     assert result.scores == {"h:1/p": 0} and result.seed_mismatch == ("h:1/p",)
+    said = "1 engine hashes with another seed than this scorer (e.g. h:1/p): scored 0"
+    assert [r.getMessage() for r in caplog.records] == [said]
+    b = new_source(client, "h:2/p", keys)
+    b.apply("e1", 1, 1, TRACKING, stored(prompt(2)))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "kvsvc.cluster"):
+        Scorer(client, "another-seed", keys).score(prompt(2))
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert re.fullmatch(
+        r"2 engines hash with another seed than this scorer \(e\.g\. h:[12]/p\): scored 0",
+        message,
+    )
 
 
 def test_tracking_leaves_out_a_window_it_is_not_told() -> None:

@@ -1,6 +1,7 @@
 """deploy/kubernetes*/ validated offline against the real schemas: Kubernetes' own OpenAPI
-schemas (kubernetes-validate, strict: an unknown field is an error) for the version README
-names, and the Prometheus Operator's CRD schemas for ServiceMonitor and PrometheusRule.
+schemas (kubernetes-validate, strict: an unknown field is an error) for the version
+docs/deployment.md names, and the Prometheus Operator's CRD schemas for ServiceMonitor and
+PrometheusRule.
 
 The CRD schemas come from cloudcoil-models-prometheus-operator (PyPI), pydantic models
 generated from the operator's CRDs (v0.80.1): field types, enums, patterns such as the
@@ -39,15 +40,16 @@ CRD_MODELS = {
 }
 
 
-def readme_kubernetes_version() -> str:
-    """The oldest Kubernetes the README says the manifests need (``Kubernetes >= 1.29``)."""
-    text = (REPO / "README.md").read_text()
+def documented_kubernetes_version() -> str:
+    """The oldest Kubernetes the deployment page says the manifests need
+    (``Kubernetes >= 1.29``)."""
+    text = (REPO / "docs" / "deployment.md").read_text()
     found = set(re.findall(r"Kubernetes >= (\d+\.\d+)", text))
-    assert len(found) == 1, f"README should name one minimum Kubernetes version: {found}"
+    assert len(found) == 1, f"docs/deployment.md should name one minimum version: {found}"
     return found.pop()
 
 
-VERSION = readme_kubernetes_version()
+VERSION = documented_kubernetes_version()
 
 
 def validate(doc: dict[str, Any], version: str = VERSION) -> None:
@@ -155,9 +157,9 @@ def test_the_validators_reject_what_a_cluster_would() -> None:
         validate(rule)
 
 
-def test_the_native_sidecar_needs_the_version_the_readme_names() -> None:
+def test_the_native_sidecar_needs_the_version_the_docs_name() -> None:
     """An init container's restartPolicy (the native sidecar) is not in Kubernetes 1.27's
-    schema: the version matters, and the README's is one that has it."""
+    schema: the version matters, and the documented one has it."""
     with pytest.raises(kubernetes_validate.ValidationError, match="restartPolicy"):
         validate(base("Deployment"), "1.27")
     validate(base("Deployment"), VERSION)

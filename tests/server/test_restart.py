@@ -342,7 +342,11 @@ def test_changed_plan_settings_are_refused_at_start(tmp_path: Path) -> None:
         bring_up(srv, kv_cache_bytes=MEMORY, allocation_id="A")[0].close()
     other = PoolConfig(name="p", world_size=1, max_model_len=128)
     with pytest.raises(StateError, match=r"max_model_len 256 -> 128"):
-        ServerThread(ServerConfig(pools=(other,), listen="127.0.0.1:0", state_dir=str(tmp_path)))
+        ServerThread(
+            ServerConfig(
+                pools=(other,), listen="127.0.0.1:0", metrics_listen=None, state_dir=str(tmp_path)
+            )
+        )
 
 
 def test_a_pool_moves_to_another_server_with_its_snapshot(tmp_path: Path) -> None:
@@ -373,7 +377,9 @@ def test_a_pool_moves_to_another_server_with_its_snapshot(tmp_path: Path) -> Non
             rank.close()
     with pytest.raises(StateError, match="holds a state of pool 'p' already"):
         ServerThread(
-            ServerConfig(pools=(POOL,), listen="127.0.0.1:0", state_dir=str(second_dir)),
+            ServerConfig(
+                pools=(POOL,), listen="127.0.0.1:0", metrics_listen=None, state_dir=str(second_dir)
+            ),
             restore=[str(out)],
         )
 

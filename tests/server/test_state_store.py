@@ -56,7 +56,10 @@ def make_state(state_dir: Path, calls: int = 12) -> dict[str, Any]:
 
 
 def start(state_dir: Path, pool: PoolConfig = POOL) -> ServerThread:
-    return ServerThread(ServerConfig(pools=(pool,), listen="127.0.0.1:0", state_dir=str(state_dir)))
+    config = ServerConfig(
+        pools=(pool,), listen="127.0.0.1:0", metrics_listen=None, state_dir=str(state_dir)
+    )
+    return ServerThread(config)
 
 
 def journal_db(state_dir: Path) -> sqlite3.Connection:
@@ -107,6 +110,25 @@ def test_an_older_schema_is_migrated(tmp_path: Path) -> None:
         srv.stop()
     with journal_db(tmp_path) as conn:
         assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+
+
+def test_kvsvc_serve_says_once_that_it_restored_a_pool(tmp_path: Path) -> None:
+    """The restore line went to the log and to stdout, so a terminal showed it twice."""
+    from kvsvc.demo.processes import spawn, wait_for_ports
+
+    make_state(tmp_path)
+    serve = spawn(
+        "serve",
+        ["serve", "--listen", "127.0.0.1:0", "--metrics-listen", "off", "--pool", "p",
+         "--world-size", "1", "--max-model-len", "256", "--state-dir", str(tmp_path)],
+    )  # fmt: skip
+    try:
+        wait_for_ports(serve)
+    finally:
+        assert serve.stop() == 0, serve.output()
+    said = [line for line in serve.lines if "state restored" in line]
+    assert len(said) == 1, serve.output()
+    assert "pool p: state restored" in said[0] and "journal rows replayed" in said[0]
 
 
 def test_a_damaged_snapshot_is_refused(tmp_path: Path) -> None:

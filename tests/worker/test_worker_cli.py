@@ -93,6 +93,25 @@ def test_bad_flags_exit_2_naming_the_flag(
     assert re.search(r"kvsvc worker: error: .*" + message, capsys.readouterr().err)
 
 
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="this host has CUDA: no error to see"
+)
+def test_cuda_without_cuda_names_the_flags_to_use_instead(
+    spec_file: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A CPU torch's `--device cuda`: what to do in kvsvc worker's own terms (flags), not
+    the Python API's (device='cpu', memory_baseline=None)."""
+    assert main([*base(), "--spec-file", spec_file, "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"kvsvc worker: error: --device: device 'cuda' needs CUDA", err), err
+    assert "run the agent with --device cpu --kv-cache-memory 4GiB" in err
+    assert "device='cpu'" not in err and "memory_baseline" not in err
+    import torch
+
+    if torch.version.cuda is None:  # a CPU-only build: how to get the CUDA one
+        assert "TORCH_INDEX_URL=" in err
+
+
 def test_a_rank_outside_the_world_and_unknown_models_exit_2(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
