@@ -76,8 +76,7 @@ class KvsvcServer:
         object then alive out of the collector's reach (:func:`gc.freeze`), for a process
         that is the server alone (``kvsvc serve``): see :func:`freeze_long_lived`.
         """
-        from kvsvc.server.metrics import ServerMetrics
-        from kvsvc.server.restore import load_states
+        from kvsvc.server.restore import lock_state_dir
 
         self.config = config
         self.credentials = load_credentials(config)  # ConfigError before anything starts
@@ -101,6 +100,37 @@ class KvsvcServer:
                 max_lag_bytes=p.subscriber_max_lag_bytes,
                 write_timeout_s=config.subscriber_write_timeout_s,
             )
+        # One server per state directory: locked before anything in it is read, held
+        # until stop() (or this process's end: a SIGKILL leaves no stale lock).
+        self.state_lock = lock_state_dir(config)
+        try:
+            self._load(config, restore, metrics_registry)
+        except BaseException:
+            self._release_state_dir()
+            raise
+        self.health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._metrics_http: Any = None
+        # The first TCP listener's port (0: none), and the unix:PATH listeners.
+        self.port = 0
+        self.unix_sockets: list[str] = []
+        self.metrics_port = 0
+        self._frames: FrameServer | None = None
+        # The framed transport's addresses as bound (a TCP port 0 resolved).
+        self.frames_addresses: list[str] = []
+        self._last_health: dict[str, int] = {}
+        self._freeze_gc = freeze_gc
+        self._frozen_pools: set[str] = set()
+
+    def _load(
+        self, config: ServerConfig, restore: Sequence[str], metrics_registry: Any | None
+    ) -> None:
+        """The pools' saved states, the vLLM-format publisher, metrics and TLS (the state
+        directory is locked; the caller releases it when this raises)."""
+        from kvsvc.server.metrics import ServerMetrics
+        from kvsvc.server.restore import load_states
+
         # Saved states first: the vLLM-format publisher below must not see their replay.
         self.restored = load_states(self.pools.by_name, config, restore)
         for line in self.restored:
@@ -121,20 +151,10 @@ class KvsvcServer:
                 self.tls = ServerTlsSource(server_tls)
             except TlsFileError as exc:  # the files changed since the config was checked
                 raise ConfigFileError(str(exc)) from None
-        self.health = health.aio.HealthServicer()
-        self._server: grpc.aio.Server | None = None
-        self._tasks: list[asyncio.Task[Any]] = []
-        self._metrics_http: Any = None
-        # The first TCP listener's port (0: none), and the unix:PATH listeners.
-        self.port = 0
-        self.unix_sockets: list[str] = []
-        self.metrics_port = 0
-        self._frames: FrameServer | None = None
-        # The framed transport's addresses as bound (a TCP port 0 resolved).
-        self.frames_addresses: list[str] = []
-        self._last_health: dict[str, int] = {}
-        self._freeze_gc = freeze_gc
-        self._frozen_pools: set[str] = set()
+
+    def _release_state_dir(self) -> None:
+        if self.state_lock is not None:
+            self.state_lock.release()
 
     def _on_pool_state_change(self, pool: Pool) -> None:
         loop = asyncio.get_running_loop()
@@ -173,7 +193,10 @@ class KvsvcServer:
         except BaseException:
             if self.kv_events is not None:
                 self.kv_events.close()
+            self._release_state_dir()
             raise
+        if self.state_lock is not None:  # a server refused the directory names these
+            self.state_lock.describe(self.listening_on)
 
     async def _start_grpc(self) -> None:
         options = [
@@ -269,7 +292,7 @@ class KvsvcServer:
         # stdout; at INFO this one showed up next to it, the same news twice.
         log.debug(
             "kvsvc serving on %s (%s; metrics %s); pools: %s",
-            ", ".join([*([f"port {self.port}"] if self.port else []), *self.unix_sockets]),
+            self.listening_on,
             "plaintext"
             if self.tls is None
             else ("mTLS: client certificates required" if self.tls.tls.mutual else "TLS"),
@@ -306,6 +329,11 @@ class KvsvcServer:
             self.frames_addresses.append(f"{_bracket(host)}:{bound}")
 
     @property
+    def listening_on(self) -> str:
+        """Where the gRPC listeners are, as bound ("port 50051, unix:/run/kvsvc.sock")."""
+        return ", ".join([*([f"port {self.port}"] if self.port else []), *self.unix_sockets])
+
+    @property
     def frames_port(self) -> int:
         """The first framed TCP listener's port (0: none)."""
         return self._frames.port if self._frames is not None else 0
@@ -337,6 +365,7 @@ class KvsvcServer:
         if self.kv_events is not None:
             # After the gRPC stop: the last calls' events are still published.
             await asyncio.get_running_loop().run_in_executor(None, self.kv_events.close)
+        self._release_state_dir()  # after the final snapshots: the next server may start
 
     async def wait_for_termination(self) -> None:
         assert self._server is not None

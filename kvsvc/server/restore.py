@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvsvc.server.config import ServerConfig
+from kvsvc.server.dirlock import StateDirLock
 from kvsvc.server.pool import Pool
 from kvsvc.server.state import (
     PoolStore,
@@ -65,10 +66,27 @@ def _remove_leftovers(directory: Path, store: PoolStore) -> None:
         path.unlink(missing_ok=True)
 
 
+def lock_state_dir(config: ServerConfig) -> StateDirLock | None:
+    """Prepare the state directory and lock it for this server (None: no state_dir).
+
+    Raises:
+        StateError: it cannot be used, or another server holds it.
+    """
+    if not config.state_dir:
+        return None
+    directory = Path(config.state_dir)
+    prepare_state_dir(directory)
+    try:
+        return StateDirLock.acquire(directory, config.listen)
+    except OSError as exc:
+        raise StateError(f"state_dir {directory}: cannot lock it: {exc.strerror}") from None
+
+
 def load_states(
     pools: dict[str, Pool], config: ServerConfig, restore: Sequence[str] = ()
 ) -> list[str]:
-    """Configure every pool's persistence and load its saved state (see the module).
+    """Configure every pool's persistence and load its saved state (see the module); the
+    directory is prepared and locked already (:func:`lock_state_dir`).
 
     Returns:
         One line per pool that was restored, for the log.
@@ -77,8 +95,6 @@ def load_states(
         StateError: a state or a restore file that cannot be used.
     """
     directory = Path(config.state_dir) if config.state_dir else None
-    if directory is not None:
-        prepare_state_dir(directory)
     files: dict[str, tuple[str, Snapshot]] = {}
     for name in restore:
         snapshot = read_snapshot(Path(name))
