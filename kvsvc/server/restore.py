@@ -14,11 +14,13 @@ import logging
 import os
 import stat
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
 from kvsvc.server.config import ServerConfig
 from kvsvc.server.dirlock import StateDirLock
+from kvsvc.server.durability import AckedMarker
 from kvsvc.server.pool import Pool
 from kvsvc.server.state import (
     PoolStore,
@@ -82,6 +84,37 @@ def lock_state_dir(config: ServerConfig) -> StateDirLock | None:
         raise StateError(f"state_dir {directory}: cannot lock it: {exc.strerror}") from None
 
 
+def _behind_acknowledged(directory: Path, snapshot: Snapshot) -> bool:
+    """Whether ``directory`` remembers its lineage acknowledging more than ``snapshot``."""
+    pool, store_id = snapshot.identity.get("pool"), snapshot.identity.get("store_id")
+    if not isinstance(pool, str) or not isinstance(store_id, str):
+        return False
+    acknowledged = AckedMarker(PoolStore.path_for(directory, pool), store_id).read()
+    return acknowledged is not None and acknowledged > snapshot.journal_seq
+
+
+def _refuse_orphan_snapshots(directory: Path | None, pool: str) -> None:
+    """A pool without a journal but with snapshots: the journal was lost (deleted, or the
+    directory copied in part). Starting empty would drop the state without a word.
+
+    Raises:
+        StateError: naming the files and the ways on.
+    """
+    if directory is None:
+        return
+    snapshots = sorted(p.name for p in directory.glob(f"{pool}.snapshot-*.db"))
+    if snapshots:
+        raise StateError(
+            f"state_dir {directory}: pool {pool!r} has no journal ({pool}.db) but its "
+            f"snapshot {', '.join(snapshots)} remains: the journal was removed, and with it "
+            "the calls acknowledged after that snapshot. Put the journal back; or, to start "
+            f"from the snapshot, move it out of the state directory and start with --restore "
+            "FILE (the calls after it are lost: a new event epoch, and engines must free "
+            f"and readmit their requests); or move {pool}.snapshot-*.db away to start the "
+            "pool empty"
+        )
+
+
 def load_states(
     pools: dict[str, Pool], config: ServerConfig, restore: Sequence[str] = ()
 ) -> list[str]:
@@ -131,8 +164,21 @@ def load_states(
                     f"--restore {source}: {store.path} holds a state "
                     f"of pool {name!r} already; move it away to restore over it"
                 )
-            # Same epoch (the state goes on), a new store: its journal starts afresh.
-            identity = {**snapshot.identity, "store_id": new_store_id()}
+            # Same epoch (the state goes on), a new store: its journal starts afresh. But a
+            # snapshot older than what its own lineage acknowledged here (its journal lost,
+            # the snapshot restored by hand) gets a new epoch: its sequence numbers from
+            # there on were handed out already.
+            epoch = snapshot.identity.get("epoch")
+            if directory is not None and _behind_acknowledged(directory, snapshot):
+                log.warning(
+                    "pool %s: --restore %s is older than the state last acknowledged in %s: "
+                    "a new event epoch",
+                    name,
+                    source,
+                    directory,
+                )
+                epoch = uuid.uuid4().hex
+            identity = {**snapshot.identity, "store_id": new_store_id(), "epoch": epoch}
             snapshot = dataclasses.replace(snapshot, identity=identity, generation=1)
             replayed = pool.restore(snapshot)
             if directory is not None:
@@ -147,6 +193,24 @@ def load_states(
         elif store is not None:
             try:
                 snapshot = store.load_snapshot()
+                lost = store.check_acknowledged()
+                if lost is not None:
+                    log.warning(
+                        "pool %s: its state in %s ends at journal row %d, but row %d was "
+                        "acknowledged (its write-ahead log was cut: a power loss, or a damaged "
+                        "file): serving that earlier state under a new event epoch, so "
+                        "subscribers and indexers resynchronise instead of reading sequence "
+                        "numbers again; engines may hold blocks it forgot",
+                        name,
+                        directory,
+                        store.last_seq,
+                        lost,
+                    )
+                    store.renew_epoch(uuid.uuid4().hex)
+                # The journal's epoch: a renewed one is newer than the snapshot's.
+                snapshot = dataclasses.replace(
+                    snapshot, identity={**snapshot.identity, "epoch": store.identity["epoch"]}
+                )
                 replayed = pool.restore(
                     snapshot, store.journal(snapshot.journal_seq), store.ranks(), store
                 )
@@ -156,6 +220,7 @@ def load_states(
             _remove_leftovers(store.directory, store)
             how = f"from {directory}"
         else:
+            _refuse_orphan_snapshots(directory, name)
             continue
         assert pool.cache is not None
         usage = pool.cache.usage()

@@ -64,6 +64,7 @@ from kvsvc import __version__
 from kvsvc.core.state import encode_state
 from kvsvc.errors import Unavailable, quoted
 from kvsvc.server.config import STATE_SYNCHRONOUS, ConfigFileError
+from kvsvc.server.durability import AckedMarker, disk_full, refused_start
 
 log = logging.getLogger("kvsvc.server")
 
@@ -254,7 +255,10 @@ def _check_file(conn: sqlite3.Connection, path: Path, fmt: str, *, migrate: bool
         app_id = conn.execute("PRAGMA application_id").fetchone()[0]
         version = conn.execute("PRAGMA user_version").fetchone()[0]
     except sqlite3.DatabaseError as exc:
-        raise StateError(f"{path} is not a kvsvc state file or is damaged ({exc})") from None
+        raise StateError(
+            refused_start(path.parent, exc)
+            or f"{path} is not a kvsvc state file or is damaged ({exc})"
+        ) from None
     if app_id != APPLICATION_ID:
         raise StateError(
             f"{path} is not a kvsvc state file (SQLite application id {app_id:#x}, "
@@ -272,7 +276,7 @@ def _check_file(conn: sqlite3.Connection, path: Path, fmt: str, *, migrate: bool
         # restart's I/O.
         check = "ok" if fmt == SNAPSHOT_FORMAT else conn.execute("PRAGMA quick_check").fetchone()[0]
     except sqlite3.DatabaseError as exc:
-        raise StateError(f"{path} is damaged ({exc})") from None
+        raise StateError(refused_start(path.parent, exc) or f"{path} is damaged ({exc})") from None
     if check != "ok":
         raise StateError(f"{path} is damaged (SQLite quick_check: {check})")
     if found is None or _text(found[0]) != fmt:
@@ -290,9 +294,10 @@ def _check_file(conn: sqlite3.Connection, path: Path, fmt: str, *, migrate: bool
             conn.execute(f"PRAGMA user_version = {version + 1}")
             conn.execute("COMMIT")
         except sqlite3.Error as exc:
-            conn.execute("ROLLBACK")
+            _rollback(conn)
             raise StateError(
-                f"migrating {path} from schema {version} to {version + 1} failed: {exc}"
+                refused_start(path.parent, exc)
+                or f"migrating {path} from schema {version} to {version + 1} failed: {exc}"
             ) from None
         version += 1
     return version
@@ -308,6 +313,14 @@ def _init_file(
     conn.execute("INSERT INTO meta VALUES ('created_by', ?)", (__version__,))
     conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
     conn.execute("COMMIT")
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    """Roll back the open transaction, if SQLite has not already (it rolls back itself on
+    a full disk, and a ROLLBACK then raises "no transaction is active", which would hide
+    the error that matters)."""
+    if conn.in_transaction:
+        conn.execute("ROLLBACK")
 
 
 def _text(value: Any) -> str:
@@ -453,6 +466,7 @@ class PoolStore:
             )
         row = conn.execute("SELECT MAX(seq) FROM journal").fetchone()
         self.last_seq = max(self.snapshot_seq, row[0] or 0)
+        self.acked = AckedMarker(self.path, str(self.identity.get("store_id", "")))
 
     @staticmethod
     def path_for(directory: Path, pool: str) -> Path:
@@ -520,6 +534,7 @@ class PoolStore:
         _fsync_path(directory)
         store = cls.open(directory, pool, synchronous=synchronous)
         assert store is not None
+        store._write_acked()  # a new lineage: a marker left by another one is replaced
         return store
 
     def close(self) -> None:
@@ -527,6 +542,49 @@ class PoolStore:
             if conn is not None:
                 conn.close()
         self._checkpoint_conn = None
+        self.acked.close()
+
+    def check_acknowledged(self) -> int | None:
+        """At a restart, before anything is written: the last journal row acknowledged
+        when that is beyond the journal's end (the WAL was cut: this is an earlier state
+        than the one served), else None. Records the journal's end as acknowledged.
+
+        Raises:
+            StateError: the position cannot be recorded (the message says a full disk).
+        """
+        acknowledged = self.acked.read()
+        lost = acknowledged if acknowledged is not None and acknowledged > self.last_seq else None
+        if lost is None:
+            self._write_acked()
+        return lost
+
+    def renew_epoch(self, epoch: str) -> None:
+        """Give the state a new event epoch (an earlier state than the one acknowledged:
+        its sequence numbers from here on were handed out already in the old epoch).
+
+        Raises:
+            StateError: it cannot be written (the message says a full disk).
+        """
+        identity = {**self.identity, "epoch": epoch}
+        try:
+            self._conn.execute(
+                "UPDATE meta SET value = ? WHERE key = 'identity'",
+                (json.dumps(identity, sort_keys=True),),
+            )
+        except sqlite3.Error as exc:
+            raise StateError(
+                refused_start(self.directory, exc) or f"{self.path}: cannot write its epoch: {exc}"
+            ) from None
+        self.identity = identity
+        self._write_acked()
+
+    def _write_acked(self) -> None:
+        try:
+            self.acked.write(self.last_seq)
+        except OSError as exc:
+            raise StateError(
+                refused_start(self.directory, exc) or f"{self.acked.path}: {exc.strerror}"
+            ) from None
 
     # -- reading ---------------------------------------------------------------------
 
@@ -613,6 +671,7 @@ class PoolStore:
 
         Raises:
             sqlite3.Error: the transaction failed (rolled back).
+            OSError: the acknowledged position could not be recorded (the rows are in).
         """
         conn = self._conn
         rows = [
@@ -631,6 +690,7 @@ class PoolStore:
         if len(rows) == 1 and not ranks and snapshot is None:
             # The common case (one Step): one statement is its own transaction.
             conn.execute(_INSERT_ROW, rows[0])
+            self.acked.write(records[0].seq)
             return
         conn.execute("BEGIN IMMEDIATE")
         try:
@@ -649,8 +709,10 @@ class PoolStore:
                 conn.execute("DELETE FROM journal WHERE seq <= ?", (seq,))
             conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            _rollback(conn)
             raise
+        if records:
+            self.acked.write(records[-1].seq)
         if snapshot is not None:
             self.snapshot_generation, self.snapshot_seq = snapshot
 
@@ -674,7 +736,10 @@ def _configure(conn: sqlite3.Connection, synchronous: str) -> None:
     try:
         mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
     except sqlite3.DatabaseError as exc:
-        raise StateError(f"cannot open the state database in WAL mode: {exc}") from None
+        path = Path(conn.execute("PRAGMA database_list").fetchone()[2])
+        raise StateError(
+            refused_start(path.parent, exc) or f"cannot open the state database in WAL mode: {exc}"
+        ) from None
     if mode != "wal":
         raise StateError(f"cannot put the state database in WAL mode (it is in {mode!r})")
     conn.execute(f"PRAGMA synchronous = {synchronous.upper()}")
@@ -899,10 +964,12 @@ class PoolPersistence:
             self._loop().call_soon(self._flush)
 
     def _fail(self, error: BaseException) -> None:
+        full = disk_full(self.store.directory, error)
+        cause = full or f"{type(error).__name__}: {error}"
         self.failed = (
             f"pool {quoted(self.store.pool)}: writing its state to {self.store.path} failed "
-            f"({type(error).__name__}: {error}); the server acknowledges no more changes of "
-            "the pool: fix the disk and restart it"
+            f"({cause}); the server acknowledges no more changes of the pool: "
+            f"{'free space on the disk' if full else 'fix the disk'} and restart it"
         )
         log.error("%s", self.failed)
         waiters, self._waiters = self._waiters, []

@@ -11,6 +11,7 @@ loaded and replayed. An older schema is migrated in place.
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import sqlite3
 import subprocess
@@ -30,6 +31,7 @@ from kvsvc.server.state import (
     PoolStore,
     StateError,
     create_journal_schema_v1,
+    read_snapshot,
 )
 from kvsvc.v1 import kvcache_pb2, kvcache_pb2_grpc
 from tests.server.harness import ServerThread, bring_up
@@ -270,3 +272,140 @@ def test_a_new_store_is_private(tmp_path: Path) -> None:
     for path in (tmp_path / "s").iterdir():
         assert path.stat().st_mode & 0o077 == 0, path  # the hash seed is a secret
     assert PoolStore.open(tmp_path / "s", "absent") is None
+
+
+def burst_of_admissions(address: str, count: int, tokens: int) -> list[Any]:
+    """``count`` admissions sent at once (they share commits); returns each one's outcome
+    (its reply, or the RPC error it got)."""
+
+    async def burst() -> list[Any]:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = kvcache_pb2_grpc.KVCacheServiceStub(channel)
+            requests = [
+                kvcache_pb2.AllocateRequest(
+                    pool="p", request_id=f"b{i}", new_token_ids=[i + 9] * tokens, num_new_tokens=1
+                )
+                for i in range(count)
+            ]
+            for request in requests:
+                request.start.SetInParent()
+            return await asyncio.gather(
+                *(stub.Allocate(r, timeout=10) for r in requests), return_exceptions=True
+            )
+
+    return asyncio.run(burst())
+
+
+def test_a_full_disk_is_reported_as_a_full_disk(tmp_path: Path) -> None:
+    """SQLite rolls a transaction back itself when the disk fills; the ROLLBACK that
+    followed then failed ("cannot rollback - no transaction is active") and that was what
+    the server reported. The database is capped at its size now (SQLite's own
+    ``max_page_count``, which fails writes exactly as a full disk does) and a burst of
+    admissions shares commits of several rows."""
+    with server_on(tmp_path, state_synchronous="full") as srv:
+        ranks = bring_up(srv, kv_cache_bytes=MEMORY, allocation_id="A")
+        store = srv.run(lambda: srv.server.pools.get("p").persistence.store)
+        pages = store._conn.execute("PRAGMA page_count").fetchone()[0]
+        store._conn.execute(f"PRAGMA max_page_count = {pages}")
+        outcomes = burst_of_admissions(srv.address, 40, 200)
+        errors = {o.details() for o in outcomes if isinstance(o, grpc.aio.AioRpcError)}
+        assert errors, "no commit failed: the cap did not bite"
+        failure = srv.run(lambda: srv.server.pools.get("p").persistence.failed)
+        assert f"the disk of state_dir {tmp_path} is full" in failure
+        assert "free space on the disk and restart it" in failure
+        assert "rollback" not in failure
+        assert errors == {failure}
+        ranks[0].close()
+
+
+def test_a_truncated_wal_restores_under_a_new_epoch(tmp_path: Path) -> None:
+    """A WAL cut short (a power loss in ``normal`` mode, a damaged disk) gives back an
+    earlier state: its event sequence numbers after that point were handed out already,
+    so the pool serves it under a new epoch (kept by the next restart), and a restart
+    that lost nothing keeps the epoch."""
+    state = tmp_path / "state"
+    with server_on(state, state_checkpoint_interval_s=3600) as srv:
+        ranks = bring_up(srv, kv_cache_bytes=MEMORY, allocation_id="A")
+        with KVCacheClient(srv.address, pool="p", options=QUICK) as kv:
+            for i in range(6):
+                assert kv.allocate(f"r{i}", [i + 1] * 40, 40, start=True).ok
+            epoch = kv.epoch
+            last_sequence = srv.run(lambda: srv.server.pools.get("p").events.last_sequence)
+        ranks[0].close()
+        # Another reader keeps the WAL as a kill would (the last connection to close
+        # checkpoints it into the database and deletes it).
+        with journal_db(state) as reader:
+            reader.execute("SELECT COUNT(*) FROM journal").fetchone()
+            crash(srv)
+            intact = shutil.copytree(state, tmp_path / "intact")
+            cut = shutil.copytree(state, tmp_path / "cut")
+    with server_on(intact) as srv:  # nothing lost: the same epoch
+        assert srv.run(lambda: srv.server.pools.get("p").events.last_sequence) == last_sequence
+        assert srv.run(lambda: srv.server.pools.get("p").events.epoch) == epoch
+    wal = cut / "p.db-wal"
+    # The page size from the database header (opening it would recover the WAL first).
+    page_size = int.from_bytes((cut / "p.db").read_bytes()[16:18], "big")
+    with wal.open("r+b") as f:  # drop the last frame: the last commit goes with it
+        f.truncate(wal.stat().st_size - (24 + page_size))
+    with server_on(cut) as srv:
+        events = srv.run(lambda: srv.server.pools.get("p").events)
+        assert events.last_sequence < last_sequence
+        renewed = events.epoch
+        assert renewed != epoch
+    with server_on(cut) as srv:  # the new epoch is the state's now
+        assert srv.run(lambda: srv.server.pools.get("p").events.epoch) == renewed
+
+
+def test_snapshots_without_their_journal_are_not_dropped_silently(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    make_state(state)
+    for journal in state.glob("p.db*"):
+        journal.unlink()
+    with pytest.raises(StateError, match=r"pool 'p' has no journal \(p.db\) but its snapshot"):
+        start(state)
+    # The way on it names: the snapshot moved out and restored, under a new epoch (the
+    # calls journaled after it were acknowledged in the old one).
+    (snapshot,) = state.glob("p.snapshot-*.db")
+    moved = shutil.move(snapshot, tmp_path / "moved.db")
+    with server_on(state, restore=[str(moved)]) as srv:
+        epoch = srv.run(lambda: srv.server.pools.get("p").events.epoch)
+        assert epoch != read_snapshot(moved).identity["epoch"]
+
+
+def unshare_works() -> bool:
+    """Whether this machine lets a process mount a tmpfs in its own namespace."""
+    try:
+        return (
+            subprocess.run(
+                ["unshare", "--map-root-user", "--mount", "true"], capture_output=True, timeout=10
+            ).returncode
+            == 0
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not unshare_works(), reason="needs unshare (user and mount namespaces)")
+def test_a_really_full_disk_says_so_while_serving_and_after_a_restart(tmp_path: Path) -> None:
+    """A real filesystem that fills up (a 3 MiB tmpfs, in a namespace of its own): the
+    change that meets the full disk, and the first change after a restart on it, answer
+    UNAVAILABLE saying the disk is full."""
+    mountpoint = tmp_path / "disk"
+    mountpoint.mkdir()
+    script = (
+        f"mount -t tmpfs -o size=3m tmpfs {mountpoint} && "
+        f"exec {sys.executable} -m tests.server.disk_full_scenario {mountpoint}"
+    )
+    result = subprocess.run(
+        ["unshare", "--map-root-user", "--mount", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcome = json.loads(result.stdout.strip().splitlines()[-1])
+    full = f"the disk of state_dir {mountpoint / 'state'} is full"
+    for when in ("running", "restart"):
+        assert outcome[when].startswith("UNAVAILABLE") and full in outcome[when], outcome
+        assert "free space on the disk" in outcome[when]
