@@ -207,6 +207,10 @@ class PoolKVCache:
         event_medium: medium named in events.
         max_requests: live requests at most; an admission past it raises
             ResourceExhausted (None: no bound).
+        max_tokens: tokens the live requests hold together (prompts and outputs so
+            far); an admission or a call that would add past it raises ResourceExhausted
+            (None: no bound). ``max_requests`` alone bounds the count, not the memory: a
+            request admitted with no tokens scheduled holds its whole prompt with no block.
         recently_freed: how many freed request ids are remembered, oldest forgotten
             first, so that a retried ``free`` of one succeeds (see :meth:`free`).
         prefix_cache_retention_interval: which blocks of sliding-window groups are
@@ -232,6 +236,7 @@ class PoolKVCache:
         event_medium: str = MEDIUM_GPU,
         max_requests: int | None = None,
         recently_freed: int = DEFAULT_RECENTLY_FREED,
+        max_tokens: int | None = None,
         prefix_cache_retention_interval: int | None = None,
     ) -> None:
         if max_model_len < 1:
@@ -242,6 +247,8 @@ class PoolKVCache:
             raise ValueError(f"max_requests must be >= 1, got {max_requests}")
         if recently_freed < 0:
             raise ValueError(f"recently_freed must be >= 0, got {recently_freed}")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         self.manager = KVCacheManager(
             config,
             max_model_len,
@@ -257,6 +264,9 @@ class PoolKVCache:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_requests = max_requests
         self.recently_freed = recently_freed
+        self.max_tokens = max_tokens
+        # Tokens of the live requests, together (what max_tokens bounds).
+        self.num_tokens_held = 0
         self._requests: dict[str, RequestState] = {}
         # Live requests whose admission may still be retried (no successful call since).
         self._admissions: dict[str, _Admission] = {}
@@ -359,7 +369,8 @@ class PoolKVCache:
                 or a length beyond max_model_len (on every call, however the tokens
                 came); nothing changed.
             AlreadyExists: a first call for a live request that is not such a retry.
-            ResourceExhausted: an admission while ``max_requests`` requests are live.
+            ResourceExhausted: an admission while ``max_requests`` requests are live, or
+                tokens past ``max_tokens``; nothing changed.
             NotFound: a later call for a request that is not live.
         """
         if num_new_tokens < 0:
@@ -398,6 +409,7 @@ class PoolKVCache:
                     f"{num_tokens_before + len(new_token_ids)} tokens, past max_model_len="
                     f"{self.max_model_len}",
                 )
+            self._check_tokens_held(request_id, len(new_token_ids))
         computed_before = request.num_computed_tokens
         if num_rejected_tokens and not 0 <= num_rejected_tokens <= computed_before:
             raise InvalidArgument(
@@ -436,6 +448,7 @@ class PoolKVCache:
                 computed_before,
             )
         request.num_computed_tokens = computed + num_new_tokens
+        self.num_tokens_held += len(new_token_ids)
         if self._admissions:
             # The engine had the admission's reply: a repeat of it is no retry any more.
             self._admissions.pop(request_id, None)
@@ -490,6 +503,7 @@ class PoolKVCache:
                 f"live requests, its limit (max_requests={self.max_requests}); free finished "
                 "requests or raise the pool's max_requests"
             )
+        self._check_tokens_held(request_id, len(prompt))
         manager = self.manager
         try:
             request = manager.new_request(
@@ -523,6 +537,7 @@ class PoolKVCache:
             manager.record_prefix_lookup(request, num_cached)
         request.num_computed_tokens = num_cached + num_scheduled
         self._requests[request_id] = request
+        self.num_tokens_held += request.num_tokens
         self._admissions[request_id] = _Admission(
             start, budget, num_lookahead_tokens, num_cached, num_scheduled
         )
@@ -540,6 +555,19 @@ class PoolKVCache:
             num_cached,
             num_scheduled,
             request.num_computed_tokens,
+        )
+
+    def _check_tokens_held(self, request_id: str, num_new: int) -> None:
+        """Refuse ``num_new`` more tokens past ``max_tokens`` (nothing changed yet)."""
+        if self.max_tokens is not None and self.num_tokens_held + num_new > self.max_tokens:
+            raise self._too_many_tokens(request_id, num_new)
+
+    def _too_many_tokens(self, request_id: str, num_new: int) -> ResourceExhausted:
+        return ResourceExhausted(
+            f"request {quoted(request_id)}: {num_new} more tokens would take the pool's live "
+            f"requests to {self.num_tokens_held + num_new} tokens, past its limit "
+            f"(max_pool_tokens={self.max_tokens}); free finished requests, or raise the "
+            "pool's max_pool_tokens"
         )
 
     def _repeat_admission(
@@ -674,6 +702,10 @@ class PoolKVCache:
         xxh3_digest = xxhash.xxh3_128_digest
         group_id = plain.group_id
         flagged = self._recompute
+        # Tokens held, kept in a local across the loop (written back around the general
+        # path, which counts its own, and at the end).
+        held = self.num_tokens_held
+        max_held = self.max_tokens if self.max_tokens is not None else sys.maxsize
         pos = token_pos
         for i in range(begin, end):
             count = token_counts[i]
@@ -684,6 +716,7 @@ class PoolKVCache:
                 # General path: error reporting, multi-token appends.
                 tokens = token_ids[pos : pos + count]
                 pos += count
+                self.num_tokens_held = held
                 try:
                     outcome = self.allocate(request_id, tokens, num_new)
                 except KvsvcError as exc:
@@ -692,6 +725,8 @@ class PoolKVCache:
                     computed_out.append(0)
                     blocks_out.append(empty)
                     continue
+                finally:
+                    held = self.num_tokens_held
                 if outcome.recompute:
                     out.recompute.append(i)
                 ok_out.append(outcome.ok)
@@ -720,6 +755,13 @@ class PoolKVCache:
                     computed_out.append(0)
                     blocks_out.append(empty)
                     continue
+                if held >= max_held:
+                    self.num_tokens_held = held
+                    errors[i] = self._too_many_tokens(request_id, 1)
+                    ok_out.append(False)
+                    computed_out.append(0)
+                    blocks_out.append(empty)
+                    continue
             computed = request.num_computed_tokens
             num_main = computed + num_new
             if num_main > max_model_len:
@@ -744,6 +786,7 @@ class PoolKVCache:
             num_tokens = num_tokens_before + 1 if count else num_tokens_before
             if count:
                 tokens_list.append(token)
+                held += 1
                 if hasher is not None:
                     block_hashes = request.block_hashes
                     if num_tokens >= (len(block_hashes) + 1) * hash_block_size:
@@ -799,6 +842,7 @@ class PoolKVCache:
             ok_out.append(True)
             computed_out.append(num_main)
             blocks_out.append(new_blocks)
+        self.num_tokens_held = held
         return pos
 
     def free(self, request_ids: Sequence[str], *, preempted: bool = False) -> int:
@@ -840,7 +884,7 @@ class PoolKVCache:
         flagged = self._recompute
         for request_id in live:
             self.manager.free(request_id)
-            del requests[request_id]
+            self.num_tokens_held -= requests.pop(request_id).num_tokens
             if admissions:
                 admissions.pop(request_id, None)
             if flagged:
@@ -1218,8 +1262,10 @@ class PoolKVCache:
             requests[request.request_id] = (request, record[9])
         manager.load_state(state["manager"])
         self._requests.clear()
+        self.num_tokens_held = 0
         for request_id, (request, entries) in requests.items():
             self._requests[request_id] = request
+            self.num_tokens_held += request.num_tokens
             for m, entry in zip(managers, entries, strict=True):
                 m.load_request_state(request_id, entry)
         self._admissions.clear()
@@ -1259,15 +1305,21 @@ class PoolKVCache:
         while len(self._freed) > self.recently_freed:
             self._freed.popitem(last=False)
 
-    def set_limits(self, *, max_requests: int | None, recently_freed: int) -> None:
+    def set_limits(
+        self, *, max_requests: int | None, recently_freed: int, max_tokens: int | None = None
+    ) -> None:
         """Apply new bounds to a running pool (a restart with another config): live
-        requests above a lower ``max_requests`` stay; admissions wait below it.
+        requests above a lower ``max_requests`` or ``max_tokens`` stay; admissions wait
+        below it.
 
         Raises:
             ValueError: a bound out of range.
         """
         if max_requests is not None and max_requests < 1:
             raise ValueError(f"max_requests must be >= 1, got {max_requests}")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        self.max_tokens = max_tokens
         if recently_freed < 0:
             raise ValueError(f"recently_freed must be >= 0, got {recently_freed}")
         self.max_requests = max_requests

@@ -80,6 +80,15 @@ class PoolConfig:
             as in ``num_gpu_blocks_override``). The manager keeps a few hundred bytes of
             bookkeeping per block, so a rank claiming absurd memory must not make millions
             of them: a plan above it fails (raise it or set num_gpu_blocks_override).
+        max_pool_tokens: tokens the pool's live requests may hold together (prompts and
+            outputs so far, ~8 bytes of server memory each); an admission or a call that
+            would add past it is refused with RESOURCE_EXHAUSTED and changes nothing.
+            ``max_requests`` bounds the count only: a request admitted with no tokens
+            scheduled holds its whole prompt with no block. None: the larger of 4 x the
+            pool's KV capacity in tokens and 256 x max_model_len (vLLM's default
+            ``max_num_seqs`` of full-length requests), which an engine's running requests
+            stay within (their uncached tokens fit in the blocks; shared prefixes are
+            counted per request).
         recently_freed: freed request ids remembered (the last ones, per pool) so that a
             Free retried after its reply was lost succeeds with 0 blocks instead of
             NOT_FOUND; about 100 bytes plus the id each. 0 turns it off.
@@ -110,6 +119,7 @@ class PoolConfig:
     disable_hybrid_kv_cache_manager: bool = False
     layout: str = "layer_outer"
     max_requests: int = 65536
+    max_pool_tokens: int | None = None
     max_num_blocks: int = 4_194_304
     recently_freed: int = 65536
     max_subscribers: int = DEFAULT_MAX_SUBSCRIBERS
@@ -152,6 +162,14 @@ class PoolConfig:
             )
         if self.max_requests < 1:
             raise ConfigError(f"{where}: max_requests must be >= 1")
+        if self.max_pool_tokens is not None and (
+            isinstance(self.max_pool_tokens, bool)
+            or not isinstance(self.max_pool_tokens, int)
+            or self.max_pool_tokens < 1
+        ):
+            raise ConfigError(
+                f"{where}: max_pool_tokens must be a positive integer, got {self.max_pool_tokens!r}"
+            )
         if self.max_num_blocks < 2:
             raise ConfigError(f"{where}: max_num_blocks must be >= 2 (one is the null block)")
         if (

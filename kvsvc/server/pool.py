@@ -188,6 +188,11 @@ def registration_from_dict(data: dict[str, Any]) -> tuple[Registration, int]:
 
 # Pool settings a saved state was planned with: another value means another plan, so a
 # restart with it is refused (the others may change between restarts).
+# max_pool_tokens's default: this many times the pool's KV capacity in tokens, or this many
+# requests of max_model_len (vLLM's default max_num_seqs), whichever is larger.
+DEFAULT_POOL_TOKENS_PER_CAPACITY = 4
+DEFAULT_POOL_TOKENS_PER_MODEL_LEN = 256
+
 PLAN_SETTINGS = (
     "world_size",
     "block_size",
@@ -750,6 +755,17 @@ class Pool:
                 if self.config.prefix_cache_retention_interval < 0
                 else self.config.prefix_cache_retention_interval
             ),
+            max_tokens=self._max_pool_tokens(plan),
+        )
+
+    def _max_pool_tokens(self, plan: Any) -> int:
+        """The pool's ``max_pool_tokens``: configured, or its default (see PoolConfig)."""
+        if self.config.max_pool_tokens is not None:
+            return self.config.max_pool_tokens
+        capacity = max(plan.num_blocks - 1, 1) * plan.block_size
+        return max(
+            DEFAULT_POOL_TOKENS_PER_CAPACITY * capacity,
+            DEFAULT_POOL_TOKENS_PER_MODEL_LEN * plan.max_model_len,
         )
 
     def slot_for(self, rank: int, session_id: str) -> RankSlot:
@@ -1216,7 +1232,9 @@ class Pool:
             if enabled:
                 gc.enable()
         cache.set_limits(
-            max_requests=self.config.max_requests, recently_freed=self.config.recently_freed
+            max_requests=self.config.max_requests,
+            recently_freed=self.config.recently_freed,
+            max_tokens=self._max_pool_tokens(plan),
         )
         # Everything loaded: take it over.
         self.events.restore(identity["epoch"], base_seq)

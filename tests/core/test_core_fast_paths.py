@@ -177,12 +177,13 @@ HASHING_CONTEXTS: list[HashingContext | None] = [
 FAST_REQUESTS = [f"q{i}" for i in range(3)]
 
 
-def make_fast_pool(hash_algo: str) -> PoolKVCache:
+def make_fast_pool(hash_algo: str, max_tokens: int | None = None) -> PoolKVCache:
     return PoolKVCache(
         make_config(14, full_spec(FAST_BLOCK_SIZE)),
         max_model_len=MAX_MODEL_LEN,
         hash_algo=hash_algo,
         hash_seed="seed",
+        max_tokens=max_tokens,
     )
 
 
@@ -308,9 +309,11 @@ def test_allocate_running_matches_allocate_with_hashing_contexts(
 
     Prompts are packed (the wire's form), so xxh3 pools take the fast path's one-block
     hashing shortcut; the chain is also checked against a block-by-block recomputation with
-    the request's extra keys, and no request ever passes max_model_len.
+    the request's extra keys, and no request ever passes max_model_len. The tokens held are
+    bounded (at twice max_model_len, so both paths meet the bound) and counted alike.
     """
-    fast, general = make_fast_pool(hash_algo), make_fast_pool(hash_algo)
+    bound = 2 * MAX_MODEL_LEN
+    fast, general = make_fast_pool(hash_algo, bound), make_fast_pool(hash_algo, bound)
     for step in admissions + steps:
         if step[0] == "admit":
             _, rid, prompt, budget, context = step
@@ -336,6 +339,8 @@ def test_allocate_running_matches_allocate_with_hashing_contexts(
                 # Coverage, shown by --hypothesis-show-statistics.
                 if result[0] == "error" and "max_model_len" in str(result[2]):
                     event("refused at max_model_len")
+                elif result[0] == "error" and "max_pool_tokens" in str(result[2]):
+                    event("refused at max_pool_tokens")
                 elif result[1] == MAX_MODEL_LEN:
                     event("reached max_model_len")
         elif fast.has_request(step[1]):
@@ -344,6 +349,9 @@ def test_allocate_running_matches_allocate_with_hashing_contexts(
         assert pool_state(fast) == pool_state(general), step
         fast_events, general_events = fast.take_events(), general.take_events()
         assert (fast_events and fast_events.events) == (general_events and general_events.events)
+        assert fast.num_tokens_held == general.num_tokens_held
+        assert fast.num_tokens_held == sum(r.num_tokens for r in fast._requests.values())
+        assert fast.num_tokens_held <= bound
         for rid in fast.request_ids():
             request = fast._requests[rid]
             assert request.num_tokens <= MAX_MODEL_LEN
