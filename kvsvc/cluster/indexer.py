@@ -36,6 +36,7 @@ from typing import Any
 from kvsvc.cluster.layout import SLIDING_WINDOW_KINDS, Keys
 from kvsvc.cluster.metrics import IndexerMetrics
 from kvsvc.cluster.store import (
+    InvalidSource,
     LeaseLost,
     SourceMoved,
     SourceStore,
@@ -162,6 +163,27 @@ class SourceThread:
     def _set_state(self, name: str) -> None:
         self.state_name = self.metrics.move_source(self.state_name, name)
 
+    def _quarantine(self, error: InvalidSource) -> None:
+        """The source sent what the index cannot hold: drop its entries (so Score goes on
+        for every other engine), say so once, and ignore it until stopped (a restarted
+        indexer tries it again)."""
+        self.metrics.quarantines.inc()
+        self._set_state("quarantined")
+        _log.warning(
+            "%s: quarantined: it sent %s; its entries are dropped from the index and its "
+            "stream ignored until the indexer restarts",
+            self.name,
+            error,
+        )
+        try:
+            if self.store.acquire() != "held":
+                self.store.purge()
+                self.store.release()
+        except (_redis_error(), LeaseLost) as exc:
+            _log.warning("%s: dropping its entries: %s", self.name, exc)
+        self._tracking = None
+        self._stop.wait()
+
     def _run(self) -> None:
         raise NotImplementedError
 
@@ -212,6 +234,8 @@ class Follower(SourceThread):
             except LeaseLost:
                 _log.warning("%s: another indexer holds the lease now; standing by", self.name)
                 self._set_state("standby")
+            except InvalidSource as exc:
+                self._quarantine(exc)
             except redis_error as exc:
                 self.metrics.redis_errors.inc()
                 _log.warning("%s: Redis: %s; retrying, then resyncing", self.name, exc)

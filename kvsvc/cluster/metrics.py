@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 SNAPSHOT_REASONS = ("new", "gap", "epoch", "resync", "upgrade")
 PURGE_REASONS = ("gone", "removed", "epoch")
-STATES = ("writing", "standby", "down")
+STATES = ("writing", "standby", "down", "quarantined")
 
 
 class IndexerMetrics:
@@ -62,6 +62,13 @@ class IndexerMetrics:
         )
         for reason in PURGE_REASONS:
             self.purges.labels(reason)
+        self.quarantines = Counter(
+            "kvsvc_indexer_quarantines_total",
+            "Sources quarantined: they sent an event or tracking the index cannot hold "
+            "(a block size of 0, negative or past 2^20, a group past 255, an oversized "
+            "hash); their entries were dropped and their stream is ignored",
+            registry=r,
+        )
         self.redis_errors = Counter(
             "kvsvc_indexer_redis_errors_total",
             "Redis commands that failed (connection lost, timeout, error reply)",
@@ -81,7 +88,8 @@ class IndexerMetrics:
         self.sources = Gauge(
             "kvsvc_indexer_sources",
             "Sources by state (writing: this indexer holds the lease; standby: another "
-            "does; down: unreachable)",
+            "does; down: unreachable; quarantined: it sent what the index cannot hold, "
+            "dropped from the index until the indexer restarts)",
             ["state"],
             registry=r,
         )

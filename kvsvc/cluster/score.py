@@ -42,7 +42,7 @@ from typing import Any
 
 from kvsvc.cluster.hashing import PromptHasher
 from kvsvc.cluster.layout import Keys
-from kvsvc.cluster.store import Registry, Tracking, read_registry
+from kvsvc.cluster.store import Registry, Tracking, read_registry, tracking_problem
 from kvsvc.core.hashing import HashingContext
 from kvsvc.errors import InvalidArgument
 
@@ -155,6 +155,7 @@ class Scorer:
         self._registry: Registry | None = None
         self._registry_at = 0.0
         self._lock = threading.Lock()
+        self._invalid_said: set[str] = set()  # engines whose bad entry was logged
 
     def _hasher(self, algo: str) -> PromptHasher:
         hasher = self._hashers.get(algo)
@@ -347,6 +348,15 @@ class Scorer:
         families: dict[tuple[str, int, int, tuple[_Rule, ...]], _Family] = {}
         mismatch: list[str] = []
         upper_bound: list[str] = []
+        for name, (_, tracking) in list(chosen.items()):
+            problem = tracking_problem(tracking)
+            if problem is not None:
+                # Written by an indexer that did not check (or by hand): that engine is
+                # left out, every other one is scored.
+                del chosen[name]
+                if name not in self._invalid_said:
+                    self._invalid_said.add(name)
+                    _log.warning("engine %s is not scored: its index entry has %s", name, problem)
         for name, (engine_id, tracking) in chosen.items():
             rules = _rules(tracking)
             if not rules:

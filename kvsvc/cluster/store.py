@@ -138,6 +138,51 @@ class TrackedClass:
     groups: tuple[int, ...]
 
 
+# What a source may claim about its blocks. A block of more tokens than the longest prompt
+# Score takes (MAX_SCORE_TOKENS) never scores; 0 or a negative one broke every Score, of
+# every engine (a division by zero, a negative count, an overflow in the bit arithmetic).
+MAX_BLOCK_SIZE = 1 << 20
+# Hash bytes (sha256: 32; xxh3_128: 16), and group indexes (one byte in the keys).
+MAX_HASH_BYTES = 64
+MAX_GROUP_INDEX = 255
+MAX_WINDOW = 1 << 31
+
+
+class InvalidSource(Exception):
+    """A source sent what the index cannot hold (a block size of 0, a negative or huge
+    one, a group index past a byte, an oversized hash): it is quarantined, not indexed."""
+
+
+def block_size_problem(block_size: object, what: str = "block_size") -> str | None:
+    """Why ``block_size`` cannot be a block size in the index (None: it can)."""
+    if type(block_size) is not int or not 1 <= block_size <= MAX_BLOCK_SIZE:
+        return f"{what} {block_size!r} (must be an integer in [1, {MAX_BLOCK_SIZE}])"
+    return None
+
+
+def tracking_problem(tracking: Tracking) -> str | None:
+    """Why the index cannot score a source tracked as ``tracking`` (None: it can)."""
+    problem = (
+        block_size_problem(tracking.block_size)
+        or block_size_problem(tracking.hash_block_size, "hash_block_size")
+        or block_size_problem(tracking.align, "align")
+    )
+    if problem is None and tracking.block_size % tracking.hash_block_size:
+        problem = (
+            f"block_size {tracking.block_size} is not a multiple of hash_block_size "
+            f"{tracking.hash_block_size}"
+        )
+    for c in tracking.classes:
+        problem = problem or block_size_problem(c.block_size, "a class's block_size")
+        if problem is None and not 0 <= c.window <= MAX_WINDOW:
+            problem = f"sliding window {c.window} (must be in [0, {MAX_WINDOW}])"
+    groups = [*tracking.groups, *(g for c in tracking.classes for g in c.groups)]
+    bad = [g for g in groups if not 0 <= g <= MAX_GROUP_INDEX]
+    if problem is None and bad:
+        problem = f"group index {bad[0]} (must be in [0, {MAX_GROUP_INDEX}])"
+    return problem
+
+
 @dataclass(slots=True)
 class Tracking:
     """Which of a source's groups the index tracks, in which class, and how its prompts
@@ -523,7 +568,11 @@ class SourceStore:
 
         Raises:
             LeaseLost: another indexer holds the lease.
+            InvalidSource: ``tracking`` cannot be scored (nothing written).
         """
+        problem = tracking_problem(tracking)
+        if problem is not None:
+            raise InvalidSource(problem)
         self.flush_pending()
         # What is set now follows the tracking it was written under (another model's
         # classes, after a restart with another spec, or a meta of before classes).

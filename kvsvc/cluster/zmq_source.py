@@ -29,7 +29,15 @@ from typing import Any
 
 from kvsvc.cluster.indexer import IndexerOptions, SourceThread
 from kvsvc.cluster.metrics import IndexerMetrics
-from kvsvc.cluster.store import LeaseLost, SourceMoved, Tracking
+from kvsvc.cluster.store import (
+    MAX_GROUP_INDEX,
+    MAX_HASH_BYTES,
+    InvalidSource,
+    LeaseLost,
+    SourceMoved,
+    Tracking,
+    block_size_problem,
+)
 
 _log = logging.getLogger("kvsvc.cluster")
 
@@ -63,6 +71,32 @@ def parse_zmq_source(text: str) -> tuple[str, str | None]:
     if any(c in text for c in "{}"):
         raise ValueError(f"--zmq-source {text!r}: '{{' and '}}' would break the Redis hash tags")
     return pub, replay
+
+
+def _check_events(events: list[Any]) -> None:
+    """Refuse a batch with a field the index cannot hold (checked whole, before any of
+    it is applied).
+
+    Raises:
+        InvalidSource: naming the event and the field.
+    """
+    from kvsvc.integrations.vllm.events import AllBlocksCleared, BlockStored
+
+    for i, event in enumerate(events):
+        if isinstance(event, AllBlocksCleared):
+            continue
+        problem = None
+        if isinstance(event, BlockStored):
+            problem = block_size_problem(event.block_size)
+        group = event.group_idx or 0
+        if problem is None and not 0 <= group <= MAX_GROUP_INDEX:
+            problem = f"group_idx {group} (must be in [0, {MAX_GROUP_INDEX}])"
+        if problem is None:
+            sizes = [len(h) for h in event.block_hashes if isinstance(h, bytes)]
+            if sizes and max(sizes) > MAX_HASH_BYTES:
+                problem = f"a block hash of {max(sizes)} bytes (at most {MAX_HASH_BYTES})"
+        if problem is not None:
+            raise InvalidSource(f"{type(event).__name__} (event {i} of a batch) with {problem}")
 
 
 class ZmqFollower(SourceThread):
@@ -116,6 +150,9 @@ class ZmqFollower(SourceThread):
                 self._session(sub, decoder)
             except LeaseLost:
                 self._set_state("standby")
+            except InvalidSource as exc:
+                sub.close(0)  # nothing more is read from it
+                self._quarantine(exc)
             except redis.exceptions.RedisError as exc:
                 self.metrics.redis_errors.inc()
                 _log.warning("%s: Redis: %s; retrying", self.name, exc)
@@ -229,6 +266,7 @@ class ZmqFollower(SourceThread):
                 continue
             seq = int.from_bytes(frames[1], "big") + 1  # vLLM counts from 0, the index from 1
             batch = decoder.decode(frames[2])
+            _check_events(batch.events)
             position = last if first else self._seq
             if self._tracking is not None and seq <= position:
                 if replayed:
