@@ -56,7 +56,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        # Ctrl-C where the command does not handle it itself (a worker importing torch,
+        # a plan being computed): one line, not a traceback. 130: killed by SIGINT.
+        print(f"kvsvc {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import gc
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -321,15 +322,48 @@ def _hash_seed(args: argparse.Namespace) -> str | None:
         raise ConfigError(str(exc)) from None
 
 
+class EarlyStop:
+    """SIGINT/SIGTERM from the process's start until the server's loop takes them over.
+
+    Without it a Ctrl-C in the first second hit whatever was starting: asyncio.run's own
+    SIGINT handling cancelled the start half-way (a 52-line traceback, "Event loop is
+    closed"), or the cancellation was swallowed and the server ran on, deaf to it. Now the
+    first signal is noted and the server, once started, stops at once; a second one exits
+    at once (a persisted state survives a kill, so nothing is lost)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._note)
+
+    def _note(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            print("kvsvc serve: interrupted again while starting: exiting now", file=sys.stderr)
+            os._exit(130)
+        self.requested = True
+
+
 async def serve(
-    config: ServerConfig, ready: Any | None = None, restore: Sequence[str] = ()
+    config: ServerConfig,
+    ready: Any | None = None,
+    restore: Sequence[str] = (),
+    early_stop: EarlyStop | None = None,
 ) -> None:
     """Run until SIGINT/SIGTERM, then stop gracefully (a persisted pool ends with a
-    snapshot, so the next start replays nothing)."""
+    snapshot, so the next start replays nothing). ``early_stop``: the signals noted while
+    starting (the server stops as soon as it started)."""
     from kvsvc.server.app import create_server
 
     # A restored pool's line is logged by the server (KvsvcServer), once: not printed here.
     server, port = await create_server(config, restore=restore, freeze_gc=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    if early_stop is not None and early_stop.requested:
+        logging.getLogger("kvsvc.server").info("stopped while starting: shutting down")
+        await server.stop(grace=1.0)
+        return
     if server.kv_events is not None:
         # Before the 'serving' line, which tools wait for: by then these are printed too.
         for line in server.kv_events.describe():
@@ -348,16 +382,13 @@ async def serve(
     )
     if ready is not None:
         ready(server)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     logging.getLogger("kvsvc.server").info("shutting down")
     await server.stop(grace=5.0)
 
 
 def run(args: argparse.Namespace) -> int:
+    early_stop = EarlyStop()  # first: a Ctrl-C from here on is handled
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -380,7 +411,7 @@ def run(args: argparse.Namespace) -> int:
     # long-lived objects frozen out of them once planned (freeze_gc in serve()).
     gc.set_threshold(*GC_THRESHOLDS)
     try:
-        asyncio.run(serve(config, restore=args.restore))
+        asyncio.run(serve(config, restore=args.restore, early_stop=early_stop))
     except (OSError, ConfigFileError) as exc:  # a port in use; TLS files gone since the check
         print(f"kvsvc serve: {exc}", file=sys.stderr)
         return 1

@@ -350,6 +350,9 @@ class KvsvcServer:
         await self.health.enter_graceful_shutdown()
         for task in self._tasks:
             task.cancel()
+        # Streams never end by themselves: end them now (UNAVAILABLE, "shutting down")
+        # rather than wait out the grace period for nothing.
+        self.pools.streams.close()
         if self._frames is not None:
             await self._frames.stop(grace)
             self._frames = None

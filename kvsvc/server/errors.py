@@ -111,15 +111,48 @@ def rpc_handler(method: str) -> Callable[[_Handler], _Handler]:
     return decorate
 
 
+SHUTTING_DOWN = "the server is shutting down; reconnect (to it once restarted, or another)"
+
+
+class OpenStreams:
+    """The streaming calls in progress (WatchEvents, WatchPlan, snapshots), so that a
+    graceful stop ends them at once with UNAVAILABLE: they never end by themselves, and
+    gRPC's grace period waited for them in full (5 s) and then cancelled them with a
+    CancelledError traceback each."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.closing = False
+
+    def add(self, task: asyncio.Task[Any] | None) -> None:
+        if task is not None:
+            self._tasks.add(task)
+
+    def discard(self, task: asyncio.Task[Any] | None) -> None:
+        self._tasks.discard(task)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        """End every open stream (UNAVAILABLE) and refuse new ones."""
+        self.closing = True
+        for task in list(self._tasks):
+            task.cancel()
+
+
 def rpc_stream_handler(method: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """:func:`rpc_handler` for server-streaming methods (async generators)."""
+    """:func:`rpc_handler` for server-streaming methods (async generators). The servicer's
+    ``_pools.streams`` (an :class:`OpenStreams`) knows the stream while it runs."""
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
             started = time.perf_counter()
             code = grpc.StatusCode.OK
+            streams: OpenStreams = self._pools.streams
+            task = asyncio.current_task()
+            streams.add(task)
             try:
+                if streams.closing:
+                    raise Unavailable(SHUTTING_DOWN)
                 async for message in fn(self, request, context):
                     yield message
             except KvsvcError as exc:
@@ -129,12 +162,17 @@ def rpc_stream_handler(method: str) -> Callable[[Callable[..., Any]], Callable[.
                 code = context.code() or grpc.StatusCode.UNKNOWN  # type: ignore[assignment]
                 raise
             except (GeneratorExit, asyncio.CancelledError):
+                if streams.closing and task is not None and task.cancelling():
+                    task.uncancel()  # ended by the stop, not by the caller: say why
+                    code = grpc.StatusCode.UNAVAILABLE
+                    await context.abort(code, SHUTTING_DOWN)
                 code = grpc.StatusCode.CANCELLED
                 raise
             except Exception:
                 code = grpc.StatusCode.INTERNAL
                 await _abort_internal(context, method)
             finally:
+                streams.discard(task)
                 self._observer.observe(method, code, time.perf_counter() - started)
 
         return wrapper

@@ -31,7 +31,7 @@ from kvsvc.server.calls import (
     decode_free,
     decode_step,
 )
-from kvsvc.server.errors import CallObserver, rpc_handler, rpc_stream_handler
+from kvsvc.server.errors import CallObserver, OpenStreams, rpc_handler, rpc_stream_handler
 from kvsvc.server.namespace import current_engine, scoped_request_id
 from kvsvc.server.pool import MemoryReport, Pool, PoolState, Registration
 from kvsvc.server.state import JournalKind
@@ -83,6 +83,8 @@ class Pools:
 
     def __init__(self, pools: dict[str, Pool]) -> None:
         self.by_name = pools
+        # The server's streaming calls in progress (its graceful stop ends them).
+        self.streams = OpenStreams()
 
     def get(self, name: str) -> Pool:
         pool = self.by_name.get(name)
