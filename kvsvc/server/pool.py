@@ -334,8 +334,10 @@ class Pool:
                 PoolState.READY,
                 PoolState.DEGRADED,
             ):
-                log = security_log.warning if state != PoolState.READY else security_log.info
-                log("pool %s: %s -> %s%s", self.name, previous.name, state.name, self._why())
+                # Operations, not security: the ordinary log (kvsvc.security is for
+                # refusals and takeovers).
+                say = log.warning if state != PoolState.READY else log.info
+                say("pool %s: %s -> %s%s", self.name, previous.name, state.name, self._why())
             self._notify()
 
     def _why(self) -> str:
@@ -827,7 +829,7 @@ class Pool:
         finally:
             slot.open_streams -= 1
             if slot.open_streams == 0 and self.slots.get(rank) is slot and self.plan is not None:
-                security_log.warning(
+                log.warning(
                     "pool %s: rank %d (%s on %s) lost its plan stream",
                     self.name,
                     rank,
@@ -1029,7 +1031,7 @@ class Pool:
         flagged, dropped = self.cache.invalidate()
         batch = self.drain_events()
         self.num_invalidations += 1
-        security_log.warning(
+        log.warning(
             "pool %s: %s: prefix index cleared (%d cached blocks), %d live requests must be "
             "recomputed",
             self.name,

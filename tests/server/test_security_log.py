@@ -1,4 +1,5 @@
-"""The security log (``kvsvc.security``): transitions, lost and returning ranks, takeovers."""
+"""The security log (``kvsvc.security``): refused and returning ranks (takeovers). Pool
+state changes and lost streams are operations: the ordinary log (``kvsvc.server``)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,19 @@ from kvsvc.v1 import worker_pb2
 from tests.server.harness import FakeRank, bring_up, llama_like_specs, running_server
 
 
-def _lines(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "kvsvc.security"]
+def _lines(caplog: pytest.LogCaptureFixture, logger: str = "kvsvc.security") -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == logger]
 
 
-def _wait_for(caplog: pytest.LogCaptureFixture, text: str, timeout: float = 10.0) -> None:
+def _wait_for(
+    caplog: pytest.LogCaptureFixture,
+    text: str,
+    timeout: float = 10.0,
+    logger: str = "kvsvc.security",
+) -> None:
     deadline = time.monotonic() + timeout
-    while not any(text in line for line in _lines(caplog)):
-        assert time.monotonic() < deadline, f"no log line with {text!r}: {_lines(caplog)}"
+    while not any(text in line for line in _lines(caplog, logger)):
+        assert time.monotonic() < deadline, f"no {logger} line with {text!r}: {caplog.text}"
         time.sleep(0.02)
 
 
@@ -28,9 +34,10 @@ def test_ready_degraded_lost_back_and_refused_takeovers_are_logged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO, logger="kvsvc.security")
+    caplog.set_level(logging.INFO, logger="kvsvc.server")
     with running_server(PoolConfig(name="p", world_size=2, max_model_len=256)) as srv:
         ranks = bring_up(srv, "p", world_size=2, kv_cache_bytes=64 * 32 * 1024)
-        _wait_for(caplog, "pool p: PLANNED -> READY")
+        _wait_for(caplog, "pool p: PLANNED -> READY", logger="kvsvc.server")
         # A second agent for a live rank is refused, and the refusal is logged.
         intruder = FakeRank(srv.address, "p", 1, 2, llama_like_specs(), 64 * 32 * 1024)
         with pytest.raises(grpc.RpcError) as info:
@@ -39,9 +46,11 @@ def test_ready_degraded_lost_back_and_refused_takeovers_are_logged(
         _wait_for(caplog, "refused a registration of rank 1")
         # Rank 1's agent dies: its stream closes, the pool degrades.
         ranks[1].close()
-        _wait_for(caplog, "rank 1 (cpu on test) lost its plan stream")
+        _wait_for(caplog, "rank 1 (cpu on test) lost its plan stream", logger="kvsvc.server")
         _wait_for(
-            caplog, "pool p: READY -> DEGRADED (ranks without a plan stream or heartbeat: [1])"
+            caplog,
+            "pool p: READY -> DEGRADED (ranks without a plan stream or heartbeat: [1])",
+            logger="kvsvc.server",
         )
         # Its replacement registers: logged as back, its cached blocks forgotten.
         intruder.register()
@@ -49,10 +58,12 @@ def test_ready_degraded_lost_back_and_refused_takeovers_are_logged(
         intruder.open_stream()
         intruder.wait_for_config()
         intruder.report()
-        _wait_for(caplog, "pool p: DEGRADED -> READY")
+        _wait_for(caplog, "pool p: DEGRADED -> READY", logger="kvsvc.server")
         intruder.close()
         ranks[0].close()
     assert all("session" not in line for line in _lines(caplog))
+    # State changes and lost streams are not security events.
+    assert not [line for line in _lines(caplog) if " -> " in line or "lost its plan" in line]
 
 
 def test_a_session_id_must_match_exactly(caplog: pytest.LogCaptureFixture) -> None:
