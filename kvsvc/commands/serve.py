@@ -246,7 +246,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     if args.listen:
         overrides["listen"] = ",".join(args.listen)
     if args.metrics_listen:
-        overrides["metrics_listen"] = None if args.metrics_listen == "off" else args.metrics_listen
+        overrides["metrics_listen"] = args.metrics_listen  # "off": none (the config's rule)
     if args.frames_listen:
         overrides["frames_listen"] = ",".join(args.frames_listen)
     overrides.update(env_tokens())

@@ -202,7 +202,8 @@ class ServerConfig:
             Unix-domain socket, for an engine on the same host: a sidecar); several,
             comma-separated, listen on each (``0.0.0.0:50051,unix:/run/kvsvc/kvsvc.sock``:
             routers and probes over TCP, the pod's engine over the socket).
-        metrics_listen: Prometheus ``/metrics`` address, or None for no endpoint.
+        metrics_listen: Prometheus ``/metrics`` address, or None (``"off"`` in a config
+            file, as ``--metrics-listen off``) for no endpoint.
         frames_listen: addresses of the framed transport (``protos/kvsvc/v1/frames.proto``),
             the same form as ``listen`` (comma-separated ``HOST:PORT`` / ``unix:PATH``), or
             None for none: the unary engine and admin calls without gRPC's per-call
@@ -570,8 +571,14 @@ def kv_events_targets(config: ServerConfig) -> list[KVEventsTarget]:
     return targets
 
 
-def _build(cls: type, data: dict[str, Any], where: str) -> Any:
-    known = {f.name for f in fields(cls)}
+# metrics_listen (and --metrics-listen) that turns /metrics off.
+METRICS_OFF = "off"
+
+
+def _build(cls: type, data: dict[str, Any], where: str, also: tuple[str, ...] = ()) -> Any:
+    """``cls(**data)``; ``also``: keys the caller took out of ``data`` already (valid,
+    so the unknown-key message lists them too)."""
+    known = {f.name for f in fields(cls)} | set(also)
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(
@@ -627,7 +634,12 @@ def server_config_from_dict(
     if not isinstance(pools_data, list):
         raise ConfigError("'pools' must be a list of tables ([[pools]] in TOML)")
     pools = [
-        _build(PoolConfig, _with_seed_file(dict(p), f"pools[{i}]"), f"pools[{i}]")
+        _build(
+            PoolConfig,
+            _with_seed_file(dict(p), f"pools[{i}]"),
+            f"pools[{i}]",
+            also=("hash_seed_file",),
+        )
         if isinstance(p, dict)
         else None
         for i, p in enumerate(pools_data)
@@ -635,5 +647,7 @@ def server_config_from_dict(
     if any(p is None for p in pools):
         raise ConfigError("every entry of 'pools' must be a table")
     merged = {**data, **(overrides or {})}
+    if merged.get("metrics_listen") == METRICS_OFF:  # as --metrics-listen off
+        merged["metrics_listen"] = None
     extra_pools = merged.pop("extra_pools", ())
     return _build(ServerConfig, {**merged, "pools": (*pools, *extra_pools)}, "server config")
