@@ -286,3 +286,29 @@ def test_ctl_pools_lists_a_fake_rank_that_never_allocated() -> None:
             .startswith("planned; waiting for rank 0 to report its allocation; `kvsvc ctl --server")
         )
         rank.close()
+
+
+def test_wait_ready_stops_at_a_planning_failure_and_says_it() -> None:
+    """The agents were told the plan failed (too little memory): waiting cannot fix that,
+    so wait-ready prints the server's error and exits 1 at once, not at its timeout."""
+    with running_server(PoolConfig(name="p", world_size=1, max_model_len=4096)) as srv:
+        agent = FakeRank(srv.address, "p", 0, 1, llama_like_specs(), 10 * 32 * 1024)
+        agent.register()
+        agent.open_stream()
+        assert agent.wait_for_config().error
+        started = time.monotonic()
+        done = ctl(srv.address, "wait-ready", "p", "--timeout", "60")
+        assert time.monotonic() - started < 30
+        assert done.returncode == 1
+        (line,) = done.stderr.strip().splitlines()
+        assert line.startswith("kvsvc ctl: pool 'p' failed to plan: ")
+        assert "--max-model-len" in line
+        agent.close()
+
+
+def test_events_from_a_sequence_below_1_is_a_usage_error(pool_with_events: ServerThread) -> None:
+    """Was a thread's traceback (the client's ValueError) and then a wait."""
+    done = ctl(pool_with_events.address, "events", "e", "--from", "-1", timeout=30)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert "argument --from: expected an integer >= 1, got '-1'" in done.stderr

@@ -35,6 +35,7 @@ from kvsvc_client._types import (
 from kvsvc_client.errors import (
     KVCacheError,
     NotFoundError,
+    NotReadyError,
     PermissionDeniedError,
     UnauthenticatedError,
     error_from_rpc,
@@ -440,17 +441,23 @@ class KVCacheClient:
             raise
         return written
 
-    def wait_until_ready(self, timeout: float = 60.0, poll: float = 0.1) -> PoolInfo:
+    def wait_until_ready(
+        self, timeout: float = 60.0, poll: float = 0.1, *, stop_on_plan_error: bool = False
+    ) -> PoolInfo:
         """Poll the admin view until the pool is READY (or DEGRADED); raise on timeout.
 
         A server that is not up yet is waited for; what waiting cannot fix raises at once:
-        a token the server refuses, or a server that has no such pool.
+        a token the server refuses, or a server that has no such pool. With
+        ``stop_on_plan_error`` a failed planning does too (the agents have been told, and
+        only new registrations, after whatever the error says to change, plan again).
 
         Raises:
             TimeoutError: not ready in time; the message has the last state seen (ranks
                 registered, the planning error) or why the server was unreachable.
             UnauthenticatedError / PermissionDeniedError: the token.
             NotFoundError: the server has no pool of this name (the message lists its pools).
+            NotReadyError: ``stop_on_plan_error`` and the pool's planning failed (the
+                message has the server's error).
         """
         deadline = time.monotonic() + timeout
         info: PoolInfo | None = None
@@ -472,6 +479,11 @@ class KVCacheClient:
                     )
                 if info.state in ("READY", "DEGRADED"):
                     return info
+                if stop_on_plan_error and info.error and info.state == "WAITING_FOR_WORKERS":
+                    raise NotReadyError(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"pool {self.pool!r} failed to plan: {info.error}",
+                    )
             if time.monotonic() + poll > deadline:
                 break
             time.sleep(poll)

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from kvsvc.commands._args import positive_float
+from kvsvc.commands._args import int_at_least, positive_float
 from kvsvc.commands._tls import add_client_tls_flags, client_tls_from_args, tls_exit_status
 from kvsvc.server.config import DEFAULT_LISTEN
 from kvsvc.tls import TlsError
@@ -96,7 +96,7 @@ def add_parser(subparsers: Any) -> None:
     events.add_argument(
         "--from",
         dest="from_sequence",
-        type=int,
+        type=int_at_least(1),
         metavar="N",
         help="first sequence number (1: the oldest batch held)",
     )
@@ -214,14 +214,15 @@ def _waiting_hint(p: Any, server: str) -> str:
 
 
 def _wait_ready(client: Any, pool: str, timeout: float) -> int:
-    from kvsvc_client import NotFoundError
+    from kvsvc_client import NotFoundError, NotReadyError
 
     try:
-        info = client.wait_until_ready(timeout=timeout)
+        # A planning failure is final until the agents register again: say it, stop.
+        info = client.wait_until_ready(timeout=timeout, stop_on_plan_error=True)
     except TimeoutError as exc:
         print(f"kvsvc ctl: {exc}", file=sys.stderr)
         return 1
-    except NotFoundError as exc:
+    except (NotFoundError, NotReadyError) as exc:
         print(f"kvsvc ctl: {exc.details}", file=sys.stderr)
         return 1
     print(
