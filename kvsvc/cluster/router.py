@@ -25,6 +25,11 @@ _log = logging.getLogger("kvsvc.cluster")
 # Score calls served at once (each a thread: hashing is CPU, Redis a round trip).
 ROUTER_THREADS = 8
 SCORE_TIMEOUT_S = 10.0
+# Largest Score request the router reads: the longest prompt it takes (MAX_SCORE_TOKENS)
+# as token_ids (varints, up to 5 bytes each for ids below 2^31; packed: 4 bytes), plus
+# room for the hashing context and the engine names. gRPC's default (4 MiB) was below
+# the prompt alone: the documented bound could not be reached.
+ROUTER_MAX_MESSAGE_BYTES = 5 * MAX_SCORE_TOKENS + (4 << 20)
 
 
 class ScoreServicer(cluster_pb2_grpc.ClusterIndexServiceServicer):
@@ -112,6 +117,7 @@ def create_router(
     server = grpc.server(
         futures.ThreadPoolExecutor(ROUTER_THREADS, thread_name_prefix="kvsvc-router"),
         interceptors=interceptors,
+        options=[("grpc.max_receive_message_length", ROUTER_MAX_MESSAGE_BYTES)],
     )
     cluster_pb2_grpc.add_ClusterIndexServiceServicer_to_server(ScoreServicer(scorer), server)
     health_servicer = health.HealthServicer()
