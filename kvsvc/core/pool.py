@@ -144,6 +144,12 @@ class AllocateOutcome:
     recompute: bool = False
 
 
+def _unscheduled(request: RequestState) -> int:
+    """A request's tokens not computed yet (0 when speculative ones run ahead)."""
+    unscheduled = request.num_tokens - request.num_computed_tokens
+    return unscheduled if unscheduled > 0 else 0
+
+
 def _token_error(token: object) -> InvalidArgument:
     """The error ``allocate`` raises for this bad token id (same words on both paths)."""
     try:
@@ -211,6 +217,12 @@ class PoolKVCache:
             far); an admission or a call that would add past it raises ResourceExhausted
             (None: no bound). ``max_requests`` alone bounds the count, not the memory: a
             request admitted with no tokens scheduled holds its whole prompt with no block.
+        max_unscheduled_tokens: tokens of the live requests not scheduled yet (a prompt's
+            part beyond the tokens cached and scheduled, tokens appended and not
+            computed), together; past it ResourceExhausted. An engine schedules what it
+            admits (a chunked prefill leaves its later chunks): this bound is what keeps a
+            client that admits prompts without scheduling them from filling
+            ``max_tokens`` ahead of the engines whose requests run (None: no bound).
         recently_freed: how many freed request ids are remembered, oldest forgotten
             first, so that a retried ``free`` of one succeeds (see :meth:`free`).
         prefix_cache_retention_interval: which blocks of sliding-window groups are
@@ -237,6 +249,7 @@ class PoolKVCache:
         max_requests: int | None = None,
         recently_freed: int = DEFAULT_RECENTLY_FREED,
         max_tokens: int | None = None,
+        max_unscheduled_tokens: int | None = None,
         prefix_cache_retention_interval: int | None = None,
     ) -> None:
         if max_model_len < 1:
@@ -249,6 +262,8 @@ class PoolKVCache:
             raise ValueError(f"recently_freed must be >= 0, got {recently_freed}")
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if max_unscheduled_tokens is not None and max_unscheduled_tokens < 1:
+            raise ValueError(f"max_unscheduled_tokens must be >= 1, got {max_unscheduled_tokens}")
         self.manager = KVCacheManager(
             config,
             max_model_len,
@@ -265,8 +280,11 @@ class PoolKVCache:
         self.max_requests = max_requests
         self.recently_freed = recently_freed
         self.max_tokens = max_tokens
-        # Tokens of the live requests, together (what max_tokens bounds).
+        # Tokens of the live requests, together (what max_tokens bounds), and those of
+        # them not computed yet (max_unscheduled_tokens).
         self.num_tokens_held = 0
+        self.max_unscheduled_tokens = max_unscheduled_tokens
+        self.num_tokens_unscheduled = 0
         self._requests: dict[str, RequestState] = {}
         # Live requests whose admission may still be retried (no successful call since).
         self._admissions: dict[str, _Admission] = {}
@@ -423,6 +441,10 @@ class PoolKVCache:
                 f"{computed} computed + {num_new_tokens} new tokens exceed max_model_len="
                 f"{self.max_model_len}",
             )
+        unscheduled_before = _unscheduled(request)
+        unscheduled = max(0, num_tokens_before + len(new_token_ids) - computed - num_new_tokens)
+        if unscheduled > unscheduled_before:
+            self._check_unscheduled(request_id, unscheduled - unscheduled_before)
         if new_token_ids:
             try:
                 request.append_token_ids(new_token_ids)
@@ -449,6 +471,7 @@ class PoolKVCache:
             )
         request.num_computed_tokens = computed + num_new_tokens
         self.num_tokens_held += len(new_token_ids)
+        self.num_tokens_unscheduled += unscheduled - unscheduled_before
         if self._admissions:
             # The engine had the admission's reply: a repeat of it is no retry any more.
             self._admissions.pop(request_id, None)
@@ -521,6 +544,9 @@ class PoolKVCache:
             request.num_prompt_tokens = start.num_prompt_tokens
         hits, num_cached = manager.get_computed_blocks(request, record_stats=False)
         num_scheduled = min(budget, request.num_tokens - num_cached)
+        unscheduled = request.num_tokens - num_cached - num_scheduled
+        if unscheduled:
+            self._check_unscheduled(request_id, unscheduled)
         block_ids = manager.allocate_block_ids(
             request,
             num_scheduled,
@@ -538,6 +564,7 @@ class PoolKVCache:
         request.num_computed_tokens = num_cached + num_scheduled
         self._requests[request_id] = request
         self.num_tokens_held += request.num_tokens
+        self.num_tokens_unscheduled += unscheduled
         self._admissions[request_id] = _Admission(
             start, budget, num_lookahead_tokens, num_cached, num_scheduled
         )
@@ -561,6 +588,21 @@ class PoolKVCache:
         """Refuse ``num_new`` more tokens past ``max_tokens`` (nothing changed yet)."""
         if self.max_tokens is not None and self.num_tokens_held + num_new > self.max_tokens:
             raise self._too_many_tokens(request_id, num_new)
+
+    def _check_unscheduled(self, request_id: str, num_new: int) -> None:
+        """Refuse ``num_new`` more unscheduled tokens past ``max_unscheduled_tokens``."""
+        limit = self.max_unscheduled_tokens
+        if limit is not None and self.num_tokens_unscheduled + num_new > limit:
+            raise self._too_many_unscheduled(request_id, num_new)
+
+    def _too_many_unscheduled(self, request_id: str, num_new: int) -> ResourceExhausted:
+        return ResourceExhausted(
+            f"request {quoted(request_id)}: {num_new} more tokens not scheduled would take "
+            f"the pool's to {self.num_tokens_unscheduled + num_new}, past its limit "
+            f"(max_unscheduled_tokens={self.max_unscheduled_tokens}); schedule what is "
+            "admitted (num_new_tokens), free requests, or raise the pool's "
+            "max_unscheduled_tokens"
+        )
 
     def _too_many_tokens(self, request_id: str, num_new: int) -> ResourceExhausted:
         return ResourceExhausted(
@@ -706,6 +748,10 @@ class PoolKVCache:
         # path, which counts its own, and at the end).
         held = self.num_tokens_held
         max_held = self.max_tokens if self.max_tokens is not None else sys.maxsize
+        unscheduled_sum = self.num_tokens_unscheduled
+        max_unscheduled = (
+            self.max_unscheduled_tokens if self.max_unscheduled_tokens is not None else sys.maxsize
+        )
         pos = token_pos
         for i in range(begin, end):
             count = token_counts[i]
@@ -717,6 +763,7 @@ class PoolKVCache:
                 tokens = token_ids[pos : pos + count]
                 pos += count
                 self.num_tokens_held = held
+                self.num_tokens_unscheduled = unscheduled_sum
                 try:
                     outcome = self.allocate(request_id, tokens, num_new)
                 except KvsvcError as exc:
@@ -727,6 +774,7 @@ class PoolKVCache:
                     continue
                 finally:
                     held = self.num_tokens_held
+                    unscheduled_sum = self.num_tokens_unscheduled
                 if outcome.recompute:
                     out.recompute.append(i)
                 ok_out.append(outcome.ok)
@@ -770,6 +818,18 @@ class PoolKVCache:
                     f"{computed} computed + {num_new} new tokens exceed max_model_len="
                     f"{max_model_len}",
                 )
+                ok_out.append(False)
+                computed_out.append(0)
+                blocks_out.append(empty)
+                continue
+            unscheduled_before = num_tokens_before - computed
+            unscheduled_after = num_tokens_before + count - num_main
+            unscheduled_delta = (unscheduled_after if unscheduled_after > 0 else 0) - (
+                unscheduled_before if unscheduled_before > 0 else 0
+            )
+            if unscheduled_delta > 0 and unscheduled_sum + unscheduled_delta > max_unscheduled:
+                self.num_tokens_unscheduled = unscheduled_sum
+                errors[i] = self._too_many_unscheduled(request_id, unscheduled_delta)
                 ok_out.append(False)
                 computed_out.append(0)
                 blocks_out.append(empty)
@@ -837,12 +897,14 @@ class PoolKVCache:
                     else:
                         plain.cache_blocks(request, num_to_cache)
             request.num_computed_tokens = num_main
+            unscheduled_sum += unscheduled_delta
             if admissions:
                 admissions.pop(request_id, None)  # as in allocate: no retry after this
             ok_out.append(True)
             computed_out.append(num_main)
             blocks_out.append(new_blocks)
         self.num_tokens_held = held
+        self.num_tokens_unscheduled = unscheduled_sum
         return pos
 
     def free(self, request_ids: Sequence[str], *, preempted: bool = False) -> int:
@@ -884,7 +946,9 @@ class PoolKVCache:
         flagged = self._recompute
         for request_id in live:
             self.manager.free(request_id)
-            self.num_tokens_held -= requests.pop(request_id).num_tokens
+            request = requests.pop(request_id)
+            self.num_tokens_held -= request.num_tokens
+            self.num_tokens_unscheduled -= _unscheduled(request)
             if admissions:
                 admissions.pop(request_id, None)
             if flagged:
@@ -1262,10 +1326,11 @@ class PoolKVCache:
             requests[request.request_id] = (request, record[9])
         manager.load_state(state["manager"])
         self._requests.clear()
-        self.num_tokens_held = 0
+        self.num_tokens_held = self.num_tokens_unscheduled = 0
         for request_id, (request, entries) in requests.items():
             self._requests[request_id] = request
             self.num_tokens_held += request.num_tokens
+            self.num_tokens_unscheduled += _unscheduled(request)
             for m, entry in zip(managers, entries, strict=True):
                 m.load_request_state(request_id, entry)
         self._admissions.clear()
@@ -1306,7 +1371,12 @@ class PoolKVCache:
             self._freed.popitem(last=False)
 
     def set_limits(
-        self, *, max_requests: int | None, recently_freed: int, max_tokens: int | None = None
+        self,
+        *,
+        max_requests: int | None,
+        recently_freed: int,
+        max_tokens: int | None = None,
+        max_unscheduled_tokens: int | None = None,
     ) -> None:
         """Apply new bounds to a running pool (a restart with another config): live
         requests above a lower ``max_requests`` or ``max_tokens`` stay; admissions wait
@@ -1319,7 +1389,10 @@ class PoolKVCache:
             raise ValueError(f"max_requests must be >= 1, got {max_requests}")
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if max_unscheduled_tokens is not None and max_unscheduled_tokens < 1:
+            raise ValueError(f"max_unscheduled_tokens must be >= 1, got {max_unscheduled_tokens}")
         self.max_tokens = max_tokens
+        self.max_unscheduled_tokens = max_unscheduled_tokens
         if recently_freed < 0:
             raise ValueError(f"recently_freed must be >= 0, got {recently_freed}")
         self.max_requests = max_requests

@@ -89,6 +89,13 @@ class PoolConfig:
             ``max_num_seqs`` of full-length requests), which an engine's running requests
             stay within (their uncached tokens fit in the blocks; shared prefixes are
             counted per request).
+        max_unscheduled_tokens: tokens of the pool's live requests not scheduled yet
+            (the part of a prompt beyond what is cached and scheduled, appended tokens not
+            computed): an admission or call past it is refused with RESOURCE_EXHAUSTED. An
+            engine schedules what it admits (only a chunked prefill's later chunks wait),
+            so this keeps a client that admits prompts without scheduling them from using
+            up ``max_pool_tokens`` ahead of the engines. None: the larger of the pool's KV
+            capacity in tokens and 16 x max_model_len.
         recently_freed: freed request ids remembered (the last ones, per pool) so that a
             Free retried after its reply was lost succeeds with 0 blocks instead of
             NOT_FOUND; about 100 bytes plus the id each. 0 turns it off.
@@ -120,6 +127,7 @@ class PoolConfig:
     layout: str = "layer_outer"
     max_requests: int = 65536
     max_pool_tokens: int | None = None
+    max_unscheduled_tokens: int | None = None
     max_num_blocks: int = 4_194_304
     recently_freed: int = 65536
     max_subscribers: int = DEFAULT_MAX_SUBSCRIBERS
@@ -169,6 +177,15 @@ class PoolConfig:
         ):
             raise ConfigError(
                 f"{where}: max_pool_tokens must be a positive integer, got {self.max_pool_tokens!r}"
+            )
+        if self.max_unscheduled_tokens is not None and (
+            isinstance(self.max_unscheduled_tokens, bool)
+            or not isinstance(self.max_unscheduled_tokens, int)
+            or self.max_unscheduled_tokens < 1
+        ):
+            raise ConfigError(
+                f"{where}: max_unscheduled_tokens must be a positive integer, got "
+                f"{self.max_unscheduled_tokens!r}"
             )
         if self.max_num_blocks < 2:
             raise ConfigError(f"{where}: max_num_blocks must be >= 2 (one is the null block)")

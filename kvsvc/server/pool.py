@@ -192,6 +192,9 @@ def registration_from_dict(data: dict[str, Any]) -> tuple[Registration, int]:
 # requests of max_model_len (vLLM's default max_num_seqs), whichever is larger.
 DEFAULT_POOL_TOKENS_PER_CAPACITY = 4
 DEFAULT_POOL_TOKENS_PER_MODEL_LEN = 256
+# max_unscheduled_tokens's default: the pool's KV capacity in tokens, or this many prompts
+# of max_model_len waiting for their chunks, whichever is larger.
+DEFAULT_UNSCHEDULED_TOKENS_PER_MODEL_LEN = 16
 
 PLAN_SETTINGS = (
     "world_size",
@@ -758,7 +761,15 @@ class Pool:
                 else self.config.prefix_cache_retention_interval
             ),
             max_tokens=self._max_pool_tokens(plan),
+            max_unscheduled_tokens=self._max_unscheduled_tokens(plan),
         )
+
+    def _max_unscheduled_tokens(self, plan: Any) -> int:
+        """The pool's ``max_unscheduled_tokens``: configured, or its default."""
+        if self.config.max_unscheduled_tokens is not None:
+            return self.config.max_unscheduled_tokens
+        capacity = max(plan.num_blocks - 1, 1) * plan.block_size
+        return max(capacity, DEFAULT_UNSCHEDULED_TOKENS_PER_MODEL_LEN * plan.max_model_len)
 
     def _max_pool_tokens(self, plan: Any) -> int:
         """The pool's ``max_pool_tokens``: configured, or its default (see PoolConfig)."""
@@ -1237,6 +1248,7 @@ class Pool:
             max_requests=self.config.max_requests,
             recently_freed=self.config.recently_freed,
             max_tokens=self._max_pool_tokens(plan),
+            max_unscheduled_tokens=self._max_unscheduled_tokens(plan),
         )
         # Everything loaded: take it over.
         self.events.restore(identity["epoch"], base_seq)

@@ -177,13 +177,16 @@ HASHING_CONTEXTS: list[HashingContext | None] = [
 FAST_REQUESTS = [f"q{i}" for i in range(3)]
 
 
-def make_fast_pool(hash_algo: str, max_tokens: int | None = None) -> PoolKVCache:
+def make_fast_pool(
+    hash_algo: str, max_tokens: int | None = None, max_unscheduled_tokens: int | None = None
+) -> PoolKVCache:
     return PoolKVCache(
         make_config(14, full_spec(FAST_BLOCK_SIZE)),
         max_model_len=MAX_MODEL_LEN,
         hash_algo=hash_algo,
         hash_seed="seed",
         max_tokens=max_tokens,
+        max_unscheduled_tokens=max_unscheduled_tokens,
     )
 
 
@@ -312,8 +315,11 @@ def test_allocate_running_matches_allocate_with_hashing_contexts(
     the request's extra keys, and no request ever passes max_model_len. The tokens held are
     bounded (at twice max_model_len, so both paths meet the bound) and counted alike.
     """
-    bound = 2 * MAX_MODEL_LEN
-    fast, general = make_fast_pool(hash_algo, bound), make_fast_pool(hash_algo, bound)
+    bound, unscheduled_bound = 2 * MAX_MODEL_LEN, MAX_MODEL_LEN
+    fast, general = (
+        make_fast_pool(hash_algo, bound, unscheduled_bound),
+        make_fast_pool(hash_algo, bound, unscheduled_bound),
+    )
     for step in admissions + steps:
         if step[0] == "admit":
             _, rid, prompt, budget, context = step
@@ -341,6 +347,8 @@ def test_allocate_running_matches_allocate_with_hashing_contexts(
                     event("refused at max_model_len")
                 elif result[0] == "error" and "max_pool_tokens" in str(result[2]):
                     event("refused at max_pool_tokens")
+                elif result[0] == "error" and "max_unscheduled_tokens" in str(result[2]):
+                    event("refused at max_unscheduled_tokens")
                 elif result[1] == MAX_MODEL_LEN:
                     event("reached max_model_len")
         elif fast.has_request(step[1]):
@@ -352,6 +360,11 @@ def test_allocate_running_matches_allocate_with_hashing_contexts(
         assert fast.num_tokens_held == general.num_tokens_held
         assert fast.num_tokens_held == sum(r.num_tokens for r in fast._requests.values())
         assert fast.num_tokens_held <= bound
+        assert fast.num_tokens_unscheduled == general.num_tokens_unscheduled
+        assert fast.num_tokens_unscheduled == sum(
+            max(0, r.num_tokens - r.num_computed_tokens) for r in fast._requests.values()
+        )
+        assert fast.num_tokens_unscheduled <= unscheduled_bound
         for rid in fast.request_ids():
             request = fast._requests[rid]
             assert request.num_tokens <= MAX_MODEL_LEN

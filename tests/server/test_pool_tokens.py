@@ -2,9 +2,12 @@
 
 ``max_requests`` bounded the count of live requests, not their memory: an admission with
 ``num_new_tokens=0`` holds its whole prompt with no block, so 1,000 such requests of
-131,072 tokens took a server from 56 MB to 1.13 GB. ``max_pool_tokens`` bounds the tokens
-held together (by default the larger of 4 x the KV capacity in tokens and 256 x
-max_model_len): past it, RESOURCE_EXHAUSTED naming the bound, nothing changed.
+131,072 tokens took a server from 56 MB to 1.13 GB. Two bounds now, each past it
+RESOURCE_EXHAUSTED naming it, nothing changed: ``max_unscheduled_tokens``, the tokens held
+and not scheduled (by default the larger of the KV capacity in tokens and 16 x
+max_model_len), which such admissions hit first while engines that schedule what they
+admit never do; and ``max_pool_tokens``, every token held (by default the larger of 4 x
+the capacity and 256 x max_model_len).
 """
 
 from __future__ import annotations
@@ -16,14 +19,14 @@ import pytest
 from kvsvc_client import OperationError, ResourceExhaustedError
 
 from kvsvc.server.config import PoolConfig
-from kvsvc.server.pool import DEFAULT_POOL_TOKENS_PER_MODEL_LEN
+from kvsvc.server.pool import DEFAULT_UNSCHEDULED_TOKENS_PER_MODEL_LEN
 from tests.server.harness import ServerThread, bring_up, running_server, tidy_client
 
 MAX_MODEL_LEN = 256
 # 4 layers x 2 heads x (64 + 64) x fp16 x 16 tokens = 32 KiB per block: 64 blocks, 1,024
-# tokens of KV capacity, so the default bound is 256 x max_model_len = 65,536 tokens.
+# tokens of KV capacity, so the default unscheduled bound is 16 x max_model_len = 4,096.
 BYTES_PER_BLOCK = 4 * 2 * 128 * 2 * 16
-DEFAULT_BOUND = DEFAULT_POOL_TOKENS_PER_MODEL_LEN * MAX_MODEL_LEN
+DEFAULT_BOUND = DEFAULT_UNSCHEDULED_TOKENS_PER_MODEL_LEN * MAX_MODEL_LEN
 SET_BOUND = 1_000
 
 
@@ -31,7 +34,12 @@ SET_BOUND = 1_000
 def server() -> Iterator[ServerThread]:
     pools = (
         PoolConfig(name="p", max_model_len=MAX_MODEL_LEN, max_requests=1_000),
-        PoolConfig(name="set", max_model_len=MAX_MODEL_LEN, max_pool_tokens=SET_BOUND),
+        PoolConfig(
+            name="set",
+            max_model_len=MAX_MODEL_LEN,
+            max_pool_tokens=SET_BOUND,
+            max_unscheduled_tokens=100_000,
+        ),
     )
     with running_server(*pools) as srv:
         ranks = bring_up(srv, "p", kv_cache_bytes=65 * BYTES_PER_BLOCK)
@@ -41,19 +49,26 @@ def server() -> Iterator[ServerThread]:
             rank.close()
 
 
-def held(server: ServerThread, pool: str) -> tuple[int, int, int]:
-    """(tokens held, live requests, free blocks) of ``pool``, read on the server."""
+def held(server: ServerThread, pool: str) -> tuple[int, int, int, int]:
+    """(tokens held, live requests, free blocks, tokens not scheduled) of ``pool``."""
 
-    def read() -> tuple[int, int, int]:
+    def read() -> tuple[int, int, int, int]:
         cache = server.server.pools.get(pool).cache
-        return cache.num_tokens_held, cache.num_requests, cache.usage().num_free_blocks
+        usage = cache.usage()
+        return (
+            cache.num_tokens_held,
+            cache.num_requests,
+            usage.num_free_blocks,
+            cache.num_tokens_unscheduled,
+        )
 
     return server.run(read)  # type: ignore[no-any-return]
 
 
 def test_zero_block_admissions_stop_at_the_default_bound(server: ServerThread) -> None:
     """Whole prompts admitted with nothing scheduled (no block each) are held up to the
-    default bound; the next is refused, alone in its Step, and changes nothing."""
+    default unscheduled bound; the next is refused, alone in its Step, and changes
+    nothing; an engine's admission that schedules its prompt is still served."""
     with tidy_client(server, "p") as kv:
         fits = DEFAULT_BOUND // MAX_MODEL_LEN
         step = kv.step()
@@ -64,14 +79,17 @@ def test_zero_block_admissions_stop_at_the_default_bound(server: ServerThread) -
         for refused in results[fits:]:
             assert isinstance(refused, OperationError)
             assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert f"max_pool_tokens={DEFAULT_BOUND}" in refused.message
+            assert f"max_unscheduled_tokens={DEFAULT_BOUND}" in refused.message
         assert held(server, "p")[:2] == (DEFAULT_BOUND, fits)
+        assert kv.allocate("engine", [9] * 10, 10, start=True).ok  # scheduled: served
         before = held(server, "p")
-        with pytest.raises(ResourceExhaustedError, match="max_pool_tokens"):
-            kv.allocate("one-more", [9] * 10, 10, start=True)
+        with pytest.raises(ResourceExhaustedError, match="max_unscheduled_tokens"):
+            kv.allocate("one-more", [9] * 10, 0, start=True)
+        with pytest.raises(ResourceExhaustedError, match="max_unscheduled_tokens"):
+            kv.allocate("engine", [9] * 10, 0)  # appended, not scheduled
         assert held(server, "p") == before
         kv.free("z0")
-        assert kv.allocate("one-more", [9] * 10, 10, start=True).ok
+        assert kv.allocate("one-more", [9] * 10, 0, start=True).ok
 
 
 def test_continuations_are_bounded_too(server: ServerThread) -> None:

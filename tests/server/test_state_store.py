@@ -17,6 +17,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -301,8 +302,9 @@ def test_a_full_disk_is_reported_as_a_full_disk(tmp_path: Path) -> None:
     followed then failed ("cannot rollback - no transaction is active") and that was what
     the server reported. The database is capped at its size now (SQLite's own
     ``max_page_count``, which fails writes exactly as a full disk does) and a burst of
-    admissions shares commits of several rows."""
-    with server_on(tmp_path, state_synchronous="full") as srv:
+    admissions (nothing scheduled: many rows, no blocks) shares commits of several rows."""
+    pool = replace(POOL, max_unscheduled_tokens=1 << 20)
+    with server_on(tmp_path, pool, state_synchronous="full") as srv:
         ranks = bring_up(srv, kv_cache_bytes=MEMORY, allocation_id="A")
         store = srv.run(lambda: srv.server.pools.get("p").persistence.store)
         pages = store._conn.execute("PRAGMA page_count").fetchone()[0]
