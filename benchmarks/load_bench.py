@@ -20,7 +20,18 @@ and when it ended (growth, goal < 5 %), what each subscriber got (batches, gap m
 sequence breaks: must be 0) and the stuck ones' outcome (cut by the server with
 RESOURCE_EXHAUSTED after ``--stuck-timeout`` s), and the server's own subscriber counters.
 
+Abuse mode (``--abuse``): the same load twice, without and then with an abuser beside the
+engines for the measured time: ``--abuse-framed`` connections to the framed transport that
+say hello and then hold their slot, a fresh framed client that tries one Step a second (an
+engine that restarts), one admission whose ``lora_name`` is ``--abuse-string-bytes`` long,
+and ``--abuse-prompts`` admissions of a whole ``max_model_len`` prompt with nothing
+scheduled (no block each, the whole prompt held). The table puts the engines' Step p50/p99
+and the server's peak RSS of both runs side by side, and what each abuse got: a refusal is
+reported as one (its status code), not as a crash. Goal: the engines are served throughout,
+and the server's RSS stays bounded.
+
 Usage: python benchmarks/load_bench.py [--clients 64] [--seconds 30] [--warmup 10] [--json]
+       [--abuse [--abuse-framed 64] [--abuse-string-bytes 1MiB] [--abuse-prompts 1000]]
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ import json
 import multiprocessing as mp
 import random
 import re
+import socket
 import statistics
 import sys
 import tempfile
@@ -49,7 +61,9 @@ from kvsvc_client import KVCacheClient  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from kvsvc.demo.processes import Child, spawn, stop_all, wait_for_ports  # noqa: E402
-from kvsvc.v1 import kvcache_pb2, kvcache_pb2_grpc  # noqa: E402
+from kvsvc.frames.protocol import MAGIC, PREFIX, frame, hello_header  # noqa: E402
+from kvsvc.units import parse_bytes  # noqa: E402
+from kvsvc.v1 import frames_pb2, kvcache_pb2, kvcache_pb2_grpc  # noqa: E402
 
 POOL = "load"
 GOAL_RSS_GROWTH_PCT = 5.0
@@ -66,6 +80,10 @@ TINY_SPECS = {
 SYSTEM_PROMPTS = [[(p * 7919 + t) % 30000 + 1 for t in range(256)] for p in range(4)]
 # What a stuck router looks like to the server: HTTP/2's initial window, never read.
 SMALL_WINDOW = (("grpc.http2.bdp_probe", 0),)
+MAX_MODEL_LEN = 2048
+# The framed transport's connection cap in this benchmark (the server's
+# frames_max_connections): small, so that --abuse-framed connections can reach it.
+FRAMES_MAX_CONNECTIONS = 32
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -279,6 +297,111 @@ def subscribers_main(
     stuck_channel.close()
 
 
+def _status(exc: BaseException) -> str:
+    """How a refusal reads in the table: its status code, else the exception's type."""
+    code = getattr(exc, "code", None)
+    name = code().name if callable(code) else getattr(code, "name", None)
+    return str(name or type(exc).__name__)
+
+
+def _hold_framed_slot(host: str, port: int) -> tuple[socket.socket | None, str]:
+    """Connect, say hello with a made-up token, keep the connection (its slot) open.
+    Returns the socket (None: refused or closed) and how the hello was answered."""
+    sock = socket.create_connection((host, port), timeout=10)
+    try:
+        hello = hello_header((("authorization", "Bearer not-a-token"),))
+        sock.sendall(MAGIC + frame(hello))
+        prefix = sock.recv(PREFIX.size, socket.MSG_WAITALL)
+        if len(prefix) < PREFIX.size:
+            sock.close()
+            return None, "closed"
+        header_len, body_len = PREFIX.unpack(prefix)
+        data = sock.recv(header_len + body_len, socket.MSG_WAITALL)
+        header = frames_pb2.FrameHeader.FromString(data[:header_len])
+    except OSError as exc:
+        sock.close()
+        return None, type(exc).__name__
+    if header.code != 0:
+        sock.close()
+        return None, f"code {header.code}"
+    return sock, "held"
+
+
+def abuser_main(
+    address: str, frames: str, args: argparse.Namespace, start: Any, until: float, results: Any
+) -> None:
+    """The abuse (see the module docstring), from the start of the measured time to
+    ``until``; reports what each part got."""
+    report: dict[str, Any] = {}
+    start.wait()
+    host, _, port = frames.rpartition(":")
+    held: list[socket.socket] = []
+    hellos: dict[str, int] = {}
+    for _ in range(args.abuse_framed):
+        try:
+            sock, outcome = _hold_framed_slot(host, int(port))
+        except OSError as exc:
+            sock, outcome = None, type(exc).__name__
+        hellos[outcome] = hellos.get(outcome, 0) + 1
+        if sock is not None:
+            held.append(sock)
+    report["framed_hellos"] = hellos
+    with KVCacheClient(address, pool=POOL) as kv:
+        from kvsvc_client import HashingContext, RequestStart
+
+        name = "x" * args.abuse_string_bytes
+        start_big = RequestStart(hashing=HashingContext(lora_name=name))
+        try:
+            kv.allocate("abuse-long-string", list(range(1, 65)), 64, start=start_big)
+            report["long_string"] = "admitted"
+        except Exception as exc:  # a refusal: its code
+            report["long_string"] = _status(exc)
+        admitted = refused = 0
+        refusals: dict[str, int] = {}
+        ids: list[str] = []
+        for first in range(0, args.abuse_prompts, 100):
+            step = kv.step()
+            batch = [f"abuse-{i}" for i in range(first, min(first + 100, args.abuse_prompts))]
+            for i, request_id in enumerate(batch):
+                prompt = [(first + i) % 30000 + 1] * MAX_MODEL_LEN
+                step.allocate(request_id, prompt, 0, start=True)
+            try:
+                results_ = step.send(timeout=60)
+            except Exception as exc:
+                refusals[_status(exc)] = refusals.get(_status(exc), 0) + len(batch)
+                refused += len(batch)
+                continue
+            errors = set(results_.error_indices())
+            for i, request_id in enumerate(batch):
+                if i in errors:
+                    refused += 1
+                    code = _status(results_[i])
+                    refusals[code] = refusals.get(code, 0) + 1
+                else:
+                    admitted += 1
+                    ids.append(request_id)
+        report["zero_block_prompts"] = {"admitted": admitted, "refused": refusals}
+        # A restarting engine on the framed transport, once a second.
+        probes: dict[str, int] = {}
+        while time.monotonic() < until:
+            try:
+                with KVCacheClient(f"frames:{frames}", pool=POOL) as fresh:
+                    fresh.usage()
+                outcome = "served"
+            except Exception as exc:
+                outcome = _status(exc)
+            probes[outcome] = probes.get(outcome, 0) + 1
+            time.sleep(1.0)
+        report["fresh_framed_engine"] = probes
+        for first in range(0, len(ids), 1000):
+            kv.free(*ids[first : first + 1000])
+        if report["long_string"] == "admitted":
+            kv.free("abuse-long-string")
+    for sock in held:
+        sock.close()
+    results.put(report)
+
+
 def scrape(metrics_port: int) -> dict[str, float]:
     """The server's event-stream figures of the pool, from /metrics."""
     wanted = {
@@ -299,26 +422,33 @@ def scrape(metrics_port: int) -> dict[str, float]:
     return out
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, abuse: bool = False) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     children: list[Child] = []
     processes: list[Any] = []
     with tempfile.TemporaryDirectory() as tmp:
         spec_file = Path(tmp) / "tiny.json"
         spec_file.write_text(json.dumps(TINY_SPECS))
+        server_config = Path(tmp) / "server.toml"
+        server_config.write_text(f"frames_max_connections = {FRAMES_MAX_CONNECTIONS}\n")
         try:
             server = spawn(
                 "server",
                 [
                     "serve", "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
-                    "--pool", POOL, "--max-model-len", "2048", "--log-level", "WARNING",
+                    "--pool", POOL, "--max-model-len", str(MAX_MODEL_LEN),
+                    "--log-level", "WARNING",
                     "--subscriber-write-timeout", str(args.stuck_timeout),
                     "--event-buffer", str(args.event_buffer),
+                    "--frames-listen", "127.0.0.1:0", "--config", str(server_config),
                 ],
             )  # fmt: skip
             children.append(server)
             port, metrics_port = wait_for_ports(server)
             address = f"127.0.0.1:{port}"
+            frames = next(
+                line.rsplit(" ", 1)[1] for line in server.lines if "kvsvc frames on" in line
+            )
             worker_args = [
                 "worker", "--server", address, "--pool", POOL, "--rank", "0",
                 "--world-size", "1", "--device", "cpu", "--spec-file", str(spec_file),
@@ -350,8 +480,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             began = time.monotonic()
             times[0] = began + args.warmup
             times[1] = began + args.warmup + args.seconds
+            abuse_results, abuse_start = ctx.Queue(), ctx.Event()
+            if abuse:
+                abuser = ctx.Process(
+                    target=abuser_main,
+                    args=(address, frames, args, abuse_start, times[1], abuse_results),
+                )
+                abuser.start()
+                processes.append(abuser)
             start.set()
             time.sleep(args.warmup)
+            abuse_start.set()
             rss_warm = rss_bytes(server.process.pid)
             rss_max = rss_warm
             while time.monotonic() < times[1]:
@@ -359,6 +498,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 rss_max = max(rss_max, rss_bytes(server.process.pid))
             rss_end = rss_bytes(server.process.pid)
             outcomes = [results.get(timeout=120) for _ in range(args.clients)]
+            abuse_report = abuse_results.get(timeout=120) if abuse else {}
             stop_subscribers.set()
             readers, stuck = sub_results.get(timeout=60)
             server_figures = scrape(metrics_port)
@@ -410,7 +550,55 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "stuck": stuck,
         "server": server_figures,
         "blocks_back": usage.num_free_blocks == usage.num_blocks and usage.num_requests == 0,
+        "abuse": abuse_report,
     }
+
+
+def print_abuse_table(quiet: dict[str, Any], abused: dict[str, Any], args: Any) -> None:
+    """The two runs side by side, and what each abuse got."""
+    report = abused["abuse"]
+    rows = [
+        (
+            "engines' Step p50 / p99",
+            f"{quiet['step_p50_ms']:.2f} / {quiet['step_p99_ms']:.2f} ms without abuse, "
+            f"{abused['step_p50_ms']:.2f} / {abused['step_p99_ms']:.2f} ms with it",
+        ),
+        (
+            "engines' Steps, errors",
+            f"{quiet['steps']:,} ({quiet['errors']} errors) without, {abused['steps']:,} "
+            f"({abused['errors']} errors) with",
+        ),
+        (
+            "server peak RSS",
+            f"{quiet['rss_max_mib']:.1f} MiB without abuse, "
+            f"{abused['rss_max_mib']:.1f} MiB with it",
+        ),
+        (
+            f"{args.abuse_framed} framed slot holders (cap {FRAMES_MAX_CONNECTIONS})",
+            ", ".join(f"{n} {k}" for k, n in report.get("framed_hellos", {}).items()),
+        ),
+        (
+            "a fresh framed engine, once a second",
+            ", ".join(f"{n} {k}" for k, n in report.get("fresh_framed_engine", {}).items()),
+        ),
+        (f"a {args.abuse_string_bytes:,}-byte lora_name", str(report.get("long_string"))),
+    ]
+    zero = report.get("zero_block_prompts", {})
+    refused = ", ".join(f"{n} {k}" for k, n in zero.get("refused", {}).items()) or "none"
+    rows.append(
+        (
+            f"{args.abuse_prompts:,} zero-block {MAX_MODEL_LEN}-token prompts",
+            f"{zero.get('admitted', 0)} admitted, refused: {refused}",
+        )
+    )
+    print(
+        f"kvsvc load benchmark, abuse mode: {quiet['clients']} engine processes x "
+        f"{quiet['requests_per_client']} running requests, {quiet['seconds']:g} s measured "
+        "per run"
+    )
+    width = max(len(r[0]) for r in rows)
+    for name, text in rows:
+        print(f"  {name.ljust(width)}  {text}")
 
 
 def print_table(figures: dict[str, Any]) -> None:
@@ -500,8 +688,30 @@ def main() -> int:
         default=2000,
         help="the server's replay buffer, batches (full by the end of the warm-up)",
     )
+    parser.add_argument(
+        "--abuse", action="store_true", help="run without, then with, the abuse (see above)"
+    )
+    parser.add_argument(
+        "--abuse-framed", type=int, default=64, help="framed connections that hold a slot"
+    )
+    parser.add_argument(
+        "--abuse-string-bytes",
+        type=parse_bytes,
+        default=2**20,
+        help="the long lora_name's bytes (default 1MiB)",
+    )
+    parser.add_argument(
+        "--abuse-prompts", type=int, default=1000, help="zero-block max_model_len admissions"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
+    if args.abuse:
+        quiet, abused = run(args), run(args, abuse=True)
+        if args.json:
+            print(json.dumps({"without_abuse": quiet, "with_abuse": abused}))
+        else:
+            print_abuse_table(quiet, abused, args)
+        return 0 if quiet["errors"] == 0 and abused["errors"] == 0 else 1
     figures = run(args)
     if args.json:
         print(json.dumps(figures))
