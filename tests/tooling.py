@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
+from collections.abc import Callable
 from typing import NoReturn
 
 import pytest
@@ -59,3 +61,14 @@ def require_tool(name: str, reason: str) -> str:
     if path is None:
         missing(name, reason)
     return path
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "") -> None:
+    """Poll ``predicate`` every 0.1 s until it holds; AssertionError naming ``what`` after
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")

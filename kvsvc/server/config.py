@@ -170,23 +170,10 @@ class PoolConfig:
             )
         if self.max_requests < 1:
             raise ConfigError(f"{where}: max_requests must be >= 1")
-        if self.max_pool_tokens is not None and (
-            isinstance(self.max_pool_tokens, bool)
-            or not isinstance(self.max_pool_tokens, int)
-            or self.max_pool_tokens < 1
-        ):
-            raise ConfigError(
-                f"{where}: max_pool_tokens must be a positive integer, got {self.max_pool_tokens!r}"
-            )
-        if self.max_unscheduled_tokens is not None and (
-            isinstance(self.max_unscheduled_tokens, bool)
-            or not isinstance(self.max_unscheduled_tokens, int)
-            or self.max_unscheduled_tokens < 1
-        ):
-            raise ConfigError(
-                f"{where}: max_unscheduled_tokens must be a positive integer, got "
-                f"{self.max_unscheduled_tokens!r}"
-            )
+        for name in ("max_pool_tokens", "max_unscheduled_tokens"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ConfigError(f"{where}: {name} must be a positive integer, got {value!r}")
         if self.max_num_blocks < 2:
             raise ConfigError(f"{where}: max_num_blocks must be >= 2 (one is the null block)")
         if (

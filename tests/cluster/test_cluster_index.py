@@ -14,7 +14,7 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +23,7 @@ from kvsvc_client import KVCacheClient
 
 from kvsvc.demo.processes import Child, spawn, wait_for_ports
 from tests.cluster.redis_procs import RedisServer, create_cluster, free_port, require_redis_package
+from tests.tooling import wait_for
 
 pytest.importorskip("torch")
 require_redis_package()
@@ -155,15 +156,6 @@ class Fleet:
             with KVCacheClient(engine.address, pool="p") as kv:
                 found[engine.source] = kv.lookup(prompt)
         return found
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def scores(url: str, prompt: list[int], tmp: Path, seed_file: Path) -> dict[str, int]:

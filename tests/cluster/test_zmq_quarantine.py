@@ -15,14 +15,14 @@ import re
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvsvc.demo.processes import Child, spawn
 from tests.cluster.redis_procs import RedisServer, free_port, require_redis_package
-from tests.tooling import missing
+from tests.tooling import missing, wait_for
 
 require_redis_package()
 try:
@@ -35,15 +35,6 @@ pytestmark = pytest.mark.e2e
 SEED = "the-quarantine-test-seed-0123456"
 BLOCK_SIZE = 16
 PROMPT = [*range(100, 100 + 4 * BLOCK_SIZE), 7]  # four full blocks, one token more
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Publisher:
