@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvsvc.frames.server import FrameServer, unary_methods
+from kvsvc.frames.server import FrameLimits, FrameServer, unary_methods
 from kvsvc.ports import ListenError, check_bindable, check_unix_bindable, is_unix_address
 from kvsvc.server.auth import AuthInterceptor, load_credentials
 from kvsvc.server.config import (
@@ -289,7 +289,13 @@ class KvsvcServer:
             self.credentials,
             self.metrics.call_observer,
             max_message_bytes=self.config.max_message_bytes,
-            max_connections=self.config.frames_max_connections,
+            limits=FrameLimits(
+                max_connections=self.config.frames_max_connections,
+                max_pending=self.config.frames_max_pending_connections,
+                hello_timeout_s=self.config.frames_hello_timeout_s,
+                idle_timeout_s=self.config.frames_idle_timeout_s,
+                frame_timeout_s=self.config.frames_frame_timeout_s,
+            ),
             ssl_context=self.tls.ssl_context if self.tls is not None else None,
         )
         self.frames_addresses = []

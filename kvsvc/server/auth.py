@@ -213,7 +213,7 @@ def env_tokens(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     return overrides
 
 
-def _peer_host(peer: str) -> str:
+def peer_host(peer: str) -> str:
     """``ipv4:10.0.0.1:1234`` -> ``10.0.0.1`` (the port changes with every connection)."""
     kind, _, rest = peer.partition(":")
     if kind in ("ipv4", "ipv6"):
@@ -268,7 +268,7 @@ def report_refusal(
     """Log a refused call on the security log (rate-limited per code and peer host: a
     flood of new connections from one host is one line per interval) and count it."""
     short = method.rpartition("/")[2]
-    host = _peer_host(peer or "?")
+    host = peer_host(peer or "?")
     log.warning(
         f"{refusal.code.name}:{host}", "auth refused: %s from %s: %s", short, host, refusal.reason
     )

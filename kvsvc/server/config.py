@@ -190,8 +190,17 @@ class ServerConfig:
             None for none: the unary engine and admin calls without gRPC's per-call
             machinery, for an engine next to the server. TLS on TCP when ``tls_cert`` is
             set, like the gRPC listener.
-        frames_max_connections: framed connections open at once, at most (a client opens
-            one per thread that calls concurrently).
+        frames_max_connections: framed connections past their hello open at once, at
+            most (a client opens one per thread that calls concurrently); when the server
+            has tokens, only a connection whose hello carried a known one gets a slot.
+        frames_max_pending_connections: framed connections that have not said hello yet,
+            at most; a new one past it closes the oldest of them.
+        frames_hello_timeout_s: a framed connection that has not said hello (TLS
+            handshake included) this long after connecting is closed.
+        frames_idle_timeout_s: a framed connection that sends nothing this long between
+            frames is closed (0: never); kvsvc's clients then open a new one.
+        frames_frame_timeout_s: a framed connection that leaves a frame half sent this
+            long (from its first byte) is closed.
         pools: the pools served (names unique).
         auth_token: one token for every role (compatibility; prefer the per-role token
             files): every kvsvc call must carry ``authorization: Bearer <token>`` (health
@@ -248,6 +257,10 @@ class ServerConfig:
     metrics_listen: str | None = DEFAULT_METRICS_LISTEN
     frames_listen: str | None = None
     frames_max_connections: int = 1024
+    frames_max_pending_connections: int = 64
+    frames_hello_timeout_s: float = 5.0
+    frames_idle_timeout_s: float = 300.0
+    frames_frame_timeout_s: float = 30.0
     auth_token: str | None = None
     auth_token_file: str | None = None
     engine_token: str | None = None
@@ -305,6 +318,13 @@ class ServerConfig:
                 )
         if not 1 <= self.frames_max_connections <= 1_000_000:
             raise ConfigError("frames_max_connections must be in [1, 1000000]")
+        if not 1 <= self.frames_max_pending_connections <= 1_000_000:
+            raise ConfigError("frames_max_pending_connections must be in [1, 1000000]")
+        for key in ("frames_hello_timeout_s", "frames_frame_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"{key} must be positive")
+        if self.frames_idle_timeout_s < 0:
+            raise ConfigError("frames_idle_timeout_s must be >= 0 (0: never)")
         if self.max_message_bytes < 1024:
             raise ConfigError("max_message_bytes must be at least 1024")
         if self.heartbeat_timeout_s <= 0:
