@@ -149,16 +149,16 @@ async def _mutate(pool: Pool, kind: int, request: Any, work: int, fn: Any, *args
                             break
             else:
                 response, changed = fn(*args)
-            batch = pool.drain_events()
+            batches = pool.drain_events()
             ticket = 0
             # An event is a change, whatever ``changed`` says.
-            if (changed or batch is not None) and pool.persistence is not None:
+            if (changed or batches) and pool.persistence is not None:
                 ticket = pool.journal(
                     kind,
                     engine,
                     request.SerializeToString(),
                     response.SerializeToString(),
-                    batch,
+                    batches,
                     work,
                 )
             if call_id:
@@ -350,8 +350,8 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
         pool.ensure_writable()
         async with pool.lock:
             reset = pool.ensure_writable().reset_prefix_cache()
-            batch = pool.drain_events()
-            ticket = pool.journal(JournalKind.RESET, "", b"", b"\x01", batch) if reset else 0
+            batches = pool.drain_events()
+            ticket = pool.journal(JournalKind.RESET, "", b"", b"\x01", batches) if reset else 0
         await pool.durable(ticket)
         return kvcache_pb2.ResetPrefixCacheResponse(reset=reset)
 
