@@ -305,7 +305,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler | None:
         method: str = handler_call_details.method  # type: ignore[attr-defined]
         allowed = roles_for_method(method)
         if allowed is None:
@@ -316,6 +316,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 header = value
                 break
         handler = await continuation(handler_call_details)
+        if handler is None:
+            # No such method (``/kvsvc.v1.KVCacheService/Nope``): gRPC answers
+            # UNIMPLEMENTED, whoever asks; there is nothing to refuse or to wrap.
+            return None
         decision = authorize(self._credentials, header, method, allowed)
         if isinstance(decision, Refusal):
             return self._deny(handler, method, decision)

@@ -529,6 +529,28 @@ def _until_caught_up(client: KVCacheClient) -> list[EventBatch]:
     raise AssertionError("the stream ended before it caught up")
 
 
+@pytest.mark.parametrize("token", [None, "not-a-token-0123456789", ENGINE_A, ADMIN])
+def test_an_unknown_method_is_unimplemented_whoever_asks(
+    server: ServerThread, token: str | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``/kvsvc.v1.<Service>/Nope``, unary or streaming, without a token, with an unknown
+    one or with a role's: UNIMPLEMENTED (the interceptor has no handler to refuse or to
+    wrap), and no traceback in the log."""
+    metadata = (("authorization", f"Bearer {token}"),) if token is not None else None
+    with grpc.insecure_channel(server.address) as channel:
+        for service in SERVICES:
+            path = f"/{service.full_name}/Nope"
+            with pytest.raises(grpc.RpcError) as unary:
+                channel.unary_unary(path)(b"", metadata=metadata, timeout=5)
+            assert unary.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            stream = channel.unary_stream(path)(b"", metadata=metadata, timeout=5)
+            with pytest.raises(grpc.RpcError) as streaming:
+                next(stream)
+            assert streaming.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "Traceback" not in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
 def test_an_agent_token_cannot_drive_the_engine_api(server: ServerThread) -> None:
     with (
         KVCacheClient(server.address, pool="p", options=ClientOptions(token=AGENT)) as agent,
