@@ -28,7 +28,8 @@ from kvsvc.server.config import (
     listen_addresses,
     split_host_port,
 )
-from kvsvc.server.grpc_handlers import add_kvcache_service
+from kvsvc.server.gate import CallGate, InflightLimits
+from kvsvc.server.grpc_handlers import add_service, kvcache_method_handlers, recorded_handlers
 from kvsvc.server.pool import Pool, PoolState
 from kvsvc.server.reflection import enable_reflection
 from kvsvc.server.servicers import AdminServicer, KVCacheServicer, Pools, WorkerServicer
@@ -49,6 +50,7 @@ log = logging.getLogger("kvsvc.server")
 KVCACHE_SERVICE = kvcache_pb2.DESCRIPTOR.services_by_name["KVCacheService"].full_name
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -130,6 +132,7 @@ class KvsvcServer:
         self.unix_sockets: list[str] = []
         self.metrics_port = 0
         self._frames: FrameServer | None = None
+        self.gate: CallGate | None = None
         # The framed transport's addresses as bound (a TCP port 0 resolved).
         self.frames_addresses: list[str] = []
         self._last_health: dict[str, int] = {}
@@ -208,19 +211,43 @@ class KvsvcServer:
         server = grpc.aio.server(options=options, interceptors=interceptors)
         kvcache = KVCacheServicer(self.pools, observer, self.config.max_step_operations)
         admin = AdminServicer(self.pools, observer, time.monotonic)
-        add_kvcache_service(kvcache, server)  # WatchEvents: bytes serialized once for all
-        worker_pb2_grpc.add_WorkerServiceServicer_to_server(
-            WorkerServicer(self.pools, observer), server
-        )
-        admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        enable_reflection(  # grpc.reflection.v1 and v1alpha
-            (
-                KVCACHE_SERVICE,
-                WORKER_SERVICE,
-                ADMIN_SERVICE,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        # Every handler is wrapped: a body that does not parse is INVALID_ARGUMENT, and
+        # calls in flight are bounded per kind of caller (kvsvc.server.gate).
+        config = self.config
+        self.gate = gate = CallGate(
+            InflightLimits(
+                max_inflight_calls=config.max_inflight_calls,
+                max_inflight_request_bytes=config.max_inflight_request_bytes,
+                max_inflight_agent_calls=config.max_inflight_agent_calls,
+                max_inflight_streams=config.max_inflight_streams,
             ),
+            observer,
+        )
+        services = (
+            # WatchEvents: bytes serialized once for all subscribers.
+            (KVCACHE_SERVICE, kvcache_method_handlers(kvcache)),
+            (
+                WORKER_SERVICE,
+                recorded_handlers(
+                    worker_pb2_grpc.add_WorkerServiceServicer_to_server,
+                    WorkerServicer(self.pools, observer),
+                ),
+            ),
+            (
+                ADMIN_SERVICE,
+                recorded_handlers(admin_pb2_grpc.add_AdminServiceServicer_to_server, admin),
+            ),
+        )
+        for service, handlers in services:
+            add_service(server, service, gate.guard(service, handlers))
+        health_handlers = recorded_handlers(
+            health_pb2_grpc.add_HealthServicer_to_server, self.health
+        )
+        add_service(
+            server, HEALTH_SERVICE, gate.guard(HEALTH_SERVICE, health_handlers, bounded=False)
+        )
+        enable_reflection(  # grpc.reflection.v1 and v1alpha
+            (KVCACHE_SERVICE, WORKER_SERVICE, ADMIN_SERVICE, HEALTH_SERVICE),
             server,
         )
         self.port = 0

@@ -43,6 +43,11 @@ DEFAULT_MAX_SUBSCRIBERS = 64
 DEFAULT_SUBSCRIBER_MAX_LAG_BYTES = 4 * 1024 * 1024
 DEFAULT_SUBSCRIBER_WRITE_TIMEOUT_S = 30.0
 STATE_SYNCHRONOUS = ("normal", "full")
+# gRPC calls in flight (see kvsvc.server.gate).
+DEFAULT_MAX_INFLIGHT_CALLS = 256
+DEFAULT_MAX_INFLIGHT_REQUEST_BYTES = 256 * 1024 * 1024
+DEFAULT_MAX_INFLIGHT_AGENT_CALLS = 1024
+DEFAULT_MAX_INFLIGHT_STREAMS = 1024
 
 
 class ConfigError(ValueError):
@@ -221,6 +226,13 @@ class ServerConfig:
             long (the subscriber stopped reading) ends that stream with RESOURCE_EXHAUSTED
             and frees its slot; 0 never does.
         max_step_operations: operations one Step may carry.
+        max_inflight_calls, max_inflight_request_bytes: the engines' and operators' unary
+            gRPC calls (KVCache and Admin services) in flight at once, and the request
+            bytes they hold; past either, RESOURCE_EXHAUSTED (see kvsvc.server.gate).
+        max_inflight_agent_calls: the agents' calls in flight, their WatchPlan streams
+            included (Worker service).
+        max_inflight_streams: the subscribers' streams open at once (WatchEvents,
+            SnapshotIndex, SnapshotPool).
         kv_events_zmq: publish each pool's KV events in vLLM's wire format on a ZMQ PUB
             socket at this endpoint (None: off). Bound when it has ``*`` or ``::`` or is
             ``ipc://``/``inproc://``, connected otherwise (vLLM's rule). Pool ``i`` (config
@@ -276,6 +288,10 @@ class ServerConfig:
     event_buffer_bytes: int = DEFAULT_EVENT_BUFFER_BYTES
     subscriber_write_timeout_s: float = DEFAULT_SUBSCRIBER_WRITE_TIMEOUT_S
     max_step_operations: int = 8192
+    max_inflight_calls: int = DEFAULT_MAX_INFLIGHT_CALLS
+    max_inflight_request_bytes: int = DEFAULT_MAX_INFLIGHT_REQUEST_BYTES
+    max_inflight_agent_calls: int = DEFAULT_MAX_INFLIGHT_AGENT_CALLS
+    max_inflight_streams: int = DEFAULT_MAX_INFLIGHT_STREAMS
     kv_events_zmq: str | None = None
     kv_events_replay: str | None = None
     kv_events_topic: str = DEFAULT_KV_EVENTS_TOPIC
@@ -339,6 +355,14 @@ class ServerConfig:
             raise ConfigError("subscriber_write_timeout_s must be >= 0 (0: never)")
         if not 1 <= self.max_step_operations <= 1_000_000:
             raise ConfigError("max_step_operations must be in [1, 1000000]")
+        for key in ("max_inflight_calls", "max_inflight_agent_calls", "max_inflight_streams"):
+            if not 1 <= getattr(self, key) <= 1_000_000:
+                raise ConfigError(f"{key} must be in [1, 1000000]")
+        if self.max_inflight_request_bytes < self.max_message_bytes:
+            raise ConfigError(
+                "max_inflight_request_bytes must be at least max_message_bytes (a request of "
+                "the largest size must be able to run)"
+            )
         self._check_kv_events()
         self._check_tls()
         self._check_state()
