@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvsvc.frames.server import FrameLimits, FrameServer, unary_methods
+from kvsvc.keepalive import server_options as server_keepalive_options
 from kvsvc.ports import ListenError, check_bindable, check_unix_bindable, is_unix_address
 from kvsvc.server.auth import AuthInterceptor, load_credentials
 from kvsvc.server.config import (
@@ -183,6 +184,8 @@ class KvsvcServer:
             ("grpc.max_send_message_length", self.config.max_message_bytes),
             ("grpc.max_receive_message_length", self.config.max_message_bytes),
             ("grpc.so_reuseport", 0),
+            # The clients' keepalive pings are welcome (kvsvc.keepalive).
+            *server_keepalive_options(self.config.keepalive_min_ping_interval_s),
         ]
         observer = self.metrics.call_observer
         # Auth is one interceptor over every kvsvc method (none when no token is configured).

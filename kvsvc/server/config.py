@@ -25,6 +25,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from kvsvc.keepalive import SERVER_MIN_PING_INTERVAL_S
 from kvsvc.ports import is_unix_address, unix_path
 from kvsvc.tls import ServerTls, TlsFileError
 
@@ -226,6 +227,10 @@ class ServerConfig:
             long (the subscriber stopped reading) ends that stream with RESOURCE_EXHAUSTED
             and frees its slot; 0 never does.
         max_step_operations: operations one Step may carry.
+        keepalive_min_ping_interval_s: a client may ping (HTTP/2 keepalive) this often on
+            a quiet connection; more often twice over, and the connection is ended
+            (GOAWAY too_many_pings). kvsvc's clients ping every 30 s (see
+            :mod:`kvsvc.keepalive`).
         max_inflight_calls, max_inflight_request_bytes: the engines' and operators' unary
             gRPC calls (KVCache and Admin services) in flight at once, and the request
             bytes they hold; past either, RESOURCE_EXHAUSTED (see kvsvc.server.gate).
@@ -288,6 +293,7 @@ class ServerConfig:
     event_buffer_bytes: int = DEFAULT_EVENT_BUFFER_BYTES
     subscriber_write_timeout_s: float = DEFAULT_SUBSCRIBER_WRITE_TIMEOUT_S
     max_step_operations: int = 8192
+    keepalive_min_ping_interval_s: float = SERVER_MIN_PING_INTERVAL_S
     max_inflight_calls: int = DEFAULT_MAX_INFLIGHT_CALLS
     max_inflight_request_bytes: int = DEFAULT_MAX_INFLIGHT_REQUEST_BYTES
     max_inflight_agent_calls: int = DEFAULT_MAX_INFLIGHT_AGENT_CALLS
@@ -355,6 +361,8 @@ class ServerConfig:
             raise ConfigError("subscriber_write_timeout_s must be >= 0 (0: never)")
         if not 1 <= self.max_step_operations <= 1_000_000:
             raise ConfigError("max_step_operations must be in [1, 1000000]")
+        if not self.keepalive_min_ping_interval_s > 0:
+            raise ConfigError("keepalive_min_ping_interval_s must be positive")
         for key in ("max_inflight_calls", "max_inflight_agent_calls", "max_inflight_streams"):
             if not 1 <= getattr(self, key) <= 1_000_000:
                 raise ConfigError(f"{key} must be in [1, 1000000]")
