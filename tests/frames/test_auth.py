@@ -26,6 +26,7 @@ from tests.frames.helpers import (
     frames_server,
     live_requests,
     short_dir,
+    token_server,
     unix_target,
 )
 from tests.server.harness import ServerThread
@@ -39,18 +40,13 @@ UNAUTHENTICATED = 16
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerThread]:
-    with short_dir() as tmp:
-        (tmp / "engine").write_text(f"engine-a {ENGINE_A}\nengine-b {ENGINE_B}\n")
-        (tmp / "agent").write_text(f"{AGENT}\n")
-        (tmp / "admin").write_text(f"{ADMIN}\n")
-        with frames_server(
-            f"unix:{tmp}/a.sock,127.0.0.1:0",
-            token=AGENT,
-            engine_token_file=str(tmp / "engine"),
-            agent_token_file=str(tmp / "agent"),
-            admin_token_file=str(tmp / "admin"),
-        ) as srv:
-            yield srv
+    tokens = {
+        "engine": f"engine-a {ENGINE_A}\nengine-b {ENGINE_B}\n",
+        "agent": f"{AGENT}\n",
+        "admin": f"{ADMIN}\n",
+    }
+    with short_dir() as tmp, token_server("unix:{tmp}/a.sock,127.0.0.1:0", tmp, tokens) as srv:
+        yield srv
 
 
 def client(server: ServerThread, token: str) -> KVCacheClient:

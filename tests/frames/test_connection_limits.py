@@ -13,7 +13,7 @@ from kvsvc_client import ClientOptions, KVCacheClient
 
 from kvsvc.frames.protocol import MAGIC, PREFIX, call_header
 from kvsvc.v1 import kvcache_pb2
-from tests.frames.helpers import KVCACHE, POOL, RawClient, frames_server, short_dir, unix_target
+from tests.frames.helpers import KVCACHE, POOL, RawClient, short_dir, token_server, unix_target
 from tests.server.harness import ServerThread
 
 ENGINE = "engine-token-0123456789abc"
@@ -31,21 +31,20 @@ SLACK_S = 1.5
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerThread]:
-    with short_dir() as tmp:
-        (tmp / "engine").write_text(f"{ENGINE}\n")
-        (tmp / "agent").write_text(f"{AGENT}\n")
-        with frames_server(
-            f"unix:{tmp}/l.sock",
-            token=AGENT,
-            engine_token_file=str(tmp / "engine"),
-            agent_token_file=str(tmp / "agent"),
+    with (
+        short_dir() as tmp,
+        token_server(
+            "unix:{tmp}/l.sock",
+            tmp,
+            {"engine": f"{ENGINE}\n", "agent": f"{AGENT}\n"},
             frames_max_connections=MAX_CONNECTIONS,
             frames_max_pending_connections=MAX_PENDING,
             frames_hello_timeout_s=HELLO_TIMEOUT_S,
             frames_idle_timeout_s=IDLE_TIMEOUT_S,
             frames_frame_timeout_s=FRAME_TIMEOUT_S,
-        ) as srv:
-            yield srv
+        ) as srv,
+    ):
+        yield srv
 
 
 def engine(server: ServerThread) -> KVCacheClient:
