@@ -5,11 +5,12 @@ frames_*_timeout_s settings, scaled down here)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 
 import pytest
-from kvsvc_client import ClientOptions, KVCacheClient
+from kvsvc_client import AsyncKVCacheClient, ClientOptions, KVCacheClient
 
 from kvsvc.frames.protocol import MAGIC, PREFIX, call_header
 from kvsvc.v1 import kvcache_pb2
@@ -138,9 +139,19 @@ def _fill_slots_and_stall(server: ServerThread, idle: RawClient, half: RawClient
 
 
 def test_a_client_whose_idle_connection_was_closed_reconnects(server: ServerThread) -> None:
-    """kvsvc's clients notice an idle connection the server closed and open a new one:
-    the call after a pause longer than frames_idle_timeout_s succeeds, without a retry."""
+    """kvsvc's clients (sync and asyncio) notice an idle connection the server closed and
+    open a new one: the call after a pause longer than frames_idle_timeout_s succeeds,
+    without a retry."""
     with engine(server) as kv:
         assert kv.usage().pool == POOL
         time.sleep(IDLE_TIMEOUT_S + SLACK_S)
         assert kv.usage().pool == POOL
+
+    async def pause_between_calls() -> None:
+        options = ClientOptions(token=ENGINE, retries=0, timeout=5, unavailable_timeout=0.0)
+        async with AsyncKVCacheClient(unix_target(server), pool=POOL, options=options) as kv:
+            assert (await kv.usage()).pool == POOL
+            await asyncio.sleep(IDLE_TIMEOUT_S + SLACK_S)
+            assert (await kv.usage()).pool == POOL
+
+    asyncio.run(pause_between_calls())
