@@ -14,6 +14,7 @@ import grpc
 
 from kvsvc.frames.channel import AioFrameChannel, FrameChannel
 from kvsvc.frames.protocol import frames_address, is_frames_target
+from kvsvc.keepalive import CLIENT_KEEPALIVE_TIME_S, client_options
 from kvsvc.ports import is_unix_address
 from kvsvc.tls import ClientTls, client_tls, open_aio_channel, open_channel
 
@@ -26,10 +27,9 @@ RETRYABLE_REPEATS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEAD
 # Trailing metadata of every reply of a call that names a pool: the pool's state epoch.
 EPOCH_METADATA = "kvsvc-epoch"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-CHANNEL_OPTIONS = (
+_MESSAGE_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 30_000),
 )
 
 
@@ -79,6 +79,10 @@ class ClientOptions:
         default: $KVSVC_TLS_CERT / $KVSVC_TLS_KEY).
     tls_server_name: check the server's certificate for this name instead of the target's
         host (default: $KVSVC_TLS_SERVER_NAME). See :mod:`kvsvc.tls`.
+    keepalive_time: seconds between HTTP/2 pings while a gRPC call is open (a quiet
+        stream's dead server is noticed within it + 20 s); at least the server's
+        ``keepalive_min_ping_interval_s``, or the server cuts the connection (see
+        :mod:`kvsvc.keepalive`).
     """
 
     timeout: float = 10.0
@@ -93,6 +97,10 @@ class ClientOptions:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_server_name: str | None = None
+    keepalive_time: float = CLIENT_KEEPALIVE_TIME_S
+
+    def _grpc_options(self) -> tuple[tuple[str, int], ...]:
+        return (*_MESSAGE_OPTIONS, *client_options(self.keepalive_time))
 
     def metadata(self) -> tuple[tuple[str, str], ...] | None:
         token = resolve_token(self.role, self.token, self.token_file)
@@ -123,13 +131,13 @@ class ClientOptions:
         """
         if is_frames_target(target):
             return FrameChannel(**self._frames_channel_args(target))
-        return open_channel(target, self.tls(), CHANNEL_OPTIONS)
+        return open_channel(target, self.tls(), self._grpc_options())
 
     def aio_channel(self, target: str) -> grpc.aio.Channel:
         """The asyncio counterpart of :meth:`channel`."""
         if is_frames_target(target):
             return AioFrameChannel(**self._frames_channel_args(target))
-        return open_aio_channel(target, self.tls(), CHANNEL_OPTIONS)
+        return open_aio_channel(target, self.tls(), self._grpc_options())
 
     def _frames_channel_args(self, target: str) -> dict[str, Any]:
         """A framed channel's arguments for a ``frames:`` target: TLS for TCP only."""

@@ -16,7 +16,7 @@ from kvsvc.core.hashing import (
     BlockExtraKeys,
     BlockHasher,
     HashingContext,
-    check_mm_items,
+    check_hashing_context,
     pack_token_ids,
 )
 from kvsvc.errors import InvalidArgument
@@ -106,7 +106,7 @@ class PromptHasher:
                 f"{block_size} is not a multiple of the hash block size {hash_block_size}",
             )
         packed = pack_token_ids(token_ids, "token_ids")
-        check_mm_items(hashing, len(token_ids))
+        check_hashing_context(hashing, len(token_ids))
         hasher = self._hasher(hash_block_size)
         extra = (
             BlockExtraKeys(hashing, hash_block_size)

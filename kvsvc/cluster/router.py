@@ -22,6 +22,8 @@ from kvsvc.v1 import cluster_pb2, cluster_pb2_grpc
 
 _log = logging.getLogger("kvsvc.cluster")
 
+SERVICE = cluster_pb2.DESCRIPTOR.services_by_name["ClusterIndexService"].full_name
+HEALTH_SERVICE = "grpc.health.v1.Health"
 # Score calls served at once (each a thread: hashing is CPU, Redis a round trip).
 ROUTER_THREADS = 8
 SCORE_TIMEOUT_S = 10.0
@@ -119,10 +121,22 @@ def create_router(
         interceptors=interceptors,
         options=[("grpc.max_receive_message_length", ROUTER_MAX_MESSAGE_BYTES)],
     )
-    cluster_pb2_grpc.add_ClusterIndexServiceServicer_to_server(ScoreServicer(scorer), server)
+    from kvsvc.server.gate import guard_malformed_sync
+    from kvsvc.server.grpc_handlers import add_service, recorded_handlers
+
     health_servicer = health.HealthServicer()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    # Every method answers a body that does not parse INVALID_ARGUMENT (kvsvc.server.gate).
+    for service, add, servicer in (
+        (
+            SERVICE,
+            cluster_pb2_grpc.add_ClusterIndexServiceServicer_to_server,
+            ScoreServicer(scorer),
+        ),
+        (HEALTH_SERVICE, health_pb2_grpc.add_HealthServicer_to_server, health_servicer),
+    ):
+        handlers = guard_malformed_sync(service, recorded_handlers(add, servicer))
+        add_service(server, service, handlers)
     if tls is not None:
         port = server.add_secure_port(listen, ServerTlsSource(tls).grpc_credentials())
     else:

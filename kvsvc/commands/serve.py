@@ -154,7 +154,9 @@ def add_parser(subparsers: Any) -> None:
         "pool i in config order (the --pool flag's pool last) uses the TCP ports + i "
         "(ipc/inproc endpoints get _POOL appended). Publishing runs in a background thread "
         "behind a bounded queue: a slow publisher drops the oldest batches (logged, and a "
-        "sequence gap for consumers), it never slows the server.",
+        "sequence gap for consumers), it never slows the server. It has no authentication "
+        "and carries every engine's token ids and LoRA names: bind it where only trusted "
+        "consumers (indexers) reach it.",
     )
     events.add_argument(
         "--kv-events-zmq",

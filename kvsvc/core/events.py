@@ -4,14 +4,32 @@ The core never publishes anything itself: the block pool appends events to a
 :class:`KVEventQueue` and the server drains it (``take``) into its event stream, the way
 vLLM's scheduler drains ``BlockPool.take_events``. Each drained batch gets the next sequence
 number, so a subscriber can tell whether it missed one.
+
+A batch is bounded in size (:data:`MAX_BATCH_WIRE_BYTES`, :meth:`KVEventQueue.take_batches`):
+one call that stores a lot (a Step admitting hundreds of long prompts) drains into several
+consecutive batches, each small enough for any subscriber's default message limit, rather
+than one that no subscriber could receive.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 MEDIUM_GPU = "GPU"
+# The most bytes a batch may take as a WatchEventsResponse (estimated from above): a
+# quarter of gRPC's default 4 MiB receive limit, so a subscriber in any language with its
+# library's defaults receives every batch.
+MAX_BATCH_WIRE_BYTES = 1 << 20
+# Upper bounds of the wire encoding: a batch's own fields (sequence, timestamp, epoch,
+# markers), an event's framing and fixed fields, a varint (a token id < 2^32: 5 bytes), a
+# length-delimited field's tag and length, a character (4 bytes of UTF-8).
+_WIRE_BATCH = 128
+_WIRE_EVENT = 48
+_WIRE_VARINT = 5
+_WIRE_FIELD = 6
+_WIRE_CHAR = 4
 
 
 @dataclass(slots=True)
@@ -96,3 +114,82 @@ class KVEventQueue:
         events, self.pending = self.pending, []
         self._last_seq += 1
         return KVEventBatch(seq=self._last_seq, timestamp=time.time(), events=events)
+
+    def take_batches(self, max_bytes: int = MAX_BATCH_WIRE_BYTES) -> list[KVEventBatch]:
+        """All pending events as the next batches, each at most ``max_bytes`` on the wire
+        (:func:`wire_bound`): one batch unless they need more; a run of blocks too large for
+        one batch is split into runs that chain (each names the previous one's last hash
+        as its parent). The split depends on the events alone, so a replay of the same
+        calls numbers its batches the same. Empty when nothing happened."""
+        if not self.pending:
+            return []
+        events, self.pending = self.pending, []
+        timestamp = time.time()
+        budget = max_bytes - _WIRE_BATCH
+        if sum(map(wire_bound, events)) <= budget:
+            self._last_seq += 1
+            return [KVEventBatch(seq=self._last_seq, timestamp=timestamp, events=events)]
+        batches: list[KVEventBatch] = []
+        current: list[KVEvent] = []
+        size = 0
+        for event in events:
+            for piece in _pieces(event, budget):
+                cost = wire_bound(piece)
+                if current and size + cost > budget:
+                    self._last_seq += 1
+                    batches.append(KVEventBatch(self._last_seq, timestamp, current))
+                    current, size = [], 0
+                current.append(piece)
+                size += cost
+        self._last_seq += 1
+        batches.append(KVEventBatch(self._last_seq, timestamp, current))
+        return batches
+
+
+def wire_bound(event: KVEvent) -> int:
+    """An upper bound of ``event``'s bytes in a WatchEventsResponse."""
+    if type(event) is BlockStored:
+        hashes = event.block_hashes
+        size = (
+            _WIRE_EVENT
+            + _WIRE_CHAR * (len(event.lora_name or "") + len(event.medium) + len(event.group_kind))
+            + _WIRE_VARINT * len(event.token_ids)
+        )
+        if hashes:
+            size += (len(hashes[0]) + _WIRE_FIELD) * (len(hashes) + 1)  # + the parent
+        return size
+    if type(event) is BlockRemoved:
+        hashes = event.block_hashes
+        size = _WIRE_EVENT + _WIRE_CHAR * len(event.medium)
+        return size + ((len(hashes[0]) + _WIRE_FIELD) * len(hashes) if hashes else 0)
+    return _WIRE_EVENT
+
+
+def _pieces(event: KVEvent, budget: int) -> Iterator[KVEvent]:
+    """``event``, or runs of its blocks that each fit ``budget`` when it does not."""
+    size = wire_bound(event)
+    if size <= budget or isinstance(event, AllBlocksCleared):
+        yield event
+        return
+    hashes = event.block_hashes
+    per_block = max(1, (size - _WIRE_EVENT) // max(1, len(hashes)))
+    step = max(1, (budget - _WIRE_EVENT) // per_block)
+    if isinstance(event, BlockRemoved):
+        for start in range(0, len(hashes), step):
+            yield BlockRemoved(hashes[start : start + step], event.medium, event.group_index)
+        return
+    tokens_per_block = len(event.token_ids) // max(1, len(hashes))
+    parent = event.parent_block_hash
+    for start in range(0, len(hashes), step):
+        run = hashes[start : start + step]
+        yield BlockStored(
+            run,
+            parent,
+            event.token_ids[start * tokens_per_block : (start + len(run)) * tokens_per_block],
+            event.block_size,
+            event.lora_name,
+            event.medium,
+            event.group_index,
+            event.group_kind,
+        )
+        parent = run[-1]

@@ -58,11 +58,18 @@ MAX_TOKEN_ID_EXCLUSIVE = 2**31
 
 BlockHash = bytes
 ExtraKeys = tuple[tuple[Any, ...], ...]
-# Bounds on a prompt's multimodal items (see check_mm_items): far above what a model
+# Bounds on a prompt's multimodal items (see check_hashing_context): far above what a model
 # takes (vLLM caps items per prompt in the tens), low enough that a hostile context
 # cannot make every block's extra-key walk or the request's memory large.
 MAX_MM_ITEMS = 4096
 MAX_MM_IDENTIFIER_BYTES = 256
+# Every other string of a hashing context is bounded in bytes too: each is kept with the
+# request and hashed into its blocks' extra keys, and lora_name is copied into every
+# stored block's event (a 1 MiB name made one Step's event batch 314 MB). The same bound as
+# a multimodal identifier (a digest, a name or a salt needs far less); a LoRA path is a
+# file system path (PATH_MAX).
+MAX_HASHING_STRING_BYTES = MAX_MM_IDENTIFIER_BYTES
+MAX_LORA_PATH_BYTES = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,8 +135,45 @@ class HashingContext:
         )
 
 
-def check_mm_items(context: HashingContext | None, num_tokens: int, field: str = "hashing") -> None:
-    """Check a prompt's multimodal items before anything is admitted or looked up.
+def _check_bytes(value: str | bytes, bound: int, field: str) -> None:
+    """``value`` is at most ``bound`` bytes (UTF-8 for a string)."""
+    # At most 4 bytes a character: short strings need no encoding to be known in bounds.
+    if len(value) <= bound // 4:
+        return
+    if isinstance(value, str):
+        if len(value.encode()) > bound:
+            raise InvalidArgument(field, f"longer than {bound} bytes (UTF-8)")
+    elif len(value) > bound:
+        raise InvalidArgument(field, f"longer than {bound} bytes")
+
+
+def check_hashing_strings(context: HashingContext | None, field: str = "hashing") -> None:
+    """Bound the strings of a hashing context in bytes: ``cache_salt``, ``lora_name`` and
+    each prompt-embeds digest at :data:`MAX_HASHING_STRING_BYTES`, ``lora_path`` at
+    :data:`MAX_LORA_PATH_BYTES` (multimodal identifiers: :func:`check_hashing_context`).
+
+    Raises:
+        InvalidArgument: naming the field (``<field>.lora_name``, ...) and the bound.
+    """
+    if context is None:
+        return
+    for name, bound in (
+        ("cache_salt", MAX_HASHING_STRING_BYTES),
+        ("lora_name", MAX_HASHING_STRING_BYTES),
+        ("lora_path", MAX_LORA_PATH_BYTES),
+    ):
+        value = getattr(context, name)
+        if value:
+            _check_bytes(value, bound, f"{field}.{name}")
+    for i, digest in enumerate(context.prompt_embeds_digests):
+        _check_bytes(digest, MAX_HASHING_STRING_BYTES, f"{field}.prompt_embeds_digests[{i}]")
+
+
+def check_hashing_context(
+    context: HashingContext | None, num_tokens: int, field: str = "hashing"
+) -> None:
+    """Check a prompt's hashing context before anything is admitted or looked up: its
+    strings' bounds (:func:`check_hashing_strings`) and its multimodal items.
 
     An item stands for placeholder tokens of the prompt, so it must lie inside it
     (``offset + length <= num_tokens``): one that does not would key blocks the prompt
@@ -145,7 +189,10 @@ def check_mm_items(context: HashingContext | None, num_tokens: int, field: str =
     Raises:
         InvalidArgument: naming the item (``<field>.mm_items[i]``) and the bound.
     """
-    if context is None or not context.mm_items:
+    if context is None:
+        return
+    check_hashing_strings(context, field)
+    if not context.mm_items:
         return
     items = context.mm_items
     if len(items) > MAX_MM_ITEMS:
@@ -157,13 +204,7 @@ def check_mm_items(context: HashingContext | None, num_tokens: int, field: str =
         identifier = item.identifier
         if not isinstance(identifier, str) or not identifier:
             raise InvalidArgument(f"{where}.identifier", "must be a non-empty string")
-        # At most 4 bytes a character: short identifiers need no encoding.
-        if len(identifier) > MAX_MM_IDENTIFIER_BYTES // 4 and (
-            len(identifier.encode()) > MAX_MM_IDENTIFIER_BYTES
-        ):
-            raise InvalidArgument(
-                f"{where}.identifier", f"longer than {MAX_MM_IDENTIFIER_BYTES} bytes (UTF-8)"
-            )
+        _check_bytes(identifier, MAX_MM_IDENTIFIER_BYTES, f"{where}.identifier")
         offset, length = item.offset, item.length
         if type(offset) is not int or type(length) is not int or offset < 0 or length <= 0:
             raise InvalidArgument(

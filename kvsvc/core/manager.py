@@ -524,6 +524,11 @@ class KVCacheManager:
         """Events since the last call as one numbered batch, or None if there were none."""
         return self.events.take() if self.events is not None else None
 
+    def take_event_batches(self) -> list[KVEventBatch]:
+        """Events since the last call as numbered batches of bounded size (see
+        :meth:`KVEventQueue.take_batches`); empty if there were none."""
+        return self.events.take_batches() if self.events is not None else []
+
     # -- state (persistence) -------------------------------------------------------------
 
     def to_state(self) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from kvsvc.core.hashing import (
     BlockExtraKeys,
     BlockHash,
     HashingContext,
-    check_mm_items,
+    check_hashing_context,
     pack_token_ids,
     validate_token_ids,
 )
@@ -519,7 +519,7 @@ class PoolKVCache:
                 "start.num_prompt_tokens",
                 f"must be in [0, {len(prompt)}] (the tokens sent), got {start.num_prompt_tokens}",
             )
-        check_mm_items(start.hashing, len(prompt), "start.hashing")
+        check_hashing_context(start.hashing, len(prompt), "start.hashing")
         if self.max_requests is not None and len(self._requests) >= self.max_requests:
             raise ResourceExhausted(
                 f"request {quoted(request_id)} not admitted: the pool holds {len(self._requests)} "
@@ -1020,7 +1020,7 @@ class PoolKVCache:
         num_tokens = len(token_ids)
         self.check_lookup_length(num_tokens)
         packed = pack_token_ids(token_ids, "token_ids")
-        check_mm_items(hashing, num_tokens)
+        check_hashing_context(hashing, num_tokens)
         manager = self.manager
         hasher = manager.hasher
         extra = (
@@ -1205,6 +1205,12 @@ class PoolKVCache:
     def take_events(self) -> KVEventBatch | None:
         """Events since the last call as the next numbered batch; None if nothing happened."""
         return self.manager.take_events()
+
+    def take_event_batches(self) -> list[KVEventBatch]:
+        """Events since the last call as the next numbered batches, each small enough for
+        any subscriber (:data:`~kvsvc.core.events.MAX_BATCH_WIRE_BYTES`); empty if nothing
+        happened. What the server drains after every change."""
+        return self.manager.take_event_batches()
 
     # -- state (persistence) -------------------------------------------------------------
 

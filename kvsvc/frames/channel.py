@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import select
 import socket
 import ssl
 import threading
@@ -47,6 +48,9 @@ from kvsvc.ports import is_unix_address, unix_path
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 DEFAULT_MAX_REPLY_BYTES = 64 * 1024 * 1024
+# An idle connection unused this long is checked before it is reused: the server closes
+# one idle past its frames_idle_timeout_s (minutes), and a call sent on it would fail.
+_RECHECK_IDLE_S = 1.0
 Metadata = tuple[tuple[str, str], ...]
 
 
@@ -102,10 +106,18 @@ class _Connection:
         self._buffer = bytearray()
         self._max_reply_bytes = max_reply_bytes
         self._timeout: float | None = -1.0
+        self.idle_since = 0.0
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.close()
+
+    def closed_by_server(self) -> bool:
+        """Whether the server closed this idle connection: between calls it sends
+        nothing, so anything to read (its EOF) means it is gone."""
+        with contextlib.suppress(OSError, ValueError):
+            return bool(select.select([self.sock], [], [], 0)[0])
+        return True
 
     def exchange(self, data: bytes, deadline: float | None) -> tuple[FrameHeader, bytes]:
         """Send one frame, read the reply frame; socket errors propagate."""
@@ -326,11 +338,20 @@ class FrameChannel(grpc.Channel):
             if self._closed:
                 raise ValueError("Cannot invoke RPC on closed channel!")
             idle = self._idle.get(metadata)
-            if idle:
-                return idle.pop()
+            connection = idle.pop() if idle else None
+        while connection is not None:
+            if time.monotonic() - connection.idle_since < _RECHECK_IDLE_S or (
+                not connection.closed_by_server()
+            ):
+                return connection
+            connection.close()
+            with self._lock:
+                idle = self._idle.get(metadata)
+                connection = idle.pop() if idle else None
         return self._connect(metadata, deadline)
 
     def _give_back(self, metadata: Metadata | None, connection: _Connection) -> None:
+        connection.idle_since = time.monotonic()
         with self._lock:
             if not self._closed:
                 self._idle.setdefault(metadata, []).append(connection)
@@ -493,6 +514,10 @@ class _AioConnection:
     def close(self) -> None:
         self.writer.close()
 
+    def closed_by_server(self) -> bool:
+        """Whether the server closed this idle connection (its EOF has arrived)."""
+        return self.reader.at_eof() or self.writer.is_closing()
+
     async def exchange(self, data: bytes) -> tuple[FrameHeader, bytes]:
         self.writer.write(data)
         header_size, body_size = PREFIX.unpack(await self.reader.readexactly(PREFIX.size))
@@ -574,7 +599,12 @@ class AioFrameChannel(grpc.aio.Channel):
         if self._closed:
             raise _aio_error(grpc.StatusCode.CANCELLED, "the channel is closed")
         idle = self._idle.get(metadata)
-        connection = idle.pop() if idle else await self._connect(metadata)
+        connection = idle.pop() if idle else None
+        while connection is not None and connection.closed_by_server():
+            connection.close()
+            connection = idle.pop() if idle else None
+        if connection is None:
+            connection = await self._connect(metadata)
         try:
             header, reply = await asyncio.wait_for(
                 connection.exchange(frame(method_header, body)), timeout

@@ -10,10 +10,19 @@ What a client can hit (each answered with an error frame that names it, then the
 connection is closed without reading further): a header over
 :data:`~kvsvc.frames.protocol.MAX_HEADER_BYTES`, a body over ``max_message_bytes``, bytes
 that are not the protocol, an unknown or streaming method, a call its credential may not
-make. A connection must say hello within :data:`HELLO_TIMEOUT_S`; at most
-``max_connections`` are open at once (RESOURCE_EXHAUSTED in the hello's answer past it).
-A deadline is the client's: a handler, once started, runs to its end (an engine call is
-journaled whole or not at all), as a gRPC handler whose caller went away mostly does too.
+make. A deadline is the client's: a handler, once started, runs to its end (an engine
+call is journaled whole or not at all), as a gRPC handler whose caller went away mostly
+does too.
+
+Who holds a connection, and for how long (:class:`FrameLimits`): a connection that has not
+said hello yet is *pending*; at most ``max_pending`` are, each for ``hello_timeout_s``, and
+a new one past the cap pushes out the oldest (a real client says hello within a round trip,
+so a crowd of silent connections cannot keep it out). When the server has tokens, a hello
+without a known one is answered UNAUTHENTICATED and the connection closed: only a
+credential holder gets one of the ``max_connections`` slots (RESOURCE_EXHAUSTED in the
+hello's answer past it). A slot is held while the connection is used: one that sends
+nothing for ``idle_timeout_s`` between frames, or leaves a frame half sent for
+``frame_timeout_s``, is closed (a call in progress has no bound: it runs to its end).
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ from kvsvc.server.auth import (
     Refusal,
     Role,
     decide,
+    peer_host,
     report_refusal,
     roles_for_method,
 )
@@ -57,9 +67,11 @@ from kvsvc.server.seclog import RateLimitedLog
 
 log = logging.getLogger("kvsvc.server")
 
-# A connection that has not said hello by then is closed (it holds a slot meanwhile).
-HELLO_TIMEOUT_S = 10.0
 DEFAULT_MAX_CONNECTIONS = 1024
+DEFAULT_MAX_PENDING = 64
+DEFAULT_HELLO_TIMEOUT_S = 5.0
+DEFAULT_IDLE_TIMEOUT_S = 300.0
+DEFAULT_FRAME_TIMEOUT_S = 30.0
 # Past this much unsent reply data a connection waits for its client to read.
 _WRITE_HIGH_WATER = 1 << 20
 # Reply headers by (code, trailing metadata): the success header of a pool's calls is the
@@ -96,6 +108,36 @@ def unary_methods(service: Any, servicer: Any) -> list[FrameMethod]:
             )
         )
     return methods
+
+
+@dataclass(frozen=True, slots=True)
+class FrameLimits:
+    """How many connections the framed listeners hold, and for how long (see the module's
+    docstring; the server's config keys are ``frames_max_connections``,
+    ``frames_max_pending_connections`` and ``frames_<name>`` for the timeouts)."""
+
+    max_connections: int = DEFAULT_MAX_CONNECTIONS  # past the hello
+    max_pending: int = DEFAULT_MAX_PENDING  # not past the hello yet
+    hello_timeout_s: float = DEFAULT_HELLO_TIMEOUT_S  # connect (TLS included) to the hello
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S  # between frames (0: no bound)
+    frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT_S  # a frame's first byte to its last
+
+
+# What a connection is waiting for (the sweep's bound depends on it).
+_HELLO, _IDLE, _FRAME, _CALL = range(4)
+_WAITING_FOR = {_HELLO: "the hello", _IDLE: "a frame (idle)", _FRAME: "the rest of a frame"}
+
+
+class _Conn:
+    """One open connection, as the sweep and the caps see it."""
+
+    __slots__ = ("authenticated", "phase", "since", "task")
+
+    def __init__(self, task: asyncio.Task[None], now: float) -> None:
+        self.task = task
+        self.phase = _HELLO
+        self.since = now  # loop time the current phase began
+        self.authenticated = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +196,7 @@ class FrameServer:
         observer: CallObserver,
         *,
         max_message_bytes: int,
-        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        limits: FrameLimits | None = None,
         ssl_context: Callable[[], ssl.SSLContext] | None = None,
     ) -> None:
         """``ssl_context``: the server's current TLS context (re-read on each handshake,
@@ -164,10 +206,14 @@ class FrameServer:
         self._credentials = credentials
         self._observer = observer
         self._max_message_bytes = max_message_bytes
-        self._max_connections = max_connections
+        self._limits = limits or FrameLimits()
         self._ssl_context = ssl_context
         self._servers: list[asyncio.AbstractServer] = []
-        self._connections: dict[asyncio.Task[None], bool] = {}  # task -> in a call
+        # Every open connection; the pending ones (no hello yet), oldest first.
+        self._connections: dict[asyncio.Task[None], _Conn] = {}
+        self._pending: dict[asyncio.Task[None], _Conn] = {}
+        self._num_authenticated = 0
+        self._sweeper: asyncio.Task[None] | None = None
         self._closing = False
         self._log = RateLimitedLog()
         self._headers: dict[tuple[int, tuple[tuple[str, str], ...]], bytes] = {}
@@ -177,6 +223,8 @@ class FrameServer:
     async def listen(self, address: str, host: str = "", port: int = 0) -> int:
         """Start listening on ``address`` (``unix:PATH``, or TCP at ``host``/``port``);
         returns the TCP port bound (0 for a socket)."""
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         if address.startswith("unix:"):
             path = unix_path(address)
             with contextlib.suppress(FileNotFoundError):
@@ -191,7 +239,7 @@ class FrameServer:
             host=host or None,
             port=port,
             ssl=context,
-            ssl_handshake_timeout=HELLO_TIMEOUT_S if context is not None else None,
+            ssl_handshake_timeout=self._limits.hello_timeout_s if context is not None else None,
             reuse_address=True,
         )
         self._servers.append(server)
@@ -217,10 +265,13 @@ class FrameServer:
         """Stop accepting; let calls in progress finish (up to ``grace`` s), then close
         every connection."""
         self._closing = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         for server in self._servers:
             server.close()
-        for task, busy in list(self._connections.items()):
-            if not busy:
+        for task, conn in list(self._connections.items()):
+            if conn.phase != _CALL:
                 task.cancel()
         pending = list(self._connections)
         if pending:
@@ -248,35 +299,88 @@ class FrameServer:
         if self._closing:
             writer.close()
             return
-        self._connections[task] = False
+        conn = _Conn(task, asyncio.get_running_loop().time())
+        self._connections[task] = conn
+        self._admit_pending(conn, peer)
         try:
-            await self._connection(task, reader, writer, peer)
+            await self._connection(conn, reader, writer, peer)
         except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError, TimeoutError):
             pass  # the client went away (or never spoke the protocol): nothing to answer
         except asyncio.CancelledError:
-            pass  # the server is stopping
+            pass  # the server is stopping, or the sweep (or the pending cap) closed it
         except Exception:  # a bug: say so, with the traceback; the connection goes
             log.exception("frames: the connection from %s failed", peer)
         finally:
             self._connections.pop(task, None)
+            self._pending.pop(task, None)
+            if conn.authenticated:
+                self._num_authenticated -= 1
             writer.close()
+
+    def _admit_pending(self, conn: _Conn, peer: str) -> None:
+        """Count a new connection as pending; past ``max_pending`` the oldest pending one
+        is closed (it has had the longest to say hello)."""
+        pending = self._pending
+        if len(pending) >= self._limits.max_pending:
+            oldest = next(iter(pending.values()))
+            del pending[oldest.task]
+            oldest.task.cancel()
+            self._log.warning(
+                f"pending:{peer_host(peer)}",
+                "frames: %d connections had not said hello (frames_max_pending_connections); "
+                "closed the oldest to admit one from %s",
+                self._limits.max_pending,
+                peer_host(peer),
+            )
+        pending[conn.task] = conn
+
+    async def _sweep(self) -> None:
+        """Close the connections that waited past their phase's bound: for the hello, for
+        the next frame (idle), for the rest of a frame. A call in progress is never cut."""
+        limits = self._limits
+        bounds = {
+            _HELLO: limits.hello_timeout_s,
+            _IDLE: limits.idle_timeout_s,
+            _FRAME: limits.frame_timeout_s,
+        }
+        shortest = min(b for b in bounds.values() if b > 0)
+        interval = min(1.0, max(0.01, shortest / 4))
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(interval)
+            now = loop.time()
+            for conn in list(self._connections.values()):
+                bound = bounds.get(conn.phase, 0.0)
+                if bound > 0 and now - conn.since > bound and not conn.task.done():
+                    log.debug(
+                        "frames: closed a connection that waited %.3g s for %s",
+                        bound,
+                        _WAITING_FOR[conn.phase],
+                    )
+                    conn.task.cancel()
 
     async def _connection(
         self,
-        task: asyncio.Task[None],
+        conn: _Conn,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         peer: str,
     ) -> None:
-        credential = await asyncio.wait_for(self._hello(reader, writer, peer), HELLO_TIMEOUT_S)
+        credential = await self._hello(conn, reader, writer, peer)
         if credential is None:
             return
         methods = self._methods
         read = reader.readexactly
         unpack = PREFIX.unpack
+        clock = asyncio.get_running_loop().time
         while True:
+            # The sweep closes a connection that stays in a phase too long (idle between
+            # frames, a frame half sent): setting the phase is all it costs a frame.
+            conn.phase = _IDLE
+            conn.since = clock()
             header_size, body_size = unpack(await read(PREFIX.size))
-            self._connections[task] = True
+            conn.phase = _FRAME
+            conn.since = clock()
             try:
                 if header_size > MAX_HEADER_BYTES:
                     raise _Closing(
@@ -296,14 +400,14 @@ class FrameServer:
                         f"max_message_bytes ({self._max_message_bytes})",
                     )
                 body = await read(body_size)
+                conn.phase = _CALL
                 writer.write(await self._call(method, body, engine, peer))
             except _Closing as exc:
+                conn.phase = _CALL  # its answer goes out whole
                 writer.write(frame(reply_header(_number(exc.code), exc.details, close=True)))
                 with contextlib.suppress(ConnectionError):
                     await writer.drain()
                 return
-            finally:
-                self._connections[task] = False
             if self._closing:
                 return
             transport = writer.transport
@@ -311,10 +415,14 @@ class FrameServer:
                 await writer.drain()
 
     async def _hello(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str
+        self,
+        conn: _Conn,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        peer: str,
     ) -> _PeerAuth | None:
         """Read the magic and the hello; answer it. Returns what the connection's calls
-        are authorized by, or None when it is refused."""
+        are authorized by, or None when it is refused (the answer says why)."""
         magic = await reader.readexactly(len(MAGIC))
         if magic != MAGIC:
             what = "a gRPC (HTTP/2) client" if magic.startswith(b"PRI * ") else "another protocol"
@@ -328,17 +436,27 @@ class FrameServer:
                     f"a hello has no body and a header of at most {MAX_HEADER_BYTES} bytes",
                 )
             hello = _parse_header(await reader.readexactly(header_size))
+            self._pending.pop(conn.task, None)
+            conn.phase = _CALL  # answering the hello: no bound until a frame is awaited
             if hello.version != VERSION:
                 raise _Closing(
                     grpc.StatusCode.UNIMPLEMENTED,
                     f"frames protocol version {hello.version} is not served (this server "
                     f"speaks version {VERSION})",
                 )
-            if len(self._connections) > self._max_connections:
+            header = next((m.value for m in hello.metadata if m.key == "authorization"), None)
+            found = self._credentials.lookup(header) if header is not None else None
+            if found is None and self._credentials.enabled:
+                # No call of this connection could be allowed: it gets no slot.
+                refusal = decide(None, header is not None, _HELLO_PATH, _FRAMED_ROLES)
+                assert isinstance(refusal, Refusal)
+                report_refusal(self._log, self._observer, _HELLO_PATH, refusal, peer)
+                raise _Closing(refusal.code, refusal.reason)
+            if self._num_authenticated >= self._limits.max_connections:
                 raise _Closing(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"the server has {self._max_connections} framed connections open, its "
-                    "bound (frames_max_connections); close idle ones or raise it",
+                    f"the server has {self._limits.max_connections} framed connections open, "
+                    "its bound (frames_max_connections); close idle ones or raise it",
                 )
         except _Closing as exc:
             writer.write(
@@ -346,9 +464,9 @@ class FrameServer:
             )
             await writer.drain()
             return None
-        header = next((m.value for m in hello.metadata if m.key == "authorization"), None)
+        conn.authenticated = True
+        self._num_authenticated += 1
         writer.write(frame(reply_header(0, version=VERSION)))
-        found = self._credentials.lookup(header) if header is not None else None
         return _PeerAuth(found, header is not None)
 
     def _check_call(self, peer_auth: _PeerAuth, method: FrameMethod, peer: str) -> str:
@@ -390,6 +508,12 @@ class FrameServer:
                 self._headers.clear()
             header = self._headers[key] = reply_header(0, metadata=trailing)
         return header
+
+
+# How a refused hello is named on the security log, and the roles a framed connection
+# may hold (those of the services it serves: KVCache's and Admin's unary methods).
+_HELLO_PATH = "/kvsvc.frames/Hello"
+_FRAMED_ROLES = frozenset({Role.ENGINE, Role.ADMIN})
 
 
 def _number(code: grpc.StatusCode) -> int:

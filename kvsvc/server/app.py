@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvsvc.frames.server import FrameServer, unary_methods
+from kvsvc.frames.server import FrameLimits, FrameServer, unary_methods
+from kvsvc.keepalive import server_options as server_keepalive_options
 from kvsvc.ports import ListenError, check_bindable, check_unix_bindable, is_unix_address
 from kvsvc.server.auth import AuthInterceptor, load_credentials
 from kvsvc.server.config import (
@@ -28,7 +29,8 @@ from kvsvc.server.config import (
     listen_addresses,
     split_host_port,
 )
-from kvsvc.server.grpc_handlers import add_kvcache_service
+from kvsvc.server.gate import CallGate, InflightLimits
+from kvsvc.server.grpc_handlers import add_service, kvcache_method_handlers, recorded_handlers
 from kvsvc.server.pool import Pool, PoolState
 from kvsvc.server.reflection import enable_reflection
 from kvsvc.server.servicers import AdminServicer, KVCacheServicer, Pools, WorkerServicer
@@ -49,6 +51,7 @@ log = logging.getLogger("kvsvc.server")
 KVCACHE_SERVICE = kvcache_pb2.DESCRIPTOR.services_by_name["KVCacheService"].full_name
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -117,6 +120,7 @@ class KvsvcServer:
         self.unix_sockets: list[str] = []
         self.metrics_port = 0
         self._frames: FrameServer | None = None
+        self.gate: CallGate | None = None
         # The framed transport's addresses as bound (a TCP port 0 resolved).
         self.frames_addresses: list[str] = []
         self._last_health: dict[str, int] = {}
@@ -203,6 +207,8 @@ class KvsvcServer:
             ("grpc.max_send_message_length", self.config.max_message_bytes),
             ("grpc.max_receive_message_length", self.config.max_message_bytes),
             ("grpc.so_reuseport", 0),
+            # The clients' keepalive pings are welcome (kvsvc.keepalive).
+            *server_keepalive_options(self.config.keepalive_min_ping_interval_s),
         ]
         observer = self.metrics.call_observer
         # Auth is one interceptor over every kvsvc method (none when no token is configured).
@@ -231,19 +237,43 @@ class KvsvcServer:
         server = grpc.aio.server(options=options, interceptors=interceptors)
         kvcache = KVCacheServicer(self.pools, observer, self.config.max_step_operations)
         admin = AdminServicer(self.pools, observer, time.monotonic)
-        add_kvcache_service(kvcache, server)  # WatchEvents: bytes serialized once for all
-        worker_pb2_grpc.add_WorkerServiceServicer_to_server(
-            WorkerServicer(self.pools, observer), server
-        )
-        admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        enable_reflection(  # grpc.reflection.v1 and v1alpha
-            (
-                KVCACHE_SERVICE,
-                WORKER_SERVICE,
-                ADMIN_SERVICE,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        # Every handler is wrapped: a body that does not parse is INVALID_ARGUMENT, and
+        # calls in flight are bounded per kind of caller (kvsvc.server.gate).
+        config = self.config
+        self.gate = gate = CallGate(
+            InflightLimits(
+                max_inflight_calls=config.max_inflight_calls,
+                max_inflight_request_bytes=config.max_inflight_request_bytes,
+                max_inflight_agent_calls=config.max_inflight_agent_calls,
+                max_inflight_streams=config.max_inflight_streams,
             ),
+            observer,
+        )
+        services = (
+            # WatchEvents: bytes serialized once for all subscribers.
+            (KVCACHE_SERVICE, kvcache_method_handlers(kvcache)),
+            (
+                WORKER_SERVICE,
+                recorded_handlers(
+                    worker_pb2_grpc.add_WorkerServiceServicer_to_server,
+                    WorkerServicer(self.pools, observer),
+                ),
+            ),
+            (
+                ADMIN_SERVICE,
+                recorded_handlers(admin_pb2_grpc.add_AdminServiceServicer_to_server, admin),
+            ),
+        )
+        for service, handlers in services:
+            add_service(server, service, gate.guard(service, handlers))
+        health_handlers = recorded_handlers(
+            health_pb2_grpc.add_HealthServicer_to_server, self.health
+        )
+        add_service(
+            server, HEALTH_SERVICE, gate.guard(HEALTH_SERVICE, health_handlers, bounded=False)
+        )
+        enable_reflection(  # grpc.reflection.v1 and v1alpha
+            (KVCACHE_SERVICE, WORKER_SERVICE, ADMIN_SERVICE, HEALTH_SERVICE),
             server,
         )
         self.port = 0
@@ -312,7 +342,13 @@ class KvsvcServer:
             self.credentials,
             self.metrics.call_observer,
             max_message_bytes=self.config.max_message_bytes,
-            max_connections=self.config.frames_max_connections,
+            limits=FrameLimits(
+                max_connections=self.config.frames_max_connections,
+                max_pending=self.config.frames_max_pending_connections,
+                hello_timeout_s=self.config.frames_hello_timeout_s,
+                idle_timeout_s=self.config.frames_idle_timeout_s,
+                frame_timeout_s=self.config.frames_frame_timeout_s,
+            ),
             ssl_context=self.tls.ssl_context if self.tls is not None else None,
         )
         self.frames_addresses = []

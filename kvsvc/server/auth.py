@@ -2,11 +2,18 @@
 
 Three roles (DESIGN, "Who may do what"):
 
-- ``engine``: the KVCache API (Allocate, Step, Free, Lookup, GetBlockTable, GetUsage,
-  WatchEvents, SnapshotIndex, ResetPrefixCache) and ListPools (to wait for its pool);
+- ``engine``: the KVCache API's calls on its own requests (Allocate, Step, Free, Lookup,
+  GetBlockTable), GetUsage, ResetPrefixCache and ListPools (to wait for its pool);
 - ``agent``: the Worker API (Register, WatchPlan, ReportAllocation, Heartbeat);
-- ``admin``: the Admin API (ListPools, GetPlan), and the KVCache API's read-only views and
-  reset (GetUsage, WatchEvents, SnapshotIndex, ResetPrefixCache).
+- ``admin``: the Admin API (ListPools, GetPlan, ...), and the KVCache API's views of the
+  whole pool and its reset (GetUsage, WatchEvents, SnapshotIndex, ResetPrefixCache).
+
+WatchEvents and SnapshotIndex are the operator's (and an indexer's, which runs with the
+admin token): a stored block's event carries the token ids and LoRA name of the request
+that filled it, whichever engine sent it, and the index lists every engine's cached
+hashes. An engine that could follow them would read the prompts of every other engine of
+the pool, cache salt or not; so an engine token is refused (PERMISSION_DENIED, saying
+why), and engines cannot learn each other's prompts, adapters or salts through a stream.
 
 A credential of one role is refused by the others' services (PERMISSION_DENIED); no or an
 unknown credential is UNAUTHENTICATED. Health and reflection stay open for probes.
@@ -74,12 +81,22 @@ _METHOD_ROLES: dict[str, frozenset[Role]] = {
     # vLLM's engine resets its own cache (LLM.reset_prefix_cache); an operator may too.
     f"/{_KVCACHE}/ResetPrefixCache": _ENGINE_OR_ADMIN,
     # Read-only views both need: an engine waits for its pool to be READY and learns its
-    # shape; an operator (kvsvc ctl, an indexer) reads usage and follows the events.
+    # shape; an operator (kvsvc ctl) reads usage.
     f"/{_ADMIN}/ListPools": _ENGINE_OR_ADMIN,
     f"/{_KVCACHE}/GetUsage": _ENGINE_OR_ADMIN,
-    f"/{_KVCACHE}/WatchEvents": _ENGINE_OR_ADMIN,
-    # What a follower of the events heals a gap with (a cluster indexer runs as admin).
-    f"/{_KVCACHE}/SnapshotIndex": _ENGINE_OR_ADMIN,
+    # Every engine's requests, as the pool sees them: operators and indexers (which run
+    # with the admin token: `kvsvc indexer`, `kvsvc ctl events`) only.
+    f"/{_KVCACHE}/WatchEvents": frozenset({Role.ADMIN}),
+    f"/{_KVCACHE}/SnapshotIndex": frozenset({Role.ADMIN}),
+}
+# Why a method is not an engine's, added to its PERMISSION_DENIED message.
+_WHOLE_POOL = (
+    " (it carries every engine's token ids and LoRA names; follow the events with the "
+    "operator's token, as kvsvc indexer and kvsvc ctl events do)"
+)
+_REFUSAL_NOTES: dict[str, str] = {
+    f"/{_KVCACHE}/WatchEvents": _WHOLE_POOL,
+    f"/{_KVCACHE}/SnapshotIndex": _WHOLE_POOL,
 }
 
 
@@ -213,7 +230,7 @@ def env_tokens(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     return overrides
 
 
-def _peer_host(peer: str) -> str:
+def peer_host(peer: str) -> str:
     """``ipv4:10.0.0.1:1234`` -> ``10.0.0.1`` (the port changes with every connection)."""
     kind, _, rest = peer.partition(":")
     if kind in ("ipv4", "ipv6"):
@@ -258,6 +275,7 @@ def decide(
         names = "/".join(sorted(r.value for r in allowed))
         held = "/".join(sorted(r.value for r in credential.roles))
         reason = f"{method.rpartition('/')[2]} needs the {names} role; this token is {held}"
+        reason += _REFUSAL_NOTES.get(method, "")
         return Refusal(grpc.StatusCode.PERMISSION_DENIED, reason)
     return credential
 
@@ -268,7 +286,7 @@ def report_refusal(
     """Log a refused call on the security log (rate-limited per code and peer host: a
     flood of new connections from one host is one line per interval) and count it."""
     short = method.rpartition("/")[2]
-    host = _peer_host(peer or "?")
+    host = peer_host(peer or "?")
     log.warning(
         f"{refusal.code.name}:{host}", "auth refused: %s from %s: %s", short, host, refusal.reason
     )
@@ -287,7 +305,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler | None:
         method: str = handler_call_details.method  # type: ignore[attr-defined]
         allowed = roles_for_method(method)
         if allowed is None:
@@ -298,6 +316,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 header = value
                 break
         handler = await continuation(handler_call_details)
+        if handler is None:
+            # No such method (``/kvsvc.v1.KVCacheService/Nope``): gRPC answers
+            # UNIMPLEMENTED, whoever asks; there is nothing to refuse or to wrap.
+            return None
         decision = authorize(self._credentials, header, method, allowed)
         if isinstance(decision, Refusal):
             return self._deny(handler, method, decision)

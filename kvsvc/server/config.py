@@ -25,6 +25,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from kvsvc.keepalive import SERVER_MIN_PING_INTERVAL_S
 from kvsvc.ports import is_unix_address, unix_path
 from kvsvc.tls import ServerTls, TlsFileError
 
@@ -43,6 +44,11 @@ DEFAULT_MAX_SUBSCRIBERS = 64
 DEFAULT_SUBSCRIBER_MAX_LAG_BYTES = 4 * 1024 * 1024
 DEFAULT_SUBSCRIBER_WRITE_TIMEOUT_S = 30.0
 STATE_SYNCHRONOUS = ("normal", "full")
+# gRPC calls in flight (see kvsvc.server.gate).
+DEFAULT_MAX_INFLIGHT_CALLS = 256
+DEFAULT_MAX_INFLIGHT_REQUEST_BYTES = 256 * 1024 * 1024
+DEFAULT_MAX_INFLIGHT_AGENT_CALLS = 1024
+DEFAULT_MAX_INFLIGHT_STREAMS = 1024
 
 
 class ConfigError(ValueError):
@@ -213,8 +219,17 @@ class ServerConfig:
             None for none: the unary engine and admin calls without gRPC's per-call
             machinery, for an engine next to the server. TLS on TCP when ``tls_cert`` is
             set, like the gRPC listener.
-        frames_max_connections: framed connections open at once, at most (a client opens
-            one per thread that calls concurrently).
+        frames_max_connections: framed connections past their hello open at once, at
+            most (a client opens one per thread that calls concurrently); when the server
+            has tokens, only a connection whose hello carried a known one gets a slot.
+        frames_max_pending_connections: framed connections that have not said hello yet,
+            at most; a new one past it closes the oldest of them.
+        frames_hello_timeout_s: a framed connection that has not said hello (TLS
+            handshake included) this long after connecting is closed.
+        frames_idle_timeout_s: a framed connection that sends nothing this long between
+            frames is closed (0: never); kvsvc's clients then open a new one.
+        frames_frame_timeout_s: a framed connection that leaves a frame half sent this
+            long (from its first byte) is closed.
         pools: the pools served (names unique).
         auth_token: one token for every role (compatibility; prefer the per-role token
             files): every kvsvc call must carry ``authorization: Bearer <token>`` (health
@@ -235,6 +250,17 @@ class ServerConfig:
             long (the subscriber stopped reading) ends that stream with RESOURCE_EXHAUSTED
             and frees its slot; 0 never does.
         max_step_operations: operations one Step may carry.
+        keepalive_min_ping_interval_s: a client may ping (HTTP/2 keepalive) this often on
+            a quiet connection; more often twice over, and the connection is ended
+            (GOAWAY too_many_pings). kvsvc's clients ping every 30 s (see
+            :mod:`kvsvc.keepalive`).
+        max_inflight_calls, max_inflight_request_bytes: the engines' and operators' unary
+            gRPC calls (KVCache and Admin services) in flight at once, and the request
+            bytes they hold; past either, RESOURCE_EXHAUSTED (see kvsvc.server.gate).
+        max_inflight_agent_calls: the agents' calls in flight, their WatchPlan streams
+            included (Worker service).
+        max_inflight_streams: the subscribers' streams open at once (WatchEvents,
+            SnapshotIndex, SnapshotPool).
         kv_events_zmq: publish each pool's KV events in vLLM's wire format on a ZMQ PUB
             socket at this endpoint (None: off). Bound when it has ``*`` or ``::`` or is
             ``ipc://``/``inproc://``, connected otherwise (vLLM's rule). Pool ``i`` (config
@@ -271,6 +297,10 @@ class ServerConfig:
     metrics_listen: str | None = DEFAULT_METRICS_LISTEN
     frames_listen: str | None = None
     frames_max_connections: int = 1024
+    frames_max_pending_connections: int = 64
+    frames_hello_timeout_s: float = 5.0
+    frames_idle_timeout_s: float = 300.0
+    frames_frame_timeout_s: float = 30.0
     auth_token: str | None = None
     auth_token_file: str | None = None
     engine_token: str | None = None
@@ -286,6 +316,11 @@ class ServerConfig:
     event_buffer_bytes: int = DEFAULT_EVENT_BUFFER_BYTES
     subscriber_write_timeout_s: float = DEFAULT_SUBSCRIBER_WRITE_TIMEOUT_S
     max_step_operations: int = 8192
+    keepalive_min_ping_interval_s: float = SERVER_MIN_PING_INTERVAL_S
+    max_inflight_calls: int = DEFAULT_MAX_INFLIGHT_CALLS
+    max_inflight_request_bytes: int = DEFAULT_MAX_INFLIGHT_REQUEST_BYTES
+    max_inflight_agent_calls: int = DEFAULT_MAX_INFLIGHT_AGENT_CALLS
+    max_inflight_streams: int = DEFAULT_MAX_INFLIGHT_STREAMS
     kv_events_zmq: str | None = None
     kv_events_replay: str | None = None
     kv_events_topic: str = DEFAULT_KV_EVENTS_TOPIC
@@ -328,6 +363,13 @@ class ServerConfig:
                 )
         if not 1 <= self.frames_max_connections <= 1_000_000:
             raise ConfigError("frames_max_connections must be in [1, 1000000]")
+        if not 1 <= self.frames_max_pending_connections <= 1_000_000:
+            raise ConfigError("frames_max_pending_connections must be in [1, 1000000]")
+        for key in ("frames_hello_timeout_s", "frames_frame_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"{key} must be positive")
+        if self.frames_idle_timeout_s < 0:
+            raise ConfigError("frames_idle_timeout_s must be >= 0 (0: never)")
         if self.max_message_bytes < 1024:
             raise ConfigError("max_message_bytes must be at least 1024")
         if self.heartbeat_timeout_s <= 0:
@@ -342,6 +384,16 @@ class ServerConfig:
             raise ConfigError("subscriber_write_timeout_s must be >= 0 (0: never)")
         if not 1 <= self.max_step_operations <= 1_000_000:
             raise ConfigError("max_step_operations must be in [1, 1000000]")
+        if not self.keepalive_min_ping_interval_s > 0:
+            raise ConfigError("keepalive_min_ping_interval_s must be positive")
+        for key in ("max_inflight_calls", "max_inflight_agent_calls", "max_inflight_streams"):
+            if not 1 <= getattr(self, key) <= 1_000_000:
+                raise ConfigError(f"{key} must be in [1, 1000000]")
+        if self.max_inflight_request_bytes < self.max_message_bytes:
+            raise ConfigError(
+                "max_inflight_request_bytes must be at least max_message_bytes (a request of "
+                "the largest size must be able to run)"
+            )
         self._check_kv_events()
         self._check_tls()
         self._check_state()

@@ -1,5 +1,11 @@
-"""Registering KVCacheService with a WatchEvents that sends pre-serialized bytes.
+"""Registering the server's services with handlers it can wrap.
 
+The generated ``add_*Servicer_to_server`` functions register a servicer's handlers
+directly; here they are recorded first (:func:`recorded_handlers`), so the server can wrap
+each one (:mod:`kvsvc.server.gate`: malformed bodies, calls in flight) before registering
+them (:func:`add_service`).
+
+KVCacheService's WatchEvents is also replaced by one that sends pre-serialized bytes.
 Every subscriber of a pool gets the same event batches; the generated registration
 serializes each message once per stream (``WatchEventsResponse.SerializeToString``), so a
 batch of 256 events cost ~40 us per subscriber before gRPC even saw it. Here the
@@ -10,6 +16,7 @@ generated one (the same message, serialized by protobuf), only the work is share
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -39,12 +46,21 @@ class _Recorder:
         self.handlers = dict(handlers)
 
 
+def recorded_handlers(
+    add: Callable[[Any, Any], None], servicer: Any
+) -> dict[str, grpc.RpcMethodHandler]:
+    """The handlers (method name -> handler) that ``add`` (a generated
+    ``add_*Servicer_to_server``) would register for ``servicer``."""
+    recorder = _Recorder()
+    add(servicer, recorder)
+    assert recorder.handlers, "generated registration changed: no handlers recorded"
+    return recorder.handlers
+
+
 def kvcache_method_handlers(servicer: Any) -> dict[str, grpc.RpcMethodHandler]:
     """The generated KVCacheService handlers of ``servicer``, WatchEvents's replaced by one
     whose messages are bytes (``servicer.WatchEvents`` writes them with ``context.write``)."""
-    recorder = _Recorder()
-    kvcache_pb2_grpc.add_KVCacheServiceServicer_to_server(servicer, recorder)
-    handlers = recorder.handlers
+    handlers = recorded_handlers(kvcache_pb2_grpc.add_KVCacheServiceServicer_to_server, servicer)
     assert "WatchEvents" in handlers, "generated registration changed: no WatchEvents handler"
     handlers["WatchEvents"] = grpc.unary_stream_rpc_method_handler(
         servicer.WatchEvents,
@@ -54,8 +70,11 @@ def kvcache_method_handlers(servicer: Any) -> dict[str, grpc.RpcMethodHandler]:
     return handlers
 
 
-def add_kvcache_service(servicer: Any, server: grpc.aio.Server) -> None:
-    """What ``add_KVCacheServiceServicer_to_server`` does, with the WatchEvents above."""
-    handlers = kvcache_method_handlers(servicer)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-    server.add_registered_method_handlers(SERVICE, handlers)  # type: ignore[attr-defined]
+def add_service(
+    server: grpc.aio.Server | grpc.Server,
+    service: str,
+    handlers: dict[str, grpc.RpcMethodHandler],
+) -> None:
+    """Register ``handlers`` as the generated code registers a service's."""
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)  # type: ignore[attr-defined]

@@ -36,7 +36,7 @@ import logging
 import secrets
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
@@ -974,8 +974,9 @@ class Pool:
             self.persistence.check_writable()
         return cache
 
-    def drain_events(self) -> Any:
-        """Take the core's pending KV events as the next batch (after every change).
+    def drain_events(self) -> list[Any]:
+        """Take the core's pending KV events as the next batches (after every change: one,
+        or several when the change stored more than one batch may carry).
 
         Without persistence the batch goes to the replay log (its subscribers) at once;
         with it, :meth:`journal` holds it until the change it records is on disk, so no
@@ -983,15 +984,16 @@ class Pool:
         the restarted server would give to another batch).
 
         Returns:
-            The batch (None when the change made no event).
+            The batches, in sequence order (none when the change made no event).
         """
         cache = self.cache
         if cache is None:
-            return None
-        batch = cache.take_events()
-        if batch is not None and self.persistence is None:
-            self.events.append(batch)
-        return batch
+            return []
+        batches = cache.take_event_batches()
+        if self.persistence is None:
+            for batch in batches:
+                self.events.append(batch)
+        return batches
 
     # ---------------------------------------------------------------- state (persistence)
 
@@ -1003,7 +1005,13 @@ class Pool:
         self.state_options = options
 
     def journal(
-        self, kind: int, engine: str, payload: bytes, reply: bytes, batch: Any, work: int = 0
+        self,
+        kind: int,
+        engine: str,
+        payload: bytes,
+        reply: bytes,
+        batches: Sequence[Any],
+        work: int = 0,
     ) -> int:
         """Record a call that changed the pool (under the lock, right after the change and
         the events drain; ``work``: tokens + 64 per operation, as the servicers count it);
@@ -1015,10 +1023,10 @@ class Pool:
             kind,
             engine,
             payload,
-            batch.seq if batch is not None else 0,
-            batch.timestamp if batch is not None else 0.0,
+            batches[-1].seq if batches else 0,
+            batches[0].timestamp if batches else 0.0,
             reply_digest(reply),
-            batch,
+            batches,
             1 + work // 64,
         )
         if persistence.snapshot_due():
@@ -1040,7 +1048,7 @@ class Pool:
         """
         assert self.cache is not None
         flagged, dropped = self.cache.invalidate()
-        batch = self.drain_events()
+        batches = self.drain_events()
         self.num_invalidations += 1
         log.warning(
             "pool %s: %s: prefix index cleared (%d cached blocks), %d live requests must be "
@@ -1050,7 +1058,7 @@ class Pool:
             dropped,
             flagged,
         )
-        return self.journal(JournalKind.INVALIDATE, "", reason.encode(), b"", batch)
+        return self.journal(JournalKind.INVALIDATE, "", reason.encode(), b"", batches)
 
     def _persist_rank(self, slot: RankSlot) -> int:
         """Record the rank's current registration and tensor identity; returns the ticket."""
@@ -1304,8 +1312,8 @@ class Pool:
                 raise StateError(
                     f"{where}: replaying journal row {record.seq} failed: {exc}"
                 ) from None
-            batch = cache.take_events()
-            got = batch.seq if batch is not None else 0
+            drained = cache.take_event_batches()
+            got = drained[-1].seq if drained else 0
             if reply_digest(reply) != record.reply_digest or got != record.event_seq:
                 raise StateError(
                     f"{where}: journal row {record.seq} ({JournalKind(record.kind).name}) "
@@ -1313,7 +1321,7 @@ class Pool:
                     f"{got}, acknowledged {record.event_seq}): refusing to serve a state "
                     "that differs from the one before the restart"
                 )
-            if batch is not None:
+            for batch in drained:
                 batch.timestamp = record.event_ts
                 batches.append(batch)
             if request is not None and request.call_id:

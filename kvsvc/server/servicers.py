@@ -151,16 +151,16 @@ async def _mutate(pool: Pool, kind: int, request: Any, work: int, fn: Any, *args
                             break
             else:
                 response, changed = fn(*args)
-            batch = pool.drain_events()
+            batches = pool.drain_events()
             ticket = 0
             # An event is a change, whatever ``changed`` says.
-            if (changed or batch is not None) and pool.persistence is not None:
+            if (changed or batches) and pool.persistence is not None:
                 ticket = pool.journal(
                     kind,
                     engine,
                     request.SerializeToString(),
                     response.SerializeToString(),
-                    batch,
+                    batches,
                     work,
                 )
             if call_id:
@@ -299,7 +299,7 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
     async def WatchEvents(self, request: Any, context: Any) -> AsyncIterator[Any]:
         """Follow the pool's events. Each batch goes out as the bytes the pool's event log
         serialized once for all subscribers, written with ``context.write`` (the method is
-        registered by :func:`kvsvc.server.grpc_handlers.add_kvcache_service`, whose
+        registered by :func:`kvsvc.server.grpc_handlers.kvcache_method_handlers`, whose
         serializer passes bytes through), so a write that never completes can be timed
         out (see :meth:`EventLog.serve`). Nothing is yielded."""
         pool = self._pools.get(request.pool)
@@ -352,8 +352,8 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
         pool.ensure_writable()
         async with pool.lock:
             reset = pool.ensure_writable().reset_prefix_cache()
-            batch = pool.drain_events()
-            ticket = pool.journal(JournalKind.RESET, "", b"", b"\x01", batch) if reset else 0
+            batches = pool.drain_events()
+            ticket = pool.journal(JournalKind.RESET, "", b"", b"\x01", batches) if reset else 0
         await pool.durable(ticket)
         return kvcache_pb2.ResetPrefixCacheResponse(reset=reset)
 

@@ -51,7 +51,7 @@ import os
 import sqlite3
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
@@ -850,10 +850,10 @@ class PoolPersistence:
         event_seq: int,
         event_ts: float,
         digest: int,
-        batch: Any = None,
+        batches: Sequence[Any] = (),
         weight: int = 1,
     ) -> int:
-        """Journal one applied call (``batch``: the events it made, published once the
+        """Journal one applied call (``batches``: the events it made, published once the
         commit is done; ``weight``: what replaying it costs, one unit per operation and per
         64 tokens, ~3 us each); returns its ticket."""
         self.last_seq += 1
@@ -861,8 +861,7 @@ class PoolPersistence:
         self._records.append(
             JournalRecord(self.last_seq, kind, engine, payload, event_seq, event_ts, digest)
         )
-        if batch is not None:
-            self._batches.append(batch)
+        self._batches.extend(batches)
         return self._next_ticket()
 
     def update_rank(self, record: RankRecord) -> int:

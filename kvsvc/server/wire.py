@@ -22,6 +22,7 @@ from kvsvc.core import (
     KVEventBatch,
     MultiModalItem,
     RequestStart,
+    check_hashing_strings,
 )
 from kvsvc.core.hashing import unpack_token_ids
 from kvsvc.errors import InvalidArgument
@@ -63,9 +64,11 @@ def token_ids_of(repeated: Any, packed: bytes, field: str, packed_field: str) ->
 def hashing_from_pb(msg: pb.HashingContext, where: str) -> HashingContext | None:
     """The core's hashing context; None when the message carries nothing.
 
-    Items are checked for shape here (and their number bounded before any is converted);
-    that each lies inside the prompt, and the identifier bound, the core checks
-    (``kvsvc.core.check_mm_items``) where the prompt's length is known.
+    Items are checked for shape here (and their number bounded before any is converted),
+    the strings' byte bounds too (so an oversized one is refused before anything else
+    reads it, on every path that takes a context: Allocate, Step, Lookup, the router's
+    Score); that each item lies inside the prompt, and the identifier bound, the core
+    checks (``kvsvc.core.check_hashing_context``) where the prompt's length is known.
     """
     if len(msg.mm_items) > MAX_MM_ITEMS:
         raise InvalidArgument(
@@ -87,13 +90,15 @@ def hashing_from_pb(msg: pb.HashingContext, where: str) -> HashingContext | None
         return None
     if msg.lora_path and not msg.lora_name:
         raise InvalidArgument(f"{where}.lora_name", "required when lora_path is set")
-    return HashingContext(
+    context = HashingContext(
         cache_salt=msg.cache_salt or None,
         lora_name=msg.lora_name or None,
         lora_path=msg.lora_path or None,
         mm_items=tuple(items),
         prompt_embeds_digests=tuple(msg.prompt_embeds_digests),
     )
+    check_hashing_strings(context, where)
+    return context
 
 
 def start_from_pb(msg: pb.RequestStart, where: str) -> RequestStart:

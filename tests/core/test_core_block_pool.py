@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from core_factories import check_pool_invariants, free_order
 
@@ -214,3 +216,34 @@ def test_stored_events_split_at_gaps_so_tokens_line_up() -> None:
     assert batch is not None
     stored = [(e.block_hashes, e.parent_block_hash, e.token_ids) for e in batch.events]  # type: ignore[union-attr]
     assert stored == [([b"a"], None, [0, 1]), ([b"c", b"d"], b"b", [4, 5, 6, 7])]
+
+
+def test_a_drain_past_the_batch_bound_splits_into_chained_consecutive_batches() -> None:
+    """take_batches keeps each batch within its byte bound: a run of blocks too large for
+    one is split into runs whose parents chain, removals into smaller runs, in order, with
+    consecutive sequence numbers and nothing lost."""
+    from kvsvc.core.events import BlockRemoved, BlockStored, KVEventQueue, wire_bound
+
+    queue = KVEventQueue()
+    hashes = [i.to_bytes(16, "big") for i in range(1, 1001)]
+    queue.append(
+        BlockStored(hashes, b"p" * 16, list(range(16_000)), 16, "lora", "GPU", 0, "full_attention")
+    )
+    queue.append(BlockRemoved(hashes[:500], "GPU", 0))
+    batches = queue.take_batches(max_bytes=8192)
+    assert [b.seq for b in batches] == list(range(1, len(batches) + 1)) and len(batches) > 10
+    events = [e for b in batches for e in b.events]
+    assert all(sum(map(wire_bound, b.events)) <= 8192 for b in batches)
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    assert [h for e in stored for h in e.block_hashes] == hashes
+    assert [t for e in stored for t in e.token_ids] == list(range(16_000))
+    assert stored[0].parent_block_hash == b"p" * 16
+    for before, after in itertools.pairwise(stored):
+        assert after.parent_block_hash == before.block_hashes[-1]
+    removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert removed == hashes[:500]
+    # Below the bound: one batch, as take() makes it.
+    queue.append(BlockRemoved(hashes[:2], "GPU", 0))
+    (single,) = queue.take_batches()
+    assert single.seq == len(batches) + 1 and len(single.events) == 1
+    assert queue.take_batches() == []

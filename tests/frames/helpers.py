@@ -175,3 +175,20 @@ class RawClient:
             return self.sock.recv(1) == b""
         except ConnectionResetError:
             return True
+
+
+@contextmanager
+def token_server(
+    listen: str, tmp: Path, tokens: dict[str, str], **kwargs: Any
+) -> Iterator[ServerThread]:
+    """A READY :func:`frames_server` (``listen``'s ``{tmp}`` filled in) with token files
+    in ``tmp``: ``tokens`` maps a role (engine, agent, admin) to its file's text; the fake
+    rank registers with the agent file's first token."""
+    files = {}
+    for role, text in tokens.items():
+        path = tmp / role
+        path.write_text(text)
+        files[f"{role}_token_file"] = str(path)
+    agent = tokens["agent"].split()[0]
+    with frames_server(listen.format(tmp=tmp), token=agent, **files, **kwargs) as srv:
+        yield srv

@@ -4,7 +4,6 @@ message is read."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -27,6 +26,7 @@ from tests.frames.helpers import (
     frames_server,
     live_requests,
     short_dir,
+    token_server,
     unix_target,
 )
 from tests.server.harness import ServerThread
@@ -40,18 +40,13 @@ UNAUTHENTICATED = 16
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerThread]:
-    with short_dir() as tmp:
-        (tmp / "engine").write_text(f"engine-a {ENGINE_A}\nengine-b {ENGINE_B}\n")
-        (tmp / "agent").write_text(f"{AGENT}\n")
-        (tmp / "admin").write_text(f"{ADMIN}\n")
-        with frames_server(
-            f"unix:{tmp}/a.sock,127.0.0.1:0",
-            token=AGENT,
-            engine_token_file=str(tmp / "engine"),
-            agent_token_file=str(tmp / "agent"),
-            admin_token_file=str(tmp / "admin"),
-        ) as srv:
-            yield srv
+    tokens = {
+        "engine": f"engine-a {ENGINE_A}\nengine-b {ENGINE_B}\n",
+        "agent": f"{AGENT}\n",
+        "admin": f"{ADMIN}\n",
+    }
+    with short_dir() as tmp, token_server("unix:{tmp}/a.sock,127.0.0.1:0", tmp, tokens) as srv:
+        yield srv
 
 
 def client(server: ServerThread, token: str) -> KVCacheClient:
@@ -125,26 +120,31 @@ def test_named_engines_have_separate_namespaces(server: ServerThread) -> None:
 
 
 @pytest.mark.parametrize("transport", ["unix", "tcp"])
-def test_a_refused_call_is_answered_before_its_body_is_read(
-    server: ServerThread, transport: str
+@pytest.mark.parametrize(
+    ("metadata", "reason"),
+    [
+        (None, "missing authorization metadata"),
+        ((("authorization", "Bearer not-a-token-0123456789"),), "unknown token"),
+    ],
+)
+def test_a_hello_without_a_known_token_is_refused_and_closed(
+    server: ServerThread,
+    transport: str,
+    metadata: tuple[tuple[str, str], ...] | None,
+    reason: str,
 ) -> None:
-    """A hello without authorization, then an Allocate announcing a 48 MiB body that is
-    never sent: the server answers UNAUTHENTICATED with close at once (it does not wait for
-    the body) and closes the connection."""
+    """When the server has tokens, a connection whose hello carries none it knows could
+    make no call: its hello is answered UNAUTHENTICATED with close, and the connection is
+    closed (it holds no slot)."""
     address = (
         server.server.frames_addresses[0]
         if transport == "unix"
         else f"127.0.0.1:{server.server.frames_port}"
     )
     with RawClient(address) as raw:
-        assert raw.hello().code == 0  # the hello is answered; its calls are checked
-        header = call_header(KVCACHE + "Allocate")
-        started = time.monotonic()
-        raw.send(PREFIX.pack(len(header), 48 << 20) + header)
-        reply, body = raw.read()
-        assert time.monotonic() - started < 2.0
-        assert reply.code == UNAUTHENTICATED and reply.close and not body
-        assert "missing authorization metadata" in reply.details
+        answer = raw.hello(metadata)
+        assert answer.code == UNAUTHENTICATED and answer.close
+        assert reason in answer.details and "not-a-token" not in answer.details
         assert raw.closed_by_server()
 
 
@@ -185,9 +185,7 @@ def test_refusals_from_new_connections_of_one_host_are_logged_once(
             caplog.set_level("WARNING", logger="kvsvc.security")
             for _ in range(5):
                 with RawClient(f"127.0.0.1:{fresh.server.frames_port}") as raw:
-                    raw.hello()
-                    reply, _ = raw.call(KVCACHE + "GetUsage")
-                    assert reply.code == UNAUTHENTICATED
+                    assert raw.hello().code == UNAUTHENTICATED
     refused = [r for r in caplog.records if "auth refused" in r.getMessage()]
     assert len(refused) == 1, [r.getMessage() for r in refused]
     assert "from 127.0.0.1:" in refused[0].getMessage()

@@ -20,7 +20,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvsvc_client import (
+    BlockStored,
     ClientOptions,
+    EventBatch,
+    HashingContext,
     InvalidArgumentError,
     KVCacheClient,
     NotFoundError,
@@ -63,8 +66,8 @@ SHARED = {
     "ResetPrefixCache": {Role.ENGINE, Role.ADMIN},
     "ListPools": {Role.ENGINE, Role.ADMIN},
     "GetUsage": {Role.ENGINE, Role.ADMIN},
-    "WatchEvents": {Role.ENGINE, Role.ADMIN},
-    "SnapshotIndex": {Role.ENGINE, Role.ADMIN},
+    "WatchEvents": {Role.ADMIN},
+    "SnapshotIndex": {Role.ADMIN},
 }
 TOKEN_OF = {Role.ENGINE: ENGINE_A, Role.AGENT: AGENT, Role.ADMIN: ADMIN}
 METHODS = [
@@ -187,9 +190,13 @@ def _call(
 def _framed_call(
     address: str, service: Any, method: Any, token: str | None, request: Any
 ) -> tuple[grpc.StatusCode, str]:
-    """Call ``method`` on a new framed connection whose hello carries ``token``."""
+    """Call ``method`` on a new framed connection whose hello carries ``token``; a refused
+    hello (no known token: the connection could make no call) is the call's answer."""
     with RawClient(address) as raw:
-        assert raw.hello(_metadata(token)).code == 0
+        hello = raw.hello(_metadata(token))
+        if hello.code:
+            assert hello.close
+            return _status(hello.code), hello.details
         reply, _ = raw.call(f"/{service.full_name}/{method.name}", request.SerializeToString())
     return _status(reply.code), reply.details
 
@@ -239,7 +246,8 @@ def test_every_method_checks_the_credential_and_its_role_on_every_transport(
     PERMISSION_DENIED; each with the pool unchanged. The method's own roles (and the
     all-roles token) are served: the same answer on every transport. Over frames, a
     streaming method or one of a service frames do not carry answers UNIMPLEMENTED to
-    every caller."""
+    caller with a known token (a hello without one is refused before any method is
+    named)."""
     address = _listener(server, listener)
     framed = listener.startswith("frames")
     call = _framed_call if framed else _call
@@ -247,7 +255,10 @@ def test_every_method_checks_the_credential_and_its_role_on_every_transport(
     # What a refused call sends names the live pool: were it let through, it would act.
     real = _request(method, "p")
     if framed and (method.server_streaming or service.full_name not in FRAMED_SERVICES):
-        for token in (None, UNKNOWN, *TOKEN_OF.values(), ALL_ROLES):
+        for token in (None, UNKNOWN):
+            code, details = call(address, service, method, token, real)
+            assert code == grpc.StatusCode.UNAUTHENTICATED, (token, code, details)
+        for token in (*TOKEN_OF.values(), ALL_ROLES):
             code, details = call(address, service, method, token, real)
             assert code == grpc.StatusCode.UNIMPLEMENTED, (token, code, details)
             assert "not served over frames" in details
@@ -469,6 +480,75 @@ def test_a_request_id_cannot_forge_a_namespace(server: ServerThread) -> None:
         pytest.raises(InvalidArgumentError, match="must not contain a NUL"),
     ):
         anon.allocate("engine-a\x00r1", [1, 2, 3], 3, start=RequestStart())
+
+
+def test_an_engine_cannot_read_another_engines_prompts_through_a_stream(
+    server: ServerThread,
+) -> None:
+    """Engine A admits a prompt under its own salt and adapter. Engine B (another named
+    engine) can follow neither the events (a BlockStored carries A's token ids and LoRA
+    name) nor the index snapshot: both are refused PERMISSION_DENIED, saying why and
+    which token may. The operator's token (what kvsvc indexer and kvsvc ctl events use)
+    reads the whole stream."""
+    secret = list(range(5000, 5048))
+    hashing = HashingContext(cache_salt="salt-of-a", lora_name="adapter-of-a")
+    with _engine(server, ENGINE_A) as a, _engine(server, ENGINE_B) as b:
+        assert a.allocate("secret", secret, 48, start=RequestStart(hashing=hashing)).ok
+        try:
+            with pytest.raises(PermissionDeniedError) as refused:
+                next(iter(b.watch_events(1, reconnect=False)))
+            assert "operator" in refused.value.details
+            assert "token ids" in refused.value.details
+            with grpc.insecure_channel(server.address) as channel:
+                snapshot = kvcache_pb2_grpc.KVCacheServiceStub(channel).SnapshotIndex(
+                    kvcache_pb2.SnapshotIndexRequest(pool="p"),
+                    metadata=(("authorization", f"Bearer {ENGINE_B}"),),
+                    timeout=5,
+                )
+                with pytest.raises(grpc.RpcError) as denied:
+                    next(snapshot)
+                assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            with _engine(server, ADMIN) as operator:
+                stored = [
+                    event
+                    for batch in _until_caught_up(operator)
+                    for event in batch.events
+                    if isinstance(event, BlockStored)
+                ]
+            assert any(e.lora_name == "adapter-of-a" and e.token_ids[0] == 5000 for e in stored)
+        finally:
+            a.free("secret")
+
+
+def _until_caught_up(client: KVCacheClient) -> list[EventBatch]:
+    batches = []
+    for batch in client.watch_events(1, caught_up=True, reconnect=False):
+        if batch.caught_up:
+            return batches
+        batches.append(batch)
+    raise AssertionError("the stream ended before it caught up")
+
+
+@pytest.mark.parametrize("token", [None, "not-a-token-0123456789", ENGINE_A, ADMIN])
+def test_an_unknown_method_is_unimplemented_whoever_asks(
+    server: ServerThread, token: str | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``/kvsvc.v1.<Service>/Nope``, unary or streaming, without a token, with an unknown
+    one or with a role's: UNIMPLEMENTED (the interceptor has no handler to refuse or to
+    wrap), and no traceback in the log."""
+    metadata = (("authorization", f"Bearer {token}"),) if token is not None else None
+    with grpc.insecure_channel(server.address) as channel:
+        for service in SERVICES:
+            path = f"/{service.full_name}/Nope"
+            with pytest.raises(grpc.RpcError) as unary:
+                channel.unary_unary(path)(b"", metadata=metadata, timeout=5)
+            assert unary.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            stream = channel.unary_stream(path)(b"", metadata=metadata, timeout=5)
+            with pytest.raises(grpc.RpcError) as streaming:
+                next(stream)
+            assert streaming.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "Traceback" not in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 def test_an_agent_token_cannot_drive_the_engine_api(server: ServerThread) -> None:

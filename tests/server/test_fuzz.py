@@ -11,12 +11,18 @@ the pool ``p``, a handful of request ids), plus hand-written edge cases. For eac
 
 and at the end, freeing every live request gives every block back.
 
+Bytes that do not parse as a request are sent to every method of the server and of the
+router (``kvsvc router``), and calls of methods that do not exist: INVALID_ARGUMENT and
+UNIMPLEMENTED, never UNKNOWN or INTERNAL, and no traceback in the log. The method lists
+come from the service descriptors, so a method added later is covered.
+
 The default run sends about 2,000 requests; ``KVSVC_SLOW=1`` adds ``test_fuzz_long``:
 10,000 more.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 from collections import Counter
@@ -26,11 +32,12 @@ from typing import Any
 import grpc
 import pytest
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, MethodDescriptor
+from grpc_health.v1 import health_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvsvc.server.config import PoolConfig
-from kvsvc.v1 import admin_pb2, kvcache_pb2, worker_pb2
+from kvsvc.v1 import admin_pb2, cluster_pb2, kvcache_pb2, worker_pb2
 from tests.core.core_factories import check_pool_invariants
 from tests.server.harness import FakeRank, ServerThread, llama_like_specs, running_server
 
@@ -496,3 +503,97 @@ def test_fuzz_every_rpc(server: ServerThread) -> None:
 @pytest.mark.skipif(not os.environ.get("KVSVC_SLOW"), reason="long fuzz: set KVSVC_SLOW=1")
 def test_fuzz_long(server: ServerThread) -> None:
     _fuzz(server, 10_000)
+
+
+# Bytes that no request message parses as: a truncated varint, a length past the end, a
+# field number 0, a tag varint too long, a group that never ends, random noise.
+MALFORMED_BODIES = [
+    b"\x08\x80",
+    b"\x0a\xff\xff\xff\xff\x0f",
+    b"\x00",
+    b"\xff" * 10 + b"\x01",
+    b"\x0b",
+    b"\x12\x05ab",
+]
+HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"]
+# Every method the server serves with a protobuf request (reflection's is a stream of
+# requests: not a unary-request method), and the router's.
+SERVER_METHODS: list[MethodDescriptor] = [*METHODS, *HEALTH.methods]
+ROUTER_METHODS: list[MethodDescriptor] = [
+    *cluster_pb2.DESCRIPTOR.services_by_name["ClusterIndexService"].methods,
+    *HEALTH.methods,
+]
+
+
+def _raw_code(channel: grpc.Channel, path: str, body: bytes, streaming: bool) -> grpc.StatusCode:
+    """The status of a call of ``path`` whose request body is ``body`` as it is."""
+    try:
+        if streaming:
+            stream = channel.unary_stream(path)(body, timeout=5)
+            try:
+                next(stream)
+            finally:
+                stream.cancel()
+        else:
+            channel.unary_unary(path)(body, timeout=5)
+    except grpc.RpcError as exc:
+        return exc.code()  # type: ignore[no-any-return]
+    return grpc.StatusCode.OK
+
+
+def _assert_no_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], [
+        r.getMessage() for r in caplog.records
+    ]
+    assert "Traceback" not in caplog.text
+
+
+def _check_malformed_and_unknown(
+    address: str, methods: list[MethodDescriptor], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Malformed bytes to every method: INVALID_ARGUMENT, one security-log line per
+    method at most (rate-limited), no traceback; unknown methods: UNIMPLEMENTED."""
+    caplog.set_level(logging.WARNING)
+    codes: Counter[str] = Counter()
+    with grpc.insecure_channel(address) as channel:
+        for method in methods:
+            path = f"/{method.containing_service.full_name}/{method.name}"
+            for body in MALFORMED_BODIES:
+                code = _raw_code(channel, path, body, method.server_streaming)
+                codes[code.name] += 1
+                assert code == grpc.StatusCode.INVALID_ARGUMENT, (path, body, code)
+        services = {m.containing_service.full_name for m in methods}
+        for service in services:
+            for streaming in (False, True):
+                code = _raw_code(channel, f"/{service}/Nope", b"", streaming)
+                assert code == grpc.StatusCode.UNIMPLEMENTED, (service, code)
+    assert codes == {"INVALID_ARGUMENT": len(methods) * len(MALFORMED_BODIES)}
+    lines = [r.getMessage() for r in caplog.records if "malformed request" in r.getMessage()]
+    assert 0 < len(lines) <= len(methods), lines
+    _assert_no_traceback(caplog)
+
+
+def test_malformed_bytes_and_unknown_methods_on_the_server(
+    server: ServerThread, caplog: pytest.LogCaptureFixture
+) -> None:
+    _check_malformed_and_unknown(server.address, SERVER_METHODS, caplog)
+    _check_invariants(server)
+
+
+def test_malformed_bytes_and_unknown_methods_on_the_router(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``kvsvc router`` (a synchronous gRPC server) answers alike; its Redis is never
+    reached (the client points at nothing)."""
+    import redis
+
+    from kvsvc.cluster.router import create_router
+    from kvsvc.cluster.score import Scorer
+
+    router, port = create_router(
+        Scorer(redis.Redis(port=1, socket_connect_timeout=0.5), "seed"), "127.0.0.1:0"
+    )
+    try:
+        _check_malformed_and_unknown(f"127.0.0.1:{port}", ROUTER_METHODS, caplog)
+    finally:
+        router.stop(None)
