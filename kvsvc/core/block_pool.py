@@ -17,13 +17,23 @@ from itertools import compress
 from typing import Any
 
 from kvsvc.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventQueue
-from kvsvc.core.hashing import BlockHash, BlockHashList
+from kvsvc.core.hashing import BlockExtraKeys, BlockHash, BlockHashList
 
 NULL_BLOCK_ID = 0
 # NOTE: the null block's reference count is a large constant, so the decrement-and-test in
 # ``free_blocks`` and the zero test in ``touch`` never see it reach 0: callers may pass table
 # entries that are null without filtering them out first.
 _NULL_REF_COUNT = 1 << 62
+
+
+def _keys_of_blocks(
+    extra_keys: BlockExtraKeys | None, first: int, end: int, block_size: int
+) -> list[tuple[Any, ...] | None] | None:
+    """The extra keys of blocks ``[first, end)`` (for events; None when the request has
+    none, so the common case costs nothing)."""
+    if extra_keys is None:
+        return None
+    return [extra_keys(i * block_size, (i + 1) * block_size) for i in range(first, end)]
 
 
 class FreeBlockQueue:
@@ -411,6 +421,7 @@ class BlockPool:
         token_ids: Sequence[int] = (),
         lora_name: str | None = None,
         block_mask: Sequence[bool] | None = None,
+        extra_keys: BlockExtraKeys | None = None,
     ) -> None:
         """Index ``blocks[num_cached_blocks:num_full_blocks]`` under their hashes.
 
@@ -429,6 +440,7 @@ class BlockPool:
             lora_name: the request's adapter (events).
             block_mask: per block of ``blocks[num_cached_blocks:num_full_blocks]``,
                 whether to cache it (None: all).
+            extra_keys: the request's extra keys per block (events; None: it has none).
         """
         if num_cached_blocks >= num_full_blocks:
             return
@@ -457,7 +469,9 @@ class BlockPool:
                 self._dups[group_id].setdefault(block_hash, []).append(block_id)
             self.num_cached_blocks += 1
             if self.events is not None:
-                self._emit_stored([i], block_hashes, group_id, block_size, token_ids, lora_name)
+                self._emit_stored(
+                    [i], block_hashes, group_id, block_size, token_ids, lora_name, extra_keys
+                )
             return
         groups = self.block_group
         index = self._index[group_id]
@@ -482,7 +496,9 @@ class BlockPool:
             if stored is not None:
                 stored.append(i)
         if stored:
-            self._emit_stored(stored, block_hashes, group_id, block_size, token_ids, lora_name)
+            self._emit_stored(
+                stored, block_hashes, group_id, block_size, token_ids, lora_name, extra_keys
+            )
 
     def _emit_stored(
         self,
@@ -492,6 +508,7 @@ class BlockPool:
         block_size: int,
         token_ids: Sequence[int],
         lora_name: str | None,
+        extra_keys: BlockExtraKeys | None,
     ) -> None:
         # One event per contiguous run, so each event's tokens line up with its hashes.
         assert self.events is not None
@@ -509,6 +526,7 @@ class BlockPool:
                     self.medium,
                     group_id,
                     self.group_kinds[group_id],
+                    _keys_of_blocks(extra_keys, i, i + 1, block_size),
                 )
             )
             return
@@ -528,6 +546,7 @@ class BlockPool:
                     medium=self.medium,
                     group_index=group_id,
                     group_kind=self.group_kinds[group_id],
+                    extra_keys=_keys_of_blocks(extra_keys, first, last + 1, block_size),
                 )
             )
             run_start = k

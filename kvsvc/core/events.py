@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 MEDIUM_GPU = "GPU"
 
@@ -29,6 +30,10 @@ class BlockStored:
         medium: where the blocks live (``"GPU"`` for device memory).
         group_index: KV cache group the blocks belong to.
         group_kind: that group's attention kind (``full_attention``, ``sliding_window``, ...).
+        extra_keys: per block, the extra keys its hash covers (tagged as the hasher tags
+            them: ``("lora", name, path)``, ``("mm", id, offset)``, ``("cache_salt", s)``,
+            ``("prompt_embeds", digest)``), None for a block without any; None as a whole
+            when the request has none. vLLM-format events publish them (untagged).
     """
 
     block_hashes: list[bytes]
@@ -39,6 +44,7 @@ class BlockStored:
     medium: str
     group_index: int
     group_kind: str
+    extra_keys: list[tuple[Any, ...] | None] | None = None
 
 
 @dataclass(slots=True)
