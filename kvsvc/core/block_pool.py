@@ -557,7 +557,9 @@ class BlockPool:
         block_group = self.block_group
         indexes = self._index
         all_dups = self._dups
-        removed: dict[int, list[BlockHash]] | None = {} if self.events is not None else None
+        # Runs of one group's hashes in eviction order (vLLM reports each evicted block in
+        # the order it goes, groups interleaved; consecutive ones of a group share an event).
+        removed: list[tuple[int, list[BlockHash]]] | None = [] if self.events is not None else None
         num_evicted = 0
         for block_id in block_ids:
             block_hash = hashes[block_id]
@@ -583,16 +585,15 @@ class BlockPool:
             hashes[block_id] = None
             num_evicted += 1
             if removed is not None:
-                group_hashes = removed.get(group_id)
-                if group_hashes is None:
-                    removed[group_id] = [block_hash]
+                if removed and removed[-1][0] == group_id:
+                    removed[-1][1].append(block_hash)
                 else:
-                    group_hashes.append(block_hash)
+                    removed.append((group_id, [block_hash]))
         self.num_cached_blocks -= num_evicted
         self.num_evictions += num_evicted
         if removed:
             assert self.events is not None
-            for group_id, group_hashes in removed.items():
+            for group_id, group_hashes in removed:
                 self.events.append(
                     BlockRemoved(
                         block_hashes=group_hashes, medium=self.medium, group_index=group_id
