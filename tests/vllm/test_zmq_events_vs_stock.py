@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvsvc_client import HashingContext, RequestStart
 
 zmq = pytest.importorskip("zmq")
 msgspec = pytest.importorskip("msgspec")
@@ -80,12 +81,14 @@ MODELS = {"dense": TINY_LLAMA_CONFIG, "hybrid": TINY_GEMMA3_CONFIG}
 REFUSAL = "serves models with one full-attention KV cache group"
 
 
-def make_prompts() -> list[list[int]]:
+def make_prompts() -> list[tuple[list[int], str | None]]:
+    """(prompt, cache salt) each."""
     rng = random.Random(21)
     first = [rng.randrange(3, 8192) for _ in range(150)]
     sharing = first[:100] + [7] * 30  # three full blocks in common
     long = [rng.randrange(3, 8192) for _ in range(300)]
-    return [first, sharing, long, first]
+    # The salted one's first block carries the salt as its extra key.
+    return [(first, None), (sharing, None), (long, None), (first, None), (sharing, "tenant-a")]
 
 
 def stock_args(model: str) -> dict[str, Any]:
@@ -150,8 +153,11 @@ def run_workload(llm: Any, stream: Stream, clears: int = 1) -> tuple[list[list[i
 
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, detokenize=False, ignore_eos=True)
     tokens, cached = [], []
-    for prompt in make_prompts():
-        (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+    for prompt, salt in make_prompts():
+        tokens_prompt = TokensPrompt(prompt_token_ids=prompt)
+        if salt is not None:
+            tokens_prompt["cache_salt"] = salt
+        (out,) = llm.generate([tokens_prompt], params, use_tqdm=False)
         tokens.append(list(out.outputs[0].token_ids))
         cached.append(out.num_cached_tokens)
     assert llm.reset_prefix_cache()
@@ -207,6 +213,8 @@ def test_the_workload_stores_evicts_and_hits(stock: Workload) -> None:
         assert any(isinstance(e, BlockStored) and e.group_idx == group for e in stock.events)
         assert any(isinstance(e, BlockRemoved) and e.group_idx == group for e in stock.events)
     assert any(stock.cached)
+    salted = [e.extra_keys for e in stock.events if isinstance(e, BlockStored) and e.extra_keys[0]]
+    assert salted and all(keys[0] == ("tenant-a",) for keys in salted)
     stored = [e for e in stock.events if isinstance(e, BlockStored)]
     assert all(isinstance(h, int) for e in stored for h in e.block_hashes)  # vLLM's default
     if len(stock.groups) == 2:
@@ -233,11 +241,12 @@ def test_kvsvc_pool_streams_what_stock_vllm_streams(
                 kvc.wait_until_ready(timeout=60)
                 stream = Stream(subscribe(ctx, endpoint))
                 cached = []
-                for n, (prompt, tokens) in enumerate(
+                for n, ((prompt, salt), tokens) in enumerate(
                     zip(make_prompts(), stock.tokens, strict=True)
                 ):
                     request_id = f"r{n}"
-                    admitted = kvc.allocate(request_id, prompt, len(prompt), start=True)
+                    start = RequestStart(HashingContext(cache_salt=salt) if salt else None)
+                    admitted = kvc.allocate(request_id, prompt, len(prompt), start=start)
                     assert admitted.ok and admitted.num_scheduled_tokens > 0
                     cached.append(admitted.num_cached_tokens)
                     # Each decode step computes the token sampled last; the last sampled
