@@ -15,8 +15,12 @@ What such a stream lacks, and what the follower does instead:
   endpoint) a gap is first asked for from the replay buffer.
 - no hashing settings: the algorithm is the operator's (``--zmq-hash-algo``; vLLM must run
   with ``sha256_cbor`` and the same seed for its hashes to be the router's), the block size
-  the first BlockStored's. Hashes sent as 64-bit ints (vLLM's int-hash mode) cannot be
-  compared with a prompt's hashes: those events are skipped, with a warning.
+  the first BlockStored's. Hashes come as bytes or as 64-bit ints (vLLM's default,
+  ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``: the hash's last 8 bytes read big-endian): a
+  source's blocks are indexed under the whole hash or under those 8 bytes, as its first
+  hashed event says (``Tracking.hash_bytes``), and the scorer cuts a prompt's hashes alike.
+  A bytes hash on an int source is cut too; an int hash on a bytes source (the engine
+  restarted with the other setting) starts the source's index again at that batch.
 - no liveness: a PUB socket is silent both idle and dead, so a ZMQ source is never purged
   for being gone, only when it clears its cache or leaves the sources.
 """
@@ -90,7 +94,6 @@ class ZmqFollower(SourceThread):
         # caught_up: set once the first message was applied.
         super().__init__(self.endpoint, client, options, metrics, owner, f"zmq-{self.endpoint}")
         self.hash_algo = hash_algo
-        self._warned_int = False
 
     def _run(self) -> None:
         import redis
@@ -172,10 +175,11 @@ class ZmqFollower(SourceThread):
                 size += 1
             self._apply(messages, decoder)
 
-    def _begin(self, seq: int, block_size: int) -> None:
+    def _begin(self, seq: int, block_size: int, hash_bytes: int = 0) -> None:
         """Start the source's index empty just before ``seq`` (a first start, a gap that
-        could not be replayed, or a restarted engine)."""
-        tracking = Tracking((0,), block_size, block_size, self.hash_algo, "")
+        could not be replayed, or a restarted engine), its blocks indexed under the last
+        ``hash_bytes`` bytes of their hashes (0: all)."""
+        tracking = Tracking((0,), block_size, block_size, self.hash_algo, "", hash_bytes=hash_bytes)
         self.store.install(ZMQ_EPOCH, seq - 1, tracking, {})
         self._tracking, self._seq = tracking, seq - 1
         self.metrics.snapshots.labels("new" if seq <= 1 else "gap").inc()
@@ -236,10 +240,20 @@ class ZmqFollower(SourceThread):
                 # A live PUB never sends a sequence twice: the engine restarted.
                 flush()
                 self._tracking = None
+            hash_bytes = _hash_bytes_of(batch)
+            if (
+                self._tracking is not None
+                and hash_bytes == INT_HASH_BYTES
+                and self._tracking.hash_bytes != INT_HASH_BYTES
+            ):
+                # Int hashes where bytes came before: the engine restarted with vLLM's
+                # default; what the index holds under whole hashes cannot be matched.
+                flush()
+                self._tracking = None
             if self._tracking is None:
                 flush()
                 stored = next((e for e in batch.events if isinstance(e, BlockStored)), None)
-                self._begin(seq, stored.block_size if stored else DEFAULT_BLOCK_SIZE)
+                self._begin(seq, stored.block_size if stored else DEFAULT_BLOCK_SIZE, hash_bytes)
             elif seq != position + 1:
                 flush()
                 if not replayed:
@@ -258,18 +272,9 @@ class ZmqFollower(SourceThread):
                     run.append(b"C")
                     cleared_n += 1
                     continue
-                hashes = event.block_hashes
-                if any(isinstance(h, int) for h in hashes):
-                    if not self._warned_int:
-                        _log.warning(
-                            "%s: block hashes sent as 64-bit ints cannot be scored; run the "
-                            "engine with hashes as bytes (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)",
-                            self.name,
-                        )
-                        self._warned_int = True
-                    continue
-                group = event.group_idx or 0
                 assert self._tracking is not None
+                hashes = _index_keys(event.block_hashes, self._tracking.hash_bytes)
+                group = event.group_idx or 0
                 tracked = group in self._tracking.groups
                 if isinstance(event, BlockStored):
                     stored_n += len(hashes)
@@ -285,3 +290,27 @@ class ZmqFollower(SourceThread):
             self.metrics.events.labels("cleared").inc(cleared_n)
             self.metrics.lag.labels(self.name).set(max(0.0, time.time() - batch.ts))
         flush()
+
+
+# vLLM's int hashes: the low 64 bits of the hash, i.e. its last 8 bytes.
+INT_HASH_BYTES = 8
+
+
+def _hash_bytes_of(batch: Any) -> int:
+    """How a batch sends hashes: INT_HASH_BYTES for ints, 0 for bytes (or no hash)."""
+    for event in batch.events:
+        hashes = getattr(event, "block_hashes", None)
+        if hashes:
+            return INT_HASH_BYTES if isinstance(hashes[0], int) else 0
+    return 0
+
+
+def _index_keys(hashes: list[bytes | int], hash_bytes: int) -> list[bytes]:
+    """The keys a source indexes its blocks under: the whole hash, or (an int source) the
+    8 big-endian bytes of vLLM's int, which are a bytes hash's last 8."""
+    if not hash_bytes:
+        return [h for h in hashes if isinstance(h, bytes)]
+    return [
+        h.to_bytes(INT_HASH_BYTES, "big") if isinstance(h, int) else h[-INT_HASH_BYTES:]
+        for h in hashes
+    ]

@@ -1,6 +1,6 @@
 """kvsvc indexer --zmq-source: a vLLM-format ZMQ KV event stream (here kvsvc serve's own
---kv-events-zmq publisher, vLLM's wire format) indexed next to a kvsvc source, with real
-processes; Score equals the engine's Lookup."""
+--kv-events-zmq publisher, vLLM's wire format, hashes as ints or bytes) indexed next to a
+kvsvc source, with real processes; Score equals the engine's Lookup."""
 
 from __future__ import annotations
 
@@ -27,8 +27,12 @@ except ImportError:
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 
 
-@pytest.fixture
-def zmq_engine(tmp_path: Path) -> Iterator[tuple[str, str, RedisServer, Path]]:
+@pytest.fixture(params=["--kv-events-int-hashes", "--no-kv-events-int-hashes"])
+def zmq_engine(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[str, str, RedisServer, Path]]:
+    """An engine publishing vLLM's format, hashes as 64-bit ints (vLLM's default) or as
+    bytes: the indexer reads either."""
     seed, specs = tmp_path / "seed", tmp_path / "specs.json"
     seed.write_text(SEED)
     specs.write_text(json.dumps(SPECS))
@@ -41,6 +45,7 @@ def zmq_engine(tmp_path: Path) -> Iterator[tuple[str, str, RedisServer, Path]]:
             "serve", "--listen", "127.0.0.1:0", "--metrics-listen", "off", "--pool", "p",
             "--max-model-len", "1024", "--hash-seed-file", str(seed), "--log-level", "WARNING",
             "--kv-events-zmq", f"tcp://*:{pub}", "--kv-events-replay", f"tcp://*:{replay}",
+            request.param,
         ])  # fmt: skip
         children.append(server)
         port, _ = wait_for_ports(server)
