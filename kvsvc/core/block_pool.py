@@ -27,13 +27,13 @@ _NULL_REF_COUNT = 1 << 62
 
 
 def _keys_of_blocks(
-    extra_keys: BlockExtraKeys | None, first: int, end: int, block_size: int
+    extra_keys: BlockExtraKeys | None, positions: Iterable[int], block_size: int
 ) -> list[tuple[Any, ...] | None] | None:
-    """The extra keys of blocks ``[first, end)`` (for events; None when the request has
-    none, so the common case costs nothing)."""
+    """The extra keys of the blocks at ``positions`` (for events; None when the request
+    has none, so the common case costs nothing)."""
     if extra_keys is None:
         return None
-    return [extra_keys(i * block_size, (i + 1) * block_size) for i in range(first, end)]
+    return [extra_keys(i * block_size, (i + 1) * block_size) for i in positions]
 
 
 class FreeBlockQueue:
@@ -462,6 +462,11 @@ class BlockPool:
                 assert block_id == NULL_BLOCK_ID or (
                     hashes[block_id] == block_hash and self.block_group[block_id] == group_id
                 ), f"block {block_id} is cached under another hash: a wrong prefix hit"
+                if self.events is not None:  # vLLM reports the step, without a hash
+                    self._emit_stored(
+                        [], block_hashes, group_id, block_size, token_ids, lora_name,
+                        extra_keys, i, i + 1,
+                    )  # fmt: skip
                 return
             hashes[block_id] = block_hash
             self.block_group[block_id] = group_id
@@ -470,8 +475,9 @@ class BlockPool:
             self.num_cached_blocks += 1
             if self.events is not None:
                 self._emit_stored(
-                    [i], block_hashes, group_id, block_size, token_ids, lora_name, extra_keys
-                )
+                    [i], block_hashes, group_id, block_size, token_ids, lora_name,
+                    extra_keys, i, i + 1,
+                )  # fmt: skip
             return
         groups = self.block_group
         index = self._index[group_id]
@@ -495,10 +501,11 @@ class BlockPool:
             self.num_cached_blocks += 1
             if stored is not None:
                 stored.append(i)
-        if stored:
+        if stored is not None:
             self._emit_stored(
-                stored, block_hashes, group_id, block_size, token_ids, lora_name, extra_keys
-            )
+                stored, block_hashes, group_id, block_size, token_ids, lora_name,
+                extra_keys, num_cached_blocks, num_full_blocks,
+            )  # fmt: skip
 
     def _emit_stored(
         self,
@@ -509,47 +516,29 @@ class BlockPool:
         token_ids: Sequence[int],
         lora_name: str | None,
         extra_keys: BlockExtraKeys | None,
+        start: int,
+        end: int,
     ) -> None:
-        # One event per contiguous run, so each event's tokens line up with its hashes.
+        """One event for one caching step of blocks ``[start, end)``, worded as vLLM 0.32's
+        ``BlockPool.cache_full_blocks`` words it: the hashes of the blocks it cached
+        (``positions``; blocks it skipped, null or out of a window's reach, have none, so
+        there may be none at all), the parent of block ``start``, and the tokens of the
+        whole range."""
         assert self.events is not None
-        if len(positions) == 1:
-            # A decode step completing one block: the common case, without the run scan.
-            i = positions[0]
-            tokens = token_ids[i * block_size : (i + 1) * block_size]
-            self.events.pending.append(
-                BlockStored(
-                    [block_hashes[i]],
-                    block_hashes[i - 1] if i > 0 else None,
-                    tokens.tolist() if isinstance(tokens, array) else list(tokens),
-                    block_size,
-                    lora_name,
-                    self.medium,
-                    group_id,
-                    self.group_kinds[group_id],
-                    _keys_of_blocks(extra_keys, i, i + 1, block_size),
-                )
+        tokens = token_ids[start * block_size : end * block_size]
+        self.events.pending.append(
+            BlockStored(
+                [block_hashes[i] for i in positions],
+                block_hashes[start - 1] if start > 0 else None,
+                tokens.tolist() if isinstance(tokens, array) else list(tokens),
+                block_size,
+                lora_name,
+                self.medium,
+                group_id,
+                self.group_kinds[group_id],
+                _keys_of_blocks(extra_keys, positions, block_size),
             )
-            return
-        run_start = 0
-        for k in range(1, len(positions) + 1):
-            if k < len(positions) and positions[k] == positions[k - 1] + 1:
-                continue
-            first = positions[run_start]
-            last = positions[k - 1]
-            self.events.append(
-                BlockStored(
-                    block_hashes=[block_hashes[i] for i in range(first, last + 1)],
-                    parent_block_hash=block_hashes[first - 1] if first > 0 else None,
-                    token_ids=list(token_ids[first * block_size : (last + 1) * block_size]),
-                    block_size=block_size,
-                    lora_name=lora_name,
-                    medium=self.medium,
-                    group_index=group_id,
-                    group_kind=self.group_kinds[group_id],
-                    extra_keys=_keys_of_blocks(extra_keys, first, last + 1, block_size),
-                )
-            )
-            run_start = k
+        )
 
     def _evict_hashes(self, block_ids: Iterable[int]) -> None:
         """Drop the cached hash of each block that has one (the block stays where it is)."""

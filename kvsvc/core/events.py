@@ -17,14 +17,21 @@ MEDIUM_GPU = "GPU"
 
 @dataclass(slots=True)
 class BlockStored:
-    """Blocks entered the prefix index: a contiguous run of one request's full blocks.
+    """Blocks entered the prefix index: one caching step of one request in one group,
+    worded as vLLM 0.32's block pool words it.
+
+    A step covers the request's blocks from the first not processed yet through the last
+    full one. Blocks it skips (null: out of a sliding window; or out of reach of any later
+    hit, which vLLM's default retention does not cache) have no hash here, so an event may
+    list fewer hashes than its tokens fill, or none.
 
     Attributes:
-        block_hashes: the blocks' hashes, in prefix order.
-        parent_block_hash: hash of the block before the first one (None for a prompt's
-            first block). It is the request's logical parent even when that block was
-            dropped from the table (sliding window).
-        token_ids: the tokens of the stored blocks, ``block_size`` per hash.
+        block_hashes: the hashes of the blocks the step cached, in prefix order.
+        parent_block_hash: hash of the block before the step's first one (None when the
+            step starts at the prompt's first block). It is the request's logical parent
+            even when that block was dropped from the table (sliding window).
+        token_ids: the tokens of every block the step covered, cached or skipped
+            (``block_size`` per hash when it skipped none).
         block_size: tokens per block of the group.
         lora_name: adapter of the request, if any.
         medium: where the blocks live (``"GPU"`` for device memory).

@@ -60,34 +60,6 @@ TINY_LLAMA_CONFIG: dict[str, Any] = {
     "eos_token_id": 2,
 }
 
-# A 4-layer Gemma 3 text model: layers 0 and 2 attend a 64-token sliding window, 1 and 3
-# everything, so vLLM makes a sliding-window and a full-attention KV cache group (a hybrid
-# model). Same sizes as the Llama; dummy weights, no tokenizer.
-TINY_GEMMA3_CONFIG: dict[str, Any] = {
-    "architectures": ["Gemma3ForCausalLM"],
-    "model_type": "gemma3_text",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "vocab_size": 8192,
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-6,
-    "torch_dtype": "float32",
-    "hidden_activation": "gelu_pytorch_tanh",
-    "rope_theta": 10000.0,
-    "rope_local_base_freq": 10000.0,
-    "query_pre_attn_scalar": 64,
-    "sliding_window": 64,
-    "layer_types": ["sliding_attention", "full_attention"] * 2,
-    "tie_word_embeddings": True,
-    "bos_token_id": 2,
-    "eos_token_id": 1,
-    "pad_token_id": 0,
-}
-
 # In-process engine (so tests can inspect it) and no Hub access.
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
 
@@ -101,11 +73,10 @@ KV_CACHE_BYTES = 64 * 1024 * 1024
 WORKER_CLS = "kvsvc.integrations.vllm.worker.KvsvcWorker"
 
 
-def write_tiny_model(directory: Path, config: dict[str, Any] | None = None) -> Path:
-    """Write the tiny Llama's ``config.json`` (or ``config``'s) into ``directory``; return
-    the directory."""
+def write_tiny_model(directory: Path) -> Path:
+    """Write the tiny Llama's ``config.json`` into ``directory``; return the directory."""
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config or TINY_LLAMA_CONFIG))
+    (directory / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG))
     return directory
 
 

@@ -323,8 +323,13 @@ def test_each_pool_is_its_own_publisher(server: Server, ctx: Any) -> None:
     assert by_kind["sliding_window"].kv_cache_spec_sliding_window == WINDOW
     assert by_kind["full_attention"].kv_cache_spec_sliding_window is None
     assert {e.group_idx for e in events} == {0, 1}
-    for event in events:
-        assert len(event.block_hashes) == 80 // BLOCK
+    full, window = by_kind["full_attention"], by_kind["sliding_window"]
+    assert len(full.block_hashes) == 80 // BLOCK
+    # The window's group caches only the blocks a later hit can reach (vLLM's default
+    # retention) and reports the step's whole range of tokens, as vLLM does.
+    assert 0 < len(window.block_hashes) < len(full.block_hashes)
+    assert set(window.block_hashes) < set(full.block_hashes)  # the same chained hashes
+    assert window.token_ids == full.token_ids == list(range(80))
     assert_same_events(consumer.batches[0], watch(server.address, "hybrid", 1)[0])
 
 
