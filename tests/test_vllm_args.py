@@ -104,8 +104,8 @@ def test_shell_inert_json_refuses_what_it_cannot_write() -> None:
         shell_inert_json({"a": [1, 2]})
 
 
-def test_help_and_readme_name_the_token_variables_vllms_sides_read() -> None:
-    """The scheduler is an engine and the workers are agents: the help and README name
+def test_help_and_docs_name_the_token_variables_vllms_sides_read() -> None:
+    """The scheduler is an engine and the workers are agents: the help and docs/vllm.md name
     the variables resolve_token reads for those roles, and the shared fallback."""
     from pathlib import Path
 
@@ -116,9 +116,8 @@ def test_help_and_readme_name_the_token_variables_vllms_sides_read() -> None:
     assert resolve_token("agent", environ={"KVSVC_AUTH_TOKEN": "x"}) == "x"
     names = ("KVSVC_ENGINE_TOKEN", "KVSVC_AGENT_TOKEN", "KVSVC_AUTH_TOKEN")
     help_text = " ".join(run_cli("--help").stdout.split())
-    readme = Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
-    vllm_section = readme[readme.index("## vLLM on kvsvc") :]
-    vllm_section = vllm_section[: vllm_section.index("\n## ")]
+    page = Path(__file__).resolve().parents[1].joinpath("docs", "vllm.md").read_text()
+    vllm_section = page[: page.index("\n## ")]  # the page's opening: how to run it
     for text in (help_text, vllm_section):
         for name in names:
             assert name in text

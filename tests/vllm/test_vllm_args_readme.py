@@ -1,4 +1,5 @@
-"""README's ``vllm serve MODEL ... $(kvsvc vllm-args ...)`` line, run as written by bash.
+"""The documented ``vllm serve MODEL ... $(kvsvc vllm-args ...)`` line (docs/vllm.md, the
+vLLM page README points to), run as written by bash.
 
 A stand-in ``vllm`` on the PATH hands its argv to vLLM 0.32's own ``vllm serve`` argument
 parser and engine arguments (what ``vllm serve`` builds the engine from) and prints what
@@ -45,7 +46,7 @@ print(json.dumps({
 
 
 def test_readmes_vllm_serve_line_gives_vllm_the_pool(tmp_path: Path) -> None:
-    blocks = code_blocks(section("vLLM on kvsvc"), "sh")
+    blocks = code_blocks(section("vLLM on kvsvc", "docs/vllm.md"), "sh")
     (line,) = [b.strip() for b in blocks if b.startswith("vllm serve")]
     assert "$(kvsvc vllm-args" in line and '"$(' not in line  # unquoted, as users type it
     # The line's MODEL, a local model directory (vLLM resolves the model's path).
