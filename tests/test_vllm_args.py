@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shlex
 import subprocess
 import sys
 
@@ -46,16 +45,84 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def unquoted(output: str) -> list[str]:
+    """The words an unquoted ``$(...)`` makes of ``output``, by bash itself: split, and
+    globbed with failglob on (a word with a glob character and no match fails the line)."""
+    done = subprocess.run(
+        ["bash", "-O", "failglob", "-O", "extglob", "-c", 'printf "%s\\0" $1', "bash", output],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    return done.stdout.split("\0")[:-1]
+
+
+def additional_config(flags: list[str]) -> object:
+    (flag,) = [f for f in flags if f.startswith("--additional-config=")]
+    return json.loads(flag.removeprefix("--additional-config="))
+
+
 def test_cli_prints_vllm_serve_flags_matching_vllm_kwargs() -> None:
     done = run_cli("--server", "10.0.0.1:7000", "--pool", "p1")
     assert done.returncode == 0, done.stderr
-    flags = shlex.split(done.stdout)
+    flags = unquoted(done.stdout)
     kwargs = vllm_kwargs("10.0.0.1:7000", "p1")
     assert flags[flags.index("--scheduler-cls") + 1] == kwargs["scheduler_cls"]
     assert flags[flags.index("--worker-cls") + 1] == kwargs["worker_cls"]
-    assert json.loads(flags[flags.index("--additional-config") + 1]) == kwargs["additional_config"]
+    assert additional_config(flags) == kwargs["additional_config"]
+    assert len(flags) == 5
     as_json = run_cli("--server", "10.0.0.1:7000", "--pool", "p1", "--json")
     assert json.loads(as_json.stdout) == kwargs
+
+
+@pytest.mark.parametrize(
+    ("server", "frames"),
+    [
+        ("[::1]:50051", None),  # a glob bracket
+        ("h:1", "unix:/run/my kvsvc/*?[x]@(y)!+{a,b}'\"\\é😀.sock"),  # everything else
+    ],
+)
+def test_unquoted_substitution_hands_every_value_over_unchanged(
+    server: str, frames: str | None
+) -> None:
+    """What README writes, ``$(kvsvc vllm-args ...)`` without quotes, gives the program the
+    settings themselves, whatever characters they hold (no quote left in place, nothing
+    split or globbed)."""
+    args = ["--server", server, "--pool", "p1"] + (["--frames", frames] if frames else [])
+    done = run_cli(*args)
+    assert done.returncode == 0, done.stderr
+    flags = unquoted(done.stdout)
+    assert len(flags) == 5
+    assert additional_config(flags) == vllm_kwargs(server, "p1", frames=frames)["additional_config"]
+
+
+def test_shell_inert_json_refuses_what_it_cannot_write() -> None:
+    from kvsvc.integrations.vllm.config import shell_inert_json
+
+    with pytest.raises(ValueError, match="one shell word"):
+        shell_inert_json({"a": [1, 2]})
+
+
+def test_help_and_docs_name_the_token_variables_vllms_sides_read() -> None:
+    """The scheduler is an engine and the workers are agents: the help and docs/vllm.md name
+    the variables resolve_token reads for those roles, and the shared fallback."""
+    from pathlib import Path
+
+    from kvsvc_client import resolve_token
+
+    assert resolve_token("engine", environ={"KVSVC_ENGINE_TOKEN": "e"}) == "e"
+    assert resolve_token("agent", environ={"KVSVC_AGENT_TOKEN": "a"}) == "a"
+    assert resolve_token("agent", environ={"KVSVC_AUTH_TOKEN": "x"}) == "x"
+    names = ("KVSVC_ENGINE_TOKEN", "KVSVC_AGENT_TOKEN", "KVSVC_AUTH_TOKEN")
+    help_text = " ".join(run_cli("--help").stdout.split())
+    page = Path(__file__).resolve().parents[1].joinpath("docs", "vllm.md").read_text()
+    vllm_section = page[: page.index("\n## ")]  # the page's opening: how to run it
+    for text in (help_text, vllm_section):
+        for name in names:
+            assert name in text
+    assert "vLLM's scheduler reads KVSVC_ENGINE_TOKEN" in help_text
+    assert "its workers KVSVC_AGENT_TOKEN" in help_text
 
 
 def test_cli_bad_server_is_a_clear_error() -> None:
@@ -79,8 +146,7 @@ def test_frames_carries_the_schedulers_target_and_leaves_the_workers_on_grpc() -
         "--server", "10.0.0.1:7000", "--pool", "p1", "--frames", "unix:/run/kvsvc/frames.sock"
     )
     assert done.returncode == 0, done.stderr
-    flags = shlex.split(done.stdout)
-    assert json.loads(flags[flags.index("--additional-config") + 1]) == kwargs["additional_config"]
+    assert additional_config(unquoted(done.stdout)) == kwargs["additional_config"]
 
 
 @pytest.mark.parametrize("frames", ["nope", "frames:unix:/x.sock", ""])

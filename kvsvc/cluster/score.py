@@ -88,6 +88,7 @@ class _Family:
     hash_block_size: int
     align: int  # every hit is a multiple of it (the lcm of the engines' block sizes)
     rules: tuple[_Rule, ...]  # the primary class first when there is one
+    hash_bytes: int = 0  # the hashes' last bytes the blocks are indexed under (0: all)
     mask: int = 0  # every member's bit (bit i of the big-endian bitmap int)
     by_bit: dict[int, str] = field(default_factory=dict)
 
@@ -226,7 +227,8 @@ class Scorer:
                     prefix = self.keys.block(b"")
                 else:
                     prefix = self.keys.class_block(window, block_size, b"")
-                rule_keys = [prefix + h for h in hashes[:count]]
+                cut = -family.hash_bytes if family.hash_bytes else 0
+                rule_keys = [prefix + h[cut:] for h in hashes[:count]]
                 family_keys.append(rule_keys)
                 wanted.update(dict.fromkeys(rule_keys))
             keys_of.append(family_keys)
@@ -345,7 +347,7 @@ class Scorer:
         }
         width = registry.max_id // 8 + 1
         top = width * 8 - 1
-        families: dict[tuple[str, int, int, tuple[_Rule, ...]], _Family] = {}
+        families: dict[tuple[str, int, int, tuple[_Rule, ...], int], _Family] = {}
         mismatch: list[str] = []
         upper_bound: list[str] = []
         for name, (_, tracking) in list(chosen.items()):
@@ -367,7 +369,13 @@ class Scorer:
                 continue
             if not tracking.exact:
                 upper_bound.append(name)
-            key = (tracking.hash_algo, tracking.hash_block_size, tracking.align, rules)
+            key = (
+                tracking.hash_algo,
+                tracking.hash_block_size,
+                tracking.align,
+                rules,
+                tracking.hash_bytes,
+            )
             family = families.get(key)
             if family is None:
                 family = families[key] = _Family(*key)
@@ -419,4 +427,6 @@ def tracking_summary(tracking: Tracking) -> str:
     if tracking.align != tracking.block_size:
         parts.append(f"aligned to {tracking.align}")
     parts.append(f"hash {tracking.hash_algo}/{tracking.hash_block_size}")
+    if tracking.hash_bytes:
+        parts.append(f"indexed by the hashes' last {tracking.hash_bytes} bytes (vLLM's int hashes)")
     return "; ".join(parts)

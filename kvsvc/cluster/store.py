@@ -206,6 +206,9 @@ class Tracking:
             attention, ...): with any, a score is an upper bound of the engine's Lookup.
         legacy: read from a meta written before classes existed (full attention only);
             the indexer snapshots such a source again to learn its windows.
+        hash_bytes: 0: blocks are indexed under their whole hash; 8: under its last 8
+            bytes, the 64-bit int vLLM publishes by default (a ZMQ source whose engine
+            sends int hashes): the scorer looks a prompt's hashes up the same way.
     """
 
     groups: tuple[int, ...]
@@ -218,6 +221,7 @@ class Tracking:
     align: int = 0
     untracked: tuple[int, ...] = ()
     legacy: bool = False
+    hash_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.align <= 0:
@@ -291,6 +295,7 @@ class Tracking:
             ),
             "align": str(self.align),
             "untracked": ",".join(map(str, self.untracked)),
+            "hash_bytes": str(self.hash_bytes),
         }
 
     @classmethod
@@ -323,6 +328,7 @@ class Tracking:
             int(meta.get("align", "0")),
             ints(meta.get("untracked", "")),
             legacy="align" not in meta,
+            hash_bytes=int(meta.get("hash_bytes", "0")),
         )
 
 

@@ -15,8 +15,17 @@ What such a stream lacks, and what the follower does instead:
   endpoint) a gap is first asked for from the replay buffer.
 - no hashing settings: the algorithm is the operator's (``--zmq-hash-algo``; vLLM must run
   with ``sha256_cbor`` and the same seed for its hashes to be the router's), the block size
-  the first BlockStored's. Hashes sent as 64-bit ints (vLLM's int-hash mode) cannot be
-  compared with a prompt's hashes: those events are skipped, with a warning.
+  the first BlockStored's. Hashes come as bytes or as 64-bit ints (vLLM's default,
+  ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``: the hash's last 8 bytes read big-endian): a
+  source's blocks are indexed under the whole hash or under those 8 bytes, as its first
+  hashed event says (``Tracking.hash_bytes``), and the scorer cuts a prompt's hashes alike.
+  A bytes hash on an int source is cut too; an int hash on a bytes source (the engine
+  restarted with the other setting) starts the source's index again at that batch.
+- no pool description: the groups are learned from the events (vLLM's ``group_idx``,
+  ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``, block size), tracked as a
+  kvsvc source's are (full attention and sliding windows; other kinds leave the score an
+  upper bound); a group first seen later starts the source's index again with it. The
+  hash block size is taken to be the smallest block size (vLLM's when they are equal).
 - no liveness: a PUB socket is silent both idle and dead, so a ZMQ source is never purged
   for being gone, only when it clears its cache or leaves the sources.
 """
@@ -124,7 +133,8 @@ class ZmqFollower(SourceThread):
         # caught_up: set once the first message was applied.
         super().__init__(self.endpoint, client, options, metrics, owner, f"zmq-{self.endpoint}")
         self.hash_algo = hash_algo
-        self._warned_int = False
+        # (index, kind, block size, sliding window) of each group seen storing blocks.
+        self._groups: dict[int, tuple[int, str, int, int]] = {}
 
     def _run(self) -> None:
         import redis
@@ -181,6 +191,7 @@ class ZmqFollower(SourceThread):
         state = self.store.state()
         if state.epoch == ZMQ_EPOCH and state.tracking is not None and self._tracking is None:
             self._tracking, self._seq = state.tracking, state.seq  # resume (restart)
+            self._groups = _groups_tracked(state.tracking)
         elif self._tracking is None and self.replay is not None:
             # A first start: what the engine's replay buffer still holds, from its start.
             self._apply(self._replay(1), decoder, replayed=True)
@@ -209,10 +220,16 @@ class ZmqFollower(SourceThread):
                 size += 1
             self._apply(messages, decoder)
 
-    def _begin(self, seq: int, block_size: int) -> None:
+    def _begin(self, seq: int, hash_bytes: int = 0) -> None:
         """Start the source's index empty just before ``seq`` (a first start, a gap that
-        could not be replayed, or a restarted engine)."""
-        tracking = Tracking((0,), block_size, block_size, self.hash_algo, "")
+        could not be replayed, a restarted engine, or a group seen for the first time),
+        tracking the groups seen so far (:func:`_groups_of`), its blocks indexed under the
+        last ``hash_bytes`` bytes of their hashes (0: all)."""
+        groups = self._groups or {0: (0, "full_attention", DEFAULT_BLOCK_SIZE, 0)}
+        # The stream does not say its hash block size: the smallest block size it is.
+        size = min(g[2] for g in groups.values())
+        tracking = Tracking.from_groups(sorted(groups.values()), size, self.hash_algo, "")
+        tracking.hash_bytes = hash_bytes
         self.store.install(ZMQ_EPOCH, seq - 1, tracking, {})
         self._tracking, self._seq = tracking, seq - 1
         self.metrics.snapshots.labels("new" if seq <= 1 else "gap").inc()
@@ -274,10 +291,28 @@ class ZmqFollower(SourceThread):
                 # A live PUB never sends a sequence twice: the engine restarted.
                 flush()
                 self._tracking = None
+            hash_bytes = _hash_bytes_of(batch)
+            if (
+                self._tracking is not None
+                and hash_bytes == INT_HASH_BYTES
+                and self._tracking.hash_bytes != INT_HASH_BYTES
+            ):
+                # Int hashes where bytes came before: the engine restarted with vLLM's
+                # default; what the index holds under whole hashes cannot be matched.
+                flush()
+                self._tracking = None
+            seen = _groups_of(batch)
+            if self._tracking is None:
+                self._groups = seen
+            elif not seen.keys() <= self._groups.keys():
+                # A group not seen before (a hybrid engine whose first batches stored in
+                # some groups only): track it too, from here.
+                flush()
+                self._tracking = None
+                self._groups = {**self._groups, **seen}
             if self._tracking is None:
                 flush()
-                stored = next((e for e in batch.events if isinstance(e, BlockStored)), None)
-                self._begin(seq, stored.block_size if stored else DEFAULT_BLOCK_SIZE)
+                self._begin(seq, hash_bytes)
             elif seq != position + 1:
                 flush()
                 if not replayed:
@@ -286,33 +321,25 @@ class ZmqFollower(SourceThread):
                     continue
                 if seq != self._seq + 1:  # not (all) replayed: start again from here
                     assert self._tracking is not None
-                    self._begin(seq, self._tracking.block_size)
+                    self._begin(seq, self._tracking.hash_bytes)
             if not first:
                 first = seq
             last = seq
             stored_n = removed_n = cleared_n = 0
+            assert self._tracking is not None
+            tracked_groups = self._tracking.tracked_groups
             for event in batch.events:
                 if isinstance(event, AllBlocksCleared):
                     run.append(b"C")
                     cleared_n += 1
                     continue
-                hashes = event.block_hashes
-                if any(isinstance(h, int) for h in hashes):
-                    if not self._warned_int:
-                        _log.warning(
-                            "%s: block hashes sent as 64-bit ints cannot be scored; run the "
-                            "engine with hashes as bytes (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)",
-                            self.name,
-                        )
-                        self._warned_int = True
-                    continue
-                group = event.group_idx or 0
                 assert self._tracking is not None
-                tracked = group in self._tracking.groups
+                hashes = _index_keys(event.block_hashes, self._tracking.hash_bytes)
+                group = event.group_idx or 0
+                tracked = group in tracked_groups
                 if isinstance(event, BlockStored):
                     stored_n += len(hashes)
-                    kind = event.kv_cache_spec_kind or "full_attention"
-                    if tracked and kind in ("full_attention", "mla_attention"):
+                    if tracked:
                         run.extend(b"S" + bytes([group]) + h for h in hashes)
                 elif isinstance(event, BlockRemoved):
                     removed_n += len(hashes)
@@ -323,3 +350,58 @@ class ZmqFollower(SourceThread):
             self.metrics.events.labels("cleared").inc(cleared_n)
             self.metrics.lag.labels(self.name).set(max(0.0, time.time() - batch.ts))
         flush()
+
+
+# vLLM's int hashes: the low 64 bits of the hash, i.e. its last 8 bytes.
+INT_HASH_BYTES = 8
+
+
+def _hash_bytes_of(batch: Any) -> int:
+    """How a batch sends hashes: INT_HASH_BYTES for ints, 0 for bytes (or no hash)."""
+    for event in batch.events:
+        hashes = getattr(event, "block_hashes", None)
+        if hashes:
+            return INT_HASH_BYTES if isinstance(hashes[0], int) else 0
+    return 0
+
+
+def _groups_of(batch: Any) -> dict[int, tuple[int, str, int, int]]:
+    """(index, kind, block size, sliding window) of the groups a batch stores blocks in,
+    from vLLM's per-event metadata (an event without a kind: full attention, as from a
+    vLLM before hybrid events)."""
+    from kvsvc.integrations.vllm.events import BlockStored
+
+    out: dict[int, tuple[int, str, int, int]] = {}
+    for event in batch.events:
+        if isinstance(event, BlockStored):
+            group = event.group_idx or 0
+            if group not in out:
+                kind = event.kv_cache_spec_kind or "full_attention"
+                out[group] = (
+                    group,
+                    kind,
+                    event.block_size,
+                    event.kv_cache_spec_sliding_window or 0,
+                )
+    return out
+
+
+def _groups_tracked(tracking: Tracking) -> dict[int, tuple[int, str, int, int]]:
+    """The groups a stored tracking was made from (kinds as far as it keeps them)."""
+    out = {g: (g, "full_attention", tracking.block_size, 0) for g in tracking.groups}
+    for c in tracking.classes:
+        kind = "sliding_window" if c.window else "full_attention"
+        out.update((g, (g, kind, c.block_size, c.window)) for g in c.groups)
+    out.update((g, (g, "unknown", tracking.block_size, 0)) for g in tracking.untracked)
+    return out
+
+
+def _index_keys(hashes: list[bytes | int], hash_bytes: int) -> list[bytes]:
+    """The keys a source indexes its blocks under: the whole hash, or (an int source) the
+    8 big-endian bytes of vLLM's int, which are a bytes hash's last 8."""
+    if not hash_bytes:
+        return [h for h in hashes if isinstance(h, bytes)]
+    return [
+        h.to_bytes(INT_HASH_BYTES, "big") if isinstance(h, int) else h[-INT_HASH_BYTES:]
+        for h in hashes
+    ]

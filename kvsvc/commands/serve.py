@@ -181,9 +181,11 @@ def add_parser(subparsers: Any) -> None:
     )
     events.add_argument(
         "--kv-events-int-hashes",
-        action="store_true",
-        help="block hashes as 64-bit ints (vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES) "
-        "instead of the hash bytes",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="block hashes as 64-bit ints, vLLM's default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"
+        "=1; on unless the config file says kv_events_int_hashes = false); "
+        "--no-kv-events-int-hashes: the hash bytes, as vLLM with that variable 0",
     )
 
     pool = parser.add_argument_group("pool (one, defined by flags)")
@@ -280,8 +282,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     ):
         if getattr(args, flag) is not None:
             overrides[key] = getattr(args, flag)
-    if args.kv_events_int_hashes:
-        overrides["kv_events_int_hashes"] = True
+    if args.kv_events_int_hashes is not None:
+        overrides["kv_events_int_hashes"] = args.kv_events_int_hashes
     for key in ("tls_cert", "tls_key", "tls_client_ca"):
         if getattr(args, key) is not None:
             overrides[key] = getattr(args, key)

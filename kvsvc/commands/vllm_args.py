@@ -1,14 +1,16 @@
 """``kvsvc vllm-args``: the ``vllm serve`` flags that run vLLM on a kvsvc pool.
 
 The flags are the command-line form of :func:`kvsvc.integrations.vllm.vllm_kwargs`; this
-command needs neither vLLM nor a running server.
+command needs neither vLLM nor a running server. They are printed for an unquoted
+``$(kvsvc vllm-args ...)``: every flag is one word the shell hands on unchanged (no
+whitespace, no glob character, no quote that would stay in place), see
+:func:`kvsvc.integrations.vllm.config.shell_inert_json`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shlex
 from typing import Any
 
 from kvsvc.integrations.vllm.config import vllm_kwargs, vllm_serve_flags
@@ -20,8 +22,11 @@ def add_parser(subparsers: Any) -> None:
         "vllm-args",
         help="print the vllm serve flags that run vLLM on a kvsvc pool",
         description="Print the `vllm serve` flags that make vLLM's scheduler allocate through "
-        "a kvsvc pool and its workers allocate the pool's plan. The server's token, if any, "
-        "is read by vLLM from KVSVC_AUTH_TOKEN (never put on a command line).",
+        "a kvsvc pool and its workers allocate the pool's plan, as words an unquoted $(...) "
+        "passes on unchanged. Tokens never go on a command line: vLLM's scheduler reads "
+        "KVSVC_ENGINE_TOKEN (or KVSVC_ENGINE_TOKEN_FILE) and its workers KVSVC_AGENT_TOKEN "
+        "(or KVSVC_AGENT_TOKEN_FILE) from the environment, either falling back to "
+        "KVSVC_AUTH_TOKEN (or KVSVC_AUTH_TOKEN_FILE).",
         epilog="example: vllm serve MODEL --block-size 32 $(kvsvc vllm-args --server "
         "127.0.0.1:50051 --pool vllm)",
     )
@@ -44,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(vllm_kwargs(args.server, args.pool, frames=args.frames), indent=2))
         else:
-            print(shlex.join(vllm_serve_flags(args.server, args.pool, frames=args.frames)))
+            print(" ".join(vllm_serve_flags(args.server, args.pool, frames=args.frames)))
     except ValueError as exc:
         raise SystemExit(f"kvsvc vllm-args: {exc}") from None
     return 0

@@ -17,13 +17,23 @@ from itertools import compress
 from typing import Any
 
 from kvsvc.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventQueue
-from kvsvc.core.hashing import BlockHash, BlockHashList
+from kvsvc.core.hashing import BlockExtraKeys, BlockHash, BlockHashList
 
 NULL_BLOCK_ID = 0
 # NOTE: the null block's reference count is a large constant, so the decrement-and-test in
 # ``free_blocks`` and the zero test in ``touch`` never see it reach 0: callers may pass table
 # entries that are null without filtering them out first.
 _NULL_REF_COUNT = 1 << 62
+
+
+def _keys_of_blocks(
+    extra_keys: BlockExtraKeys | None, positions: Iterable[int], block_size: int
+) -> list[tuple[Any, ...] | None] | None:
+    """The extra keys of the blocks at ``positions`` (for events; None when the request
+    has none, so the common case costs nothing)."""
+    if extra_keys is None:
+        return None
+    return [extra_keys(i * block_size, (i + 1) * block_size) for i in positions]
 
 
 class FreeBlockQueue:
@@ -411,6 +421,7 @@ class BlockPool:
         token_ids: Sequence[int] = (),
         lora_name: str | None = None,
         block_mask: Sequence[bool] | None = None,
+        extra_keys: BlockExtraKeys | None = None,
     ) -> None:
         """Index ``blocks[num_cached_blocks:num_full_blocks]`` under their hashes.
 
@@ -429,6 +440,7 @@ class BlockPool:
             lora_name: the request's adapter (events).
             block_mask: per block of ``blocks[num_cached_blocks:num_full_blocks]``,
                 whether to cache it (None: all).
+            extra_keys: the request's extra keys per block (events; None: it has none).
         """
         if num_cached_blocks >= num_full_blocks:
             return
@@ -450,6 +462,11 @@ class BlockPool:
                 assert block_id == NULL_BLOCK_ID or (
                     hashes[block_id] == block_hash and self.block_group[block_id] == group_id
                 ), f"block {block_id} is cached under another hash: a wrong prefix hit"
+                if self.events is not None:  # vLLM reports the step, without a hash
+                    self._emit_stored(
+                        [], block_hashes, group_id, block_size, token_ids, lora_name,
+                        extra_keys, i, i + 1,
+                    )  # fmt: skip
                 return
             hashes[block_id] = block_hash
             self.block_group[block_id] = group_id
@@ -457,7 +474,10 @@ class BlockPool:
                 self._dups[group_id].setdefault(block_hash, []).append(block_id)
             self.num_cached_blocks += 1
             if self.events is not None:
-                self._emit_stored([i], block_hashes, group_id, block_size, token_ids, lora_name)
+                self._emit_stored(
+                    [i], block_hashes, group_id, block_size, token_ids, lora_name,
+                    extra_keys, i, i + 1,
+                )  # fmt: skip
             return
         groups = self.block_group
         index = self._index[group_id]
@@ -481,8 +501,11 @@ class BlockPool:
             self.num_cached_blocks += 1
             if stored is not None:
                 stored.append(i)
-        if stored:
-            self._emit_stored(stored, block_hashes, group_id, block_size, token_ids, lora_name)
+        if stored is not None:
+            self._emit_stored(
+                stored, block_hashes, group_id, block_size, token_ids, lora_name,
+                extra_keys, num_cached_blocks, num_full_blocks,
+            )  # fmt: skip
 
     def _emit_stored(
         self,
@@ -492,45 +515,30 @@ class BlockPool:
         block_size: int,
         token_ids: Sequence[int],
         lora_name: str | None,
+        extra_keys: BlockExtraKeys | None,
+        start: int,
+        end: int,
     ) -> None:
-        # One event per contiguous run, so each event's tokens line up with its hashes.
+        """One event for one caching step of blocks ``[start, end)``, worded as vLLM 0.32's
+        ``BlockPool.cache_full_blocks`` words it: the hashes of the blocks it cached
+        (``positions``; blocks it skipped, null or out of a window's reach, have none, so
+        there may be none at all), the parent of block ``start``, and the tokens of the
+        whole range."""
         assert self.events is not None
-        if len(positions) == 1:
-            # A decode step completing one block: the common case, without the run scan.
-            i = positions[0]
-            tokens = token_ids[i * block_size : (i + 1) * block_size]
-            self.events.pending.append(
-                BlockStored(
-                    [block_hashes[i]],
-                    block_hashes[i - 1] if i > 0 else None,
-                    tokens.tolist() if isinstance(tokens, array) else list(tokens),
-                    block_size,
-                    lora_name,
-                    self.medium,
-                    group_id,
-                    self.group_kinds[group_id],
-                )
+        tokens = token_ids[start * block_size : end * block_size]
+        self.events.pending.append(
+            BlockStored(
+                [block_hashes[i] for i in positions],
+                block_hashes[start - 1] if start > 0 else None,
+                tokens.tolist() if isinstance(tokens, array) else list(tokens),
+                block_size,
+                lora_name,
+                self.medium,
+                group_id,
+                self.group_kinds[group_id],
+                _keys_of_blocks(extra_keys, positions, block_size),
             )
-            return
-        run_start = 0
-        for k in range(1, len(positions) + 1):
-            if k < len(positions) and positions[k] == positions[k - 1] + 1:
-                continue
-            first = positions[run_start]
-            last = positions[k - 1]
-            self.events.append(
-                BlockStored(
-                    block_hashes=[block_hashes[i] for i in range(first, last + 1)],
-                    parent_block_hash=block_hashes[first - 1] if first > 0 else None,
-                    token_ids=list(token_ids[first * block_size : (last + 1) * block_size]),
-                    block_size=block_size,
-                    lora_name=lora_name,
-                    medium=self.medium,
-                    group_index=group_id,
-                    group_kind=self.group_kinds[group_id],
-                )
-            )
-            run_start = k
+        )
 
     def _evict_hashes(self, block_ids: Iterable[int]) -> None:
         """Drop the cached hash of each block that has one (the block stays where it is)."""
@@ -538,7 +546,9 @@ class BlockPool:
         block_group = self.block_group
         indexes = self._index
         all_dups = self._dups
-        removed: dict[int, list[BlockHash]] | None = {} if self.events is not None else None
+        # Runs of one group's hashes in eviction order (vLLM reports each evicted block in
+        # the order it goes, groups interleaved; consecutive ones of a group share an event).
+        removed: list[tuple[int, list[BlockHash]]] | None = [] if self.events is not None else None
         num_evicted = 0
         for block_id in block_ids:
             block_hash = hashes[block_id]
@@ -564,16 +574,15 @@ class BlockPool:
             hashes[block_id] = None
             num_evicted += 1
             if removed is not None:
-                group_hashes = removed.get(group_id)
-                if group_hashes is None:
-                    removed[group_id] = [block_hash]
+                if removed and removed[-1][0] == group_id:
+                    removed[-1][1].append(block_hash)
                 else:
-                    group_hashes.append(block_hash)
+                    removed.append((group_id, [block_hash]))
         self.num_cached_blocks -= num_evicted
         self.num_evictions += num_evicted
         if removed:
             assert self.events is not None
-            for group_id, group_hashes in removed.items():
+            for group_id, group_hashes in removed:
                 self.events.append(
                     BlockRemoved(
                         block_hashes=group_hashes, medium=self.medium, group_index=group_id

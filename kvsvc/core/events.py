@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 MEDIUM_GPU = "GPU"
 # The most bytes a batch may take as a WatchEventsResponse (estimated from above): a
@@ -34,19 +35,30 @@ _WIRE_CHAR = 4
 
 @dataclass(slots=True)
 class BlockStored:
-    """Blocks entered the prefix index: a contiguous run of one request's full blocks.
+    """Blocks entered the prefix index: one caching step of one request in one group,
+    worded as vLLM 0.32's block pool words it.
+
+    A step covers the request's blocks from the first not processed yet through the last
+    full one. Blocks it skips (null: out of a sliding window; or out of reach of any later
+    hit, which vLLM's default retention does not cache) have no hash here, so an event may
+    list fewer hashes than its tokens fill, or none.
 
     Attributes:
-        block_hashes: the blocks' hashes, in prefix order.
-        parent_block_hash: hash of the block before the first one (None for a prompt's
-            first block). It is the request's logical parent even when that block was
-            dropped from the table (sliding window).
-        token_ids: the tokens of the stored blocks, ``block_size`` per hash.
+        block_hashes: the hashes of the blocks the step cached, in prefix order.
+        parent_block_hash: hash of the block before the step's first one (None when the
+            step starts at the prompt's first block). It is the request's logical parent
+            even when that block was dropped from the table (sliding window).
+        token_ids: the tokens of every block the step covered, cached or skipped
+            (``block_size`` per hash when it skipped none).
         block_size: tokens per block of the group.
         lora_name: adapter of the request, if any.
         medium: where the blocks live (``"GPU"`` for device memory).
         group_index: KV cache group the blocks belong to.
         group_kind: that group's attention kind (``full_attention``, ``sliding_window``, ...).
+        extra_keys: per block, the extra keys its hash covers (tagged as the hasher tags
+            them: ``("lora", name, path)``, ``("mm", id, offset)``, ``("cache_salt", s)``,
+            ``("prompt_embeds", digest)``), None for a block without any; None as a whole
+            when the request has none. vLLM-format events publish them (untagged).
     """
 
     block_hashes: list[bytes]
@@ -57,6 +69,7 @@ class BlockStored:
     medium: str
     group_index: int
     group_kind: str
+    extra_keys: list[tuple[Any, ...] | None] | None = None
 
 
 @dataclass(slots=True)
@@ -178,18 +191,31 @@ def _pieces(event: KVEvent, budget: int) -> Iterator[KVEvent]:
         for start in range(0, len(hashes), step):
             yield BlockRemoved(hashes[start : start + step], event.medium, event.group_index)
         return
-    tokens_per_block = len(event.token_ids) // max(1, len(hashes))
+    if len(event.token_ids) != event.block_size * len(hashes):
+        # A step that skipped blocks (sparse window retention): which tokens a hash covers
+        # is not recorded, so the tokens go out in pieces ahead of one piece with every
+        # hash (a consumer that reads hashes sees them all, in order).
+        tokens = event.token_ids
+        chunk = max(1, (budget - _WIRE_EVENT) // _WIRE_VARINT)
+        for start in range(0, len(tokens) - chunk, chunk):
+            yield replace(
+                event, block_hashes=[], token_ids=tokens[start : start + chunk], extra_keys=None
+            )
+        last = (max(0, len(tokens) - 1) // chunk) * chunk
+        yield replace(event, token_ids=tokens[last:])
+        return
+    tokens_per_block = event.block_size
     parent = event.parent_block_hash
     for start in range(0, len(hashes), step):
         run = hashes[start : start + step]
-        yield BlockStored(
-            run,
-            parent,
-            event.token_ids[start * tokens_per_block : (start + len(run)) * tokens_per_block],
-            event.block_size,
-            event.lora_name,
-            event.medium,
-            event.group_index,
-            event.group_kind,
+        extra = event.extra_keys
+        yield replace(
+            event,
+            block_hashes=run,
+            parent_block_hash=parent,
+            token_ids=event.token_ids[
+                start * tokens_per_block : (start + len(run)) * tokens_per_block
+            ],
+            extra_keys=None if extra is None else extra[start : start + len(run)],
         )
         parent = run[-1]

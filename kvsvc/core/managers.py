@@ -237,6 +237,7 @@ class SingleTypeKVCacheManager:
             request.all_token_ids,
             request.lora_name,
             self.cache_mask(request, num_cached, num_full),
+            extra_keys=request.extra_keys,
         )
         self.num_cached_block[request_id] = num_full
 

@@ -892,6 +892,7 @@ class PoolKVCache:
                             block_size,
                             tokens_list,
                             request.lora_name,
+                            extra_keys=request.extra_keys,
                         )
                         cached_counts[request_id] = num_full
                     else:

@@ -271,8 +271,9 @@ class ServerConfig:
         kv_events_hwm: ZMQ high-water mark of the PUB socket (messages per subscriber).
         kv_events_max_queue: batches waiting for the publisher thread; past it the oldest
             is dropped (and counted), so a stalled publisher never holds up the server.
-        kv_events_int_hashes: publish hashes as 64-bit ints, like vLLM with
-            ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`` (default: the hash bytes).
+        kv_events_int_hashes: publish hashes as 64-bit ints (the low 64 bits of the hash
+            read big-endian), as vLLM does by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``
+            unset or 1); false: the hash bytes, as vLLM with that variable 0.
         tls_cert / tls_key: PEM certificate chain and unencrypted key: the gRPC listener
             and ``/metrics`` serve TLS (HTTPS) with them; both or neither. Re-read when
             the files change (see :mod:`kvsvc.tls`).
@@ -327,7 +328,7 @@ class ServerConfig:
     kv_events_buffer_steps: int = 10_000
     kv_events_hwm: int = 100_000
     kv_events_max_queue: int = 100_000
-    kv_events_int_hashes: bool = False
+    kv_events_int_hashes: bool = True
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None

@@ -1,6 +1,6 @@
 """kvsvc indexer --zmq-source: a vLLM-format ZMQ KV event stream (here kvsvc serve's own
---kv-events-zmq publisher, vLLM's wire format) indexed next to a kvsvc source, with real
-processes; Score equals the engine's Lookup."""
+--kv-events-zmq publisher, vLLM's wire format, hashes as ints or bytes) indexed next to a
+kvsvc source, with real processes; Score equals the engine's Lookup."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from kvsvc_client import KVCacheClient
 
 from kvsvc.demo.processes import Child, spawn, stop_all, wait_for_ports
 from tests.cluster.redis_procs import RedisServer, free_port, require_redis_package
-from tests.cluster.test_cluster_index import SEED, SPECS, wait_for
+from tests.cluster.test_cluster_hybrid import HYBRID_SPECS
+from tests.cluster.test_cluster_hybrid import MEMORY as HYBRID_MEMORY
+from tests.cluster.test_cluster_index import MEMORY, SEED, SPECS, wait_for
 from tests.tooling import missing
 
 pytest.importorskip("torch")
@@ -27,11 +29,25 @@ except ImportError:
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 
 
-@pytest.fixture
-def zmq_engine(tmp_path: Path) -> Iterator[tuple[str, str, RedisServer, Path]]:
+@pytest.fixture(
+    params=[
+        ("--kv-events-int-hashes", "dense"),
+        ("--no-kv-events-int-hashes", "dense"),
+        ("--kv-events-int-hashes", "hybrid"),
+    ],
+    ids=["int-hashes", "bytes-hashes", "hybrid"],
+)
+def zmq_engine(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[str, str, RedisServer, Path]]:
+    """An engine publishing vLLM's format, hashes as 64-bit ints (vLLM's default) or as
+    bytes, with full-attention layers or a full-attention and a sliding-window group (the
+    indexer learns the groups from the events): the indexer reads each."""
+    hash_flag, model = request.param
     seed, specs = tmp_path / "seed", tmp_path / "specs.json"
     seed.write_text(SEED)
-    specs.write_text(json.dumps(SPECS))
+    specs.write_text(json.dumps(SPECS if model == "dense" else HYBRID_SPECS))
+    memory = MEMORY if model == "dense" else HYBRID_MEMORY
     pub, replay = free_port(), free_port()
     redis = RedisServer(tmp_path / "redis")
     redis.start()
@@ -41,13 +57,14 @@ def zmq_engine(tmp_path: Path) -> Iterator[tuple[str, str, RedisServer, Path]]:
             "serve", "--listen", "127.0.0.1:0", "--metrics-listen", "off", "--pool", "p",
             "--max-model-len", "1024", "--hash-seed-file", str(seed), "--log-level", "WARNING",
             "--kv-events-zmq", f"tcp://*:{pub}", "--kv-events-replay", f"tcp://*:{replay}",
+            hash_flag,
         ])  # fmt: skip
         children.append(server)
         port, _ = wait_for_ports(server)
         address = f"127.0.0.1:{port}"
         children.append(spawn("zmq-worker", [
             "worker", "--server", address, "--pool", "p", "--rank", "0", "--world-size", "1",
-            "--device", "cpu", "--spec-file", str(specs), "--kv-cache-memory", "1536KiB",
+            "--device", "cpu", "--spec-file", str(specs), "--kv-cache-memory", memory,
         ]))  # fmt: skip
         with KVCacheClient(address, pool="p") as kv:
             kv.wait_until_ready(timeout=120)

@@ -206,16 +206,21 @@ def test_stored_event_parent_is_the_logical_parent_behind_a_null_block() -> None
     assert pool.block_hash[NULL_BLOCK_ID] is None
 
 
-def test_stored_events_split_at_gaps_so_tokens_line_up() -> None:
+def test_a_caching_step_is_one_event_as_vllm_words_it() -> None:
+    """vLLM 0.32's cache_full_blocks: one event per step, the hashes of the blocks it
+    cached (none for a skipped null block), the parent of the step's first block and the
+    tokens of the whole range; a step that cached nothing is still reported."""
     events = KVEventQueue()
     pool = BlockPool(8, events=events)
     new = pool.get_new_blocks(3)
-    table = [new[0], NULL_BLOCK_ID, new[1], new[2]]
-    pool.cache_full_blocks(table, [b"a", b"b", b"c", b"d"], 0, 4, 0, 2, list(range(8)))
+    table = [new[0], NULL_BLOCK_ID, new[1], new[2], NULL_BLOCK_ID]
+    hashes = [b"a", b"b", b"c", b"d", b"e"]
+    pool.cache_full_blocks(table, hashes, 0, 4, 0, 2, list(range(10)))
+    pool.cache_full_blocks(table, hashes, 4, 5, 0, 2, list(range(10)))  # a null block
     batch = events.take()
     assert batch is not None
     stored = [(e.block_hashes, e.parent_block_hash, e.token_ids) for e in batch.events]  # type: ignore[union-attr]
-    assert stored == [([b"a"], None, [0, 1]), ([b"c", b"d"], b"b", [4, 5, 6, 7])]
+    assert stored == [([b"a", b"c", b"d"], None, list(range(8))), ([], b"d", [8, 9])]
 
 
 def test_a_drain_past_the_batch_bound_splits_into_chained_consecutive_batches() -> None:

@@ -10,6 +10,7 @@ socket. Its events must be kvsvc's `WatchEvents` events, hash for hash.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import re
 import subprocess
@@ -33,14 +34,13 @@ from vllm.distributed.kv_events import (  # noqa: E402
     BlockRemoved,
     BlockStored,
     KVEventBatch,
-    ZmqEventPublisher,
 )
-from zmq.utils.monitor import recv_monitor_message  # noqa: E402
 
 from kvsvc.cli import main as kvsvc_main  # noqa: E402
 from kvsvc.core import events as kv  # noqa: E402
 from kvsvc.demo.processes import Child, spawn, stop_all, wait_for_ports  # noqa: E402
 from tests.server.harness import FakeRank, hybrid_specs  # noqa: E402
+from tests.vllm.zmq_consumer import replay, subscribe  # noqa: E402
 
 BLOCK = 16  # llama-3.2-1b's block size, and hybrid_specs'
 WINDOW = 64
@@ -51,34 +51,6 @@ _EVENTS_LINE = re.compile(
 
 
 # --------------------------------------------------------------------------- consumer
-
-
-def loopback(endpoint: str) -> str:
-    return endpoint.replace("0.0.0.0", "127.0.0.1")
-
-
-def replay(ctx: Any, endpoint: str, start: int) -> list[tuple[bytes, int, bytes]]:
-    """Ask the replay socket for everything from ``start``: (topic, seq, payload) each.
-
-    A DEALER speaks to vLLM's ROUTER: ``[b"", start]`` out, ``[b"", topic, seq, payload]``
-    per batch back, then the end marker ``[b"", b"", -1, b""]``.
-    """
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(loopback(endpoint))
-    try:
-        sock.send_multipart([b"", start.to_bytes(8, "big")])
-        out = []
-        while True:
-            assert sock.poll(5000), "no end-of-replay marker within 5 s"
-            frames = sock.recv_multipart()
-            assert len(frames) == 4 and frames[0] == b"", frames
-            _, topic, seq, payload = frames
-            if seq == ZmqEventPublisher.END_SEQ:
-                assert (topic, payload) == (b"", b"")
-                return out
-            out.append((topic, int.from_bytes(seq, "big"), payload))
-    finally:
-        sock.close(linger=0)
 
 
 @dataclass
@@ -100,15 +72,7 @@ class Consumer:
     next_seq: int = 0
 
     def __post_init__(self) -> None:
-        self.sub = self.ctx.socket(zmq.SUB)
-        monitor = self.sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-        self.sub.setsockopt_string(zmq.SUBSCRIBE, self.topic)
-        self.sub.connect(loopback(self.endpoint))
-        assert monitor.poll(5000), "SUB did not connect"
-        assert recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
-        self.sub.disable_monitor()
-        monitor.close(linger=0)
-        time.sleep(0.2)  # the subscription travels after the handshake
+        self.sub = subscribe(self.ctx, self.endpoint, self.topic)
 
     def _take(self, seq: int, payload: bytes) -> None:
         assert seq == self.next_seq, (seq, self.next_seq)
@@ -231,28 +195,45 @@ def watch(address: str, pool: str, count: int) -> list[client_types.EventBatch]:
     return got
 
 
+def as_int(block_hash: bytes) -> int:
+    """A hash as vLLM publishes it by default (maybe_convert_block_hash)."""
+    from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
+
+    converted = maybe_convert_block_hash(BlockHash(block_hash))
+    assert isinstance(converted, int)
+    return converted
+
+
 def assert_same_events(zmq_batch: KVEventBatch, kvsvc_batch: client_types.EventBatch) -> None:
+    """The ZMQ batch says what the WatchEvents batch says, in vLLM's words: int hashes,
+    and one BlockRemoved per hash (vLLM reports evictions block by block)."""
     assert zmq_batch.ts == kvsvc_batch.timestamp
     assert zmq_batch.data_parallel_rank == 0
-    assert len(zmq_batch.events) == len(kvsvc_batch.events)
-    for theirs, ours in zip(zmq_batch.events, kvsvc_batch.events, strict=True):
+    theirs_events = iter(zmq_batch.events)
+    for ours in kvsvc_batch.events:
         if isinstance(ours, client_types.BlockStored):
+            theirs = next(theirs_events)
             assert isinstance(theirs, BlockStored)
-            assert theirs.block_hashes == list(ours.block_hashes)
-            assert theirs.parent_block_hash == ours.parent_block_hash
+            assert theirs.block_hashes == [as_int(h) for h in ours.block_hashes]
+            parent = ours.parent_block_hash
+            assert theirs.parent_block_hash == (None if parent is None else as_int(parent))
             assert theirs.token_ids == list(ours.token_ids)
             assert theirs.block_size == ours.block_size
             assert theirs.lora_name == (ours.lora_name or None)
             assert theirs.medium == ours.medium
             assert theirs.group_idx == ours.group_index
             assert theirs.kv_cache_spec_kind == ours.group_kind
+            assert theirs.extra_keys == [None] * len(ours.block_hashes)
         elif isinstance(ours, client_types.BlockRemoved):
-            assert isinstance(theirs, BlockRemoved)
-            assert theirs.block_hashes == list(ours.block_hashes)
-            assert theirs.medium == ours.medium
-            assert theirs.group_idx == ours.group_index
+            for block_hash in ours.block_hashes:
+                theirs = next(theirs_events)
+                assert isinstance(theirs, BlockRemoved)
+                assert theirs.block_hashes == [as_int(block_hash)]
+                assert theirs.medium == ours.medium
+                assert theirs.group_idx == ours.group_index
         else:
-            assert isinstance(theirs, AllBlocksCleared)
+            assert isinstance(next(theirs_events), AllBlocksCleared)
+    assert next(theirs_events, None) is None, "the ZMQ batch has more events"
 
 
 # --------------------------------------------------------------------------- end to end
@@ -277,17 +258,19 @@ def test_vllm_consumer_reads_stored_removed_cleared(server: Server, ctx: Any) ->
     # The sequence as vLLM numbers it: 0, 1, 2 on this pool's socket.
     assert sorted(consumer.batches) == [0, 1, 2]
     assert 2 in consumer.live  # the stream itself works, not only the replay
-    (stored,), (removed, stored_again), (cleared,) = (b.events for b in consumer.batches.values())
+    (stored,), evicted_then_stored, (cleared,) = (b.events for b in consumer.batches.values())
     assert isinstance(stored, BlockStored) and len(stored.block_hashes) == 4
     assert stored.parent_block_hash is None
     assert stored.token_ids == first[:64]
     assert (stored.block_size, stored.medium, stored.lora_id) == (BLOCK, "GPU", None)
     assert (stored.group_idx, stored.kv_cache_spec_kind) == (0, "full_attention")
     assert stored.kv_cache_spec_sliding_window is None
-    assert all(isinstance(h, bytes) and len(h) == 16 for h in stored.block_hashes)  # xxh3-128
-    # The second prompt took every block: the first prompt's cached ones were evicted.
-    assert isinstance(removed, BlockRemoved)
-    assert sorted(removed.block_hashes) == sorted(stored.block_hashes)
+    assert all(isinstance(h, int) and 0 <= h < 1 << 64 for h in stored.block_hashes)
+    # The second prompt took every block: the first prompt's cached ones were evicted,
+    # each reported on its own as vLLM does.
+    *removed, stored_again = evicted_then_stored
+    assert all(isinstance(r, BlockRemoved) and len(r.block_hashes) == 1 for r in removed)
+    assert sorted(r.block_hashes[0] for r in removed) == sorted(stored.block_hashes)
     assert isinstance(stored_again, BlockStored) and len(stored_again.block_hashes) == 9
     assert stored_again.token_ids == second[:144]
     assert isinstance(cleared, AllBlocksCleared)
@@ -340,8 +323,13 @@ def test_each_pool_is_its_own_publisher(server: Server, ctx: Any) -> None:
     assert by_kind["sliding_window"].kv_cache_spec_sliding_window == WINDOW
     assert by_kind["full_attention"].kv_cache_spec_sliding_window is None
     assert {e.group_idx for e in events} == {0, 1}
-    for event in events:
-        assert len(event.block_hashes) == 80 // BLOCK
+    full, window = by_kind["full_attention"], by_kind["sliding_window"]
+    assert len(full.block_hashes) == 80 // BLOCK
+    # The window's group caches only the blocks a later hit can reach (vLLM's default
+    # retention) and reports the step's whole range of tokens, as vLLM does.
+    assert 0 < len(window.block_hashes) < len(full.block_hashes)
+    assert set(window.block_hashes) < set(full.block_hashes)  # the same chained hashes
+    assert window.token_ids == full.token_ids == list(range(80))
     assert_same_events(consumer.batches[0], watch(server.address, "hybrid", 1)[0])
 
 
@@ -349,59 +337,76 @@ def test_each_pool_is_its_own_publisher(server: Server, ctx: Any) -> None:
 
 
 def test_bytes_are_vllms_bytes() -> None:
-    """kvsvc's structs encode exactly as vLLM's own classes do for the same events."""
+    """kvsvc's structs encode exactly as vLLM's own classes do for the same events: extra
+    keys untagged per block, removals one hash each, hashes as bytes when asked."""
     from kvsvc.integrations.vllm.events import to_vllm_batch
 
     h = [bytes([i]) * 16 for i in range(3)]
+    lora = ("lora", "ad", "/adapters/ad")
     batch = kv.KVEventBatch(
         seq=7,
         timestamp=1234.5,
         events=[
             kv.BlockStored(h[:2], None, list(range(32)), 16, None, "GPU", 0, "full_attention"),
-            kv.BlockStored(h[2:], h[1], list(range(16)), 16, "ad", "GPU", 1, "sliding_window"),
-            kv.BlockRemoved(h[:1], "GPU", 1),
+            kv.BlockStored(
+                h[2:], h[1], list(range(16)), 16, "ad", "GPU", 1, "sliding_window",
+                [(lora, ("mm", "img0", 3), ("cache_salt", "s"), ("prompt_embeds", b"d"))],
+            ),
+            kv.BlockRemoved(h[:2], "GPU", 1),
             kv.AllBlocksCleared(),
         ],
-    )
+    )  # fmt: skip
     theirs = KVEventBatch(
         ts=1234.5,
         data_parallel_rank=0,
         events=[
             BlockStored(
                 block_hashes=h[:2], parent_block_hash=None, token_ids=list(range(32)),
-                block_size=16, lora_id=None, medium="GPU", lora_name=None, group_idx=0,
-                kv_cache_spec_kind="full_attention",
+                block_size=16, lora_id=None, medium="GPU", lora_name=None,
+                extra_keys=[None, None], group_idx=0, kv_cache_spec_kind="full_attention",
             ),
             BlockStored(
                 block_hashes=h[2:], parent_block_hash=h[1], token_ids=list(range(16)),
-                block_size=16, lora_id=None, medium="GPU", lora_name="ad", group_idx=1,
+                block_size=16, lora_id=None, medium="GPU", lora_name="ad",
+                extra_keys=[("ad", ("img0", 3), "s", b"d")], group_idx=1,
                 kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=64,
             ),
             BlockRemoved(block_hashes=h[:1], medium="GPU", group_idx=1),
+            BlockRemoved(block_hashes=h[1:2], medium="GPU", group_idx=1),
             AllBlocksCleared(),
         ],
     )  # fmt: skip
-    assert msgspec.msgpack.encode(to_vllm_batch(batch, (None, 64))) == msgspec.msgpack.encode(
-        theirs
-    )
+    ours = to_vllm_batch(batch, (None, 64), int_hashes=False)
+    assert msgspec.msgpack.encode(ours) == msgspec.msgpack.encode(theirs)
 
 
-def test_int_hashes_are_vllms_int_hashes(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_int_hashes_are_vllms_int_hashes_and_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without being asked, hashes go out as vLLM's default sends them (its
+    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES defaults to 1): maybe_convert_block_hash's ints."""
+    from vllm import envs
     from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
     from kvsvc.integrations.vllm.events import to_vllm_batch
+    from kvsvc.server.config import PoolConfig, ServerConfig
 
-    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
-    hashes = [bytes(range(i, i + 16)) for i in (0, 100)]
+    monkeypatch.delenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", raising=False)
+    assert envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES  # vLLM's own default
+    assert ServerConfig(pools=(PoolConfig("p"),)).kv_events_int_hashes
+    hashes = [bytes(range(i, i + 16)) for i in (0, 100)] + [hashlib.sha256(b"x").digest()]
     batch = kv.KVEventBatch(
         seq=1,
         timestamp=0.0,
-        events=[kv.BlockStored(hashes[1:], hashes[0], [1] * 16, 16, None, "GPU", 0, "x")],
+        events=[
+            kv.BlockStored(hashes[1:], hashes[0], [1] * 32, 16, None, "GPU", 0, "x"),
+            kv.BlockRemoved(hashes[2:], "GPU", 0),
+        ],
     )
-    (event,) = to_vllm_batch(batch, int_hashes=True).events
-    assert event.block_hashes == [maybe_convert_block_hash(BlockHash(hashes[1]))]
-    assert event.parent_block_hash == maybe_convert_block_hash(BlockHash(hashes[0]))
-    assert isinstance(event.parent_block_hash, int)
+    stored, removed = to_vllm_batch(batch).events
+    assert [type(e).__name__ for e in (stored, removed)] == ["BlockStored", "BlockRemoved"]
+    assert stored.block_hashes == [maybe_convert_block_hash(BlockHash(h)) for h in hashes[1:]]
+    assert stored.parent_block_hash == maybe_convert_block_hash(BlockHash(hashes[0]))
+    assert removed.block_hashes == [maybe_convert_block_hash(BlockHash(hashes[2]))]
+    assert all(isinstance(h, int) for h in [*stored.block_hashes, stored.parent_block_hash])
 
 
 def test_a_full_queue_drops_the_oldest_and_the_gap_shows(ctx: Any) -> None:
@@ -459,7 +464,7 @@ def test_config_file_keys_and_the_endpoint_of_each_pool(tmp_path: Path) -> None:
                 "kv_events_topic": "kv@n1@{pool}",
                 "kv_events_buffer_steps": 50,
                 "kv_events_max_queue": 7,
-                "kv_events_int_hashes": True,
+                "kv_events_int_hashes": False,
                 "pools": [{"name": "a"}, {"name": "b"}],
             }
         )
@@ -467,7 +472,13 @@ def test_config_file_keys_and_the_endpoint_of_each_pool(tmp_path: Path) -> None:
     args = build_parser().parse_args(["serve", "--config", str(config), "--pool", "c"])
     server = build_config(args)
     assert (server.kv_events_buffer_steps, server.kv_events_max_queue) == (50, 7)
-    assert server.kv_events_int_hashes
+    assert not server.kv_events_int_hashes  # the file turns vLLM's default off
+    args = build_parser().parse_args(["serve", "--config", str(config), "--kv-events-int-hashes"])
+    assert build_config(args).kv_events_int_hashes  # the flag wins over the file
+    args = build_parser().parse_args(
+        ["serve", "--pool", "p", "--kv-events-zmq", "tcp://*:5557", "--no-kv-events-int-hashes"]
+    )
+    assert not build_config(args).kv_events_int_hashes
     assert kv_events_targets(server) == [
         KVEventsTarget("a", "tcp://*:5557", "tcp://*:5600", "kv@n1@a"),
         KVEventsTarget("b", "tcp://*:5558", "tcp://*:5601", "kv@n1@b"),

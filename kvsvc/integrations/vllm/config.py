@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import string
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,7 +93,9 @@ def vllm_kwargs(
     Args:
         server: ``HOST:PORT`` of ``kvsvc serve``.
         pool: pool name (``kvsvc serve --pool NAME``).
-        auth_token: the server's bearer token; None reads ``KVSVC_AUTH_TOKEN`` at start.
+        auth_token: the server's bearer token; None: the scheduler reads
+            ``KVSVC_ENGINE_TOKEN`` and each worker ``KVSVC_AGENT_TOKEN`` at start (or their
+            ``_FILE`` forms), either falling back to ``KVSVC_AUTH_TOKEN``.
         frames: the scheduler's calls over the server's framed transport at this address
             (``unix:PATH`` or ``HOST:PORT`` of ``kvsvc serve --frames-listen``).
         tls: ``tls_ca``, ``tls_cert``, ``tls_key``, ``tls_server_name`` for a server with
@@ -154,19 +157,60 @@ def make_settings(
     )
 
 
+# Characters a word may hold and still reach a program unchanged from an unquoted
+# ``$(...)``: none splits a word (IFS) or makes it a glob pattern (``*?[``, extglob's
+# ``@+!()``). Quotes and braces are inert there: quote removal and brace expansion apply
+# to what was typed, not to what an expansion produced.
+_INERT_IN_STRINGS = frozenset(string.ascii_letters + string.digits + "._-:/=,%{}")
+
+
+def shell_inert_json(value: Any) -> str:
+    """``value`` as compact JSON that passes through unquoted command substitution as is.
+
+    The result of ``$(...)`` is split into words and each word globbed, but no quotes are
+    removed: a JSON word survives if it has no whitespace and no glob character. Every
+    character of a string outside :data:`_INERT_IN_STRINGS` (a space or ``[`` in a path,
+    ``*``, a quote, ...) is written as its ``\\uXXXX`` escape, which every JSON parser
+    reads back as the character.
+
+    Raises:
+        ValueError: ``value`` holds a list (its brackets cannot be escaped) or something
+            that is not a JSON object, string, number, boolean or null.
+    """
+    if isinstance(value, dict):
+        items = (f"{shell_inert_json(str(k))}:{shell_inert_json(v)}" for k, v in value.items())
+        return "{" + ",".join(items) + "}"
+    if isinstance(value, str):
+        # UTF-16 code units, so a character past U+FFFF becomes its surrogate pair.
+        units = value.encode("utf-16-be")
+        chars = (
+            units[i : i + 2].decode("utf-16-be", "surrogatepass") for i in range(0, len(units), 2)
+        )
+        return (
+            '"' + "".join(c if c in _INERT_IN_STRINGS else f"\\u{ord(c):04x}" for c in chars) + '"'
+        )
+    if value is None or isinstance(value, (bool, int, float)):
+        return json.dumps(value)
+    raise ValueError(f"cannot write {value!r} as one shell word (objects and scalars only)")
+
+
 def vllm_serve_flags(
     server: str, pool: str, *, frames: str | None = None, **tls: str | None
 ) -> list[str]:
     """``vllm serve`` flags equivalent to :func:`vllm_kwargs` (the token stays in the env;
-    TLS paths are no secret and may go in, or come from ``KVSVC_TLS_*``)."""
+    TLS paths are no secret and may go in, or come from ``KVSVC_TLS_*``).
+
+    Each flag is one word that an unquoted ``$(kvsvc vllm-args ...)`` hands to vLLM
+    unchanged (no whitespace, no glob or quote character to remove): the settings go as
+    ``--additional-config=JSON`` in :func:`shell_inert_json`'s form.
+    """
     settings = make_settings(server, pool, frames=frames, **tls)
     return [
         "--scheduler-cls",
         SCHEDULER_CLS,
         "--worker-cls",
         WORKER_CLS,
-        "--additional-config",
-        json.dumps({CONFIG_KEY: settings.to_dict()}, separators=(",", ":")),
+        "--additional-config=" + shell_inert_json({CONFIG_KEY: settings.to_dict()}),
     ]
 
 

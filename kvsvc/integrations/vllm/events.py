@@ -134,18 +134,32 @@ def _external(block_hash: bytes, int_hashes: bool) -> ExternalBlockHash:
     return int.from_bytes(block_hash, "big") & _INT_HASH_MASK if int_hashes else block_hash
 
 
+def _untagged(keys: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
+    # vLLM's to_event_extra_keys: ("mm", id, offset) -> (id, offset), (tag, value) -> value.
+    if keys is None:
+        return None
+    return tuple(key[1:] if key[0] == "mm" else key[1] for key in keys)
+
+
 def to_vllm_batch(
     batch: kv.KVEventBatch,
     sliding_windows: Sequence[int | None] = (),
     *,
     data_parallel_rank: int | None = 0,
-    int_hashes: bool = False,
+    int_hashes: bool = True,
 ) -> KVEventBatch:
-    """kvsvc's batch as vLLM's: the same events, fields mapped one to one.
+    """kvsvc's batch as vLLM 0.32's block pool words the same changes.
+
+    - ``BlockStored``: the same hashes, parent, tokens and group, annotated as vLLM's
+      ``KVCacheManager.take_events`` annotates it (``kv_cache_spec_kind``, and
+      ``kv_cache_spec_sliding_window`` of the group), with ``extra_keys`` one entry per
+      block, untagged (None for a block without any), as vLLM publishes them.
+    - ``BlockRemoved``: one event per hash, as vLLM evicts and reports block by block
+      (kvsvc groups a step's removals of a group in one event).
 
     What kvsvc's events do not carry stays unset, as vLLM leaves it when it does not know:
-    ``lora_id`` (kvsvc names adapters, it has no integer id), ``extra_keys``,
-    ``session_id``, ``locality``, ``ownership``.
+    ``lora_id`` (kvsvc names adapters, it has no integer id), ``session_id``,
+    ``locality``, ``ownership``.
 
     Args:
         batch: one drained batch of a pool.
@@ -153,13 +167,14 @@ def to_vllm_batch(
             group has none), for ``kv_cache_spec_sliding_window``.
         data_parallel_rank: the rank vLLM's publisher stamps on every batch (a kvsvc
             pool is one engine, rank 0).
-        int_hashes: hashes as 64-bit ints instead of bytes.
+        int_hashes: hashes as 64-bit ints (vLLM's default), else the hash bytes.
     """
     events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
     for event in batch.events:
         if isinstance(event, kv.BlockStored):
             group = event.group_index
             parent = event.parent_block_hash
+            keys = event.extra_keys
             events.append(
                 BlockStored(
                     block_hashes=[_external(h, int_hashes) for h in event.block_hashes],
@@ -169,6 +184,12 @@ def to_vllm_batch(
                     lora_id=None,
                     medium=event.medium,
                     lora_name=event.lora_name,
+                    extra_keys=(
+                        [None] * len(event.block_hashes)
+                        if keys is None
+                        else [_untagged(k) for k in keys]
+                    )
+                    or None,
                     group_idx=group,
                     kv_cache_spec_kind=event.group_kind,
                     kv_cache_spec_sliding_window=(
@@ -177,12 +198,13 @@ def to_vllm_batch(
                 )
             )
         elif isinstance(event, kv.BlockRemoved):
-            events.append(
+            events.extend(
                 BlockRemoved(
-                    block_hashes=[_external(h, int_hashes) for h in event.block_hashes],
+                    block_hashes=[_external(h, int_hashes)],
                     medium=event.medium,
                     group_idx=event.group_index,
                 )
+                for h in event.block_hashes
             )
         else:
             events.append(AllBlocksCleared())
@@ -208,7 +230,7 @@ class ZmqEventPublisher:
         buffer_steps: batches kept for replay.
         hwm: high-water mark of the PUB socket (ZMQ drops beyond it per subscriber).
         max_queue: batches waiting for the publisher thread; beyond it the oldest goes.
-        int_hashes: publish hashes as 64-bit ints.
+        int_hashes: publish hashes as 64-bit ints (vLLM's default), else the bytes.
         data_parallel_rank: stamped on every batch.
         context: the ZMQ context (default: the process's shared one).
     """
@@ -224,7 +246,7 @@ class ZmqEventPublisher:
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
         max_queue: int = 100_000,
-        int_hashes: bool = False,
+        int_hashes: bool = True,
         data_parallel_rank: int | None = 0,
         context: Any | None = None,
     ) -> None:
