@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from kvsvc import native
 from kvsvc.server.auth import env_tokens, load_credentials
 from kvsvc.server.config import (
     DEFAULT_EVENT_BUFFER_BYTES,
@@ -330,6 +331,7 @@ async def serve(
 
     # A restored pool's line is logged by the server (KvsvcServer), once: not printed here.
     server, port = await create_server(config, restore=restore, freeze_gc=True)
+    print(f"kvsvc {native.describe()}", flush=True)
     if server.kv_events is not None:
         # Before the 'serving' line, which tools wait for: by then these are printed too.
         for line in server.kv_events.describe():
