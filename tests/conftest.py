@@ -87,8 +87,9 @@ def default_ports_held() -> Iterator[DefaultPortHolder]:
         holder.close()
 
 
-# The core's own tests (traces, property tests) run on both builds of the core.
-PURE_BUILD_DIRS = ("core",)
+# Run on both builds of the core: its own tests (traces, property tests) and those of the
+# compiled Step path (kvsvc/tools/compile_core.py's COMPILED), relative to tests/.
+PURE_BUILD_PATHS = ("core", "server/test_step_paths.py", "server/test_wire_fast_paths.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -102,7 +103,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     compiled = kvsvc.native.BUILD == "mypyc"
     for item in items:
         patches_core = item.get_closest_marker("patches_core") is not None
-        if patches_core or any(item.path.is_relative_to(tests_root / d) for d in PURE_BUILD_DIRS):
+        if patches_core or any(item.path.is_relative_to(tests_root / p) for p in PURE_BUILD_PATHS):
             item.add_marker(pytest.mark.pure_build)
         if compiled and patches_core:
             item.add_marker(

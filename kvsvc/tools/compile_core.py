@@ -27,10 +27,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # What is compiled: globs relative to the repository root, the one place that says so. Every
 # module here must stay mypyc-compatible (see kvsvc.native); package __init__ files stay
 # Python (kvsvc/core/__init__.py only re-exports).
-COMPILED = ("kvsvc/core/*.py",)
+COMPILED = ("kvsvc/core/*.py", "kvsvc/server/step.py", "kvsvc/server/wire.py")
 NOT_COMPILED = ("__init__.py",)
 # The shared library of the group (one for all modules: calls between them stay native).
-GROUP = "kvsvc_core"
+GROUP = "kvsvc_native"
 
 
 def compiled_sources(root: Path = REPO_ROOT) -> list[Path]:
@@ -50,6 +50,29 @@ def c_compiler() -> str | None:
     return shutil.which(cc.split()[0])
 
 
+def manifest_for(sources: list[Path], root: Path = REPO_ROOT) -> dict[str, object]:
+    """What a build of ``sources`` records (and what an up-to-date build already holds)."""
+    from kvsvc.native import source_digest
+
+    return {
+        "builder": source_digest(Path(__file__)),  # a changed build recipe rebuilds too
+        "group": GROUP,
+        "python": sys.implementation.cache_tag,
+        "sources": {str(path): source_digest(root / path) for path in sources},
+    }
+
+
+def up_to_date(root: Path = REPO_ROOT) -> bool:
+    """Whether ``kvsvc/_compiled`` holds a build of exactly today's selected sources."""
+    from kvsvc.native import COMPILED_DIR_NAME, MANIFEST_NAME
+
+    path = root / "kvsvc" / COMPILED_DIR_NAME / MANIFEST_NAME
+    if not path.is_file():
+        return False
+    built: dict[str, object] = json.loads(path.read_text())
+    return built == manifest_for(compiled_sources(root), root)
+
+
 def build(root: Path = REPO_ROOT, verbose: bool = False) -> Path:
     """Compile :func:`compiled_sources` into ``root/kvsvc/_compiled``; return that folder.
 
@@ -59,7 +82,7 @@ def build(root: Path = REPO_ROOT, verbose: bool = False) -> Path:
     from mypyc.build import mypycify  # the dev extra
     from setuptools import Distribution
 
-    from kvsvc.native import COMPILED_DIR_NAME, MANIFEST_NAME, source_digest
+    from kvsvc.native import COMPILED_DIR_NAME, MANIFEST_NAME
 
     sources = compiled_sources(root)
     if not sources:
@@ -89,11 +112,7 @@ def build(root: Path = REPO_ROOT, verbose: bool = False) -> Path:
             dist.run_commands()
         finally:
             os.chdir(previous)
-        manifest = {
-            "group": GROUP,
-            "python": sys.implementation.cache_tag,
-            "sources": {str(path): source_digest(root / path) for path in sources},
-        }
+        manifest = manifest_for(sources, root)
         (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True))
         (staging / "README").write_text(
             "Built by `python -m kvsvc.tools.compile_core` (make venv); not in git.\n"
@@ -107,6 +126,9 @@ def build(root: Path = REPO_ROOT, verbose: bool = False) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument(
+        "--force", action="store_true", help="build even where the build is up to date"
+    )
     args = parser.parse_args(argv)
     if c_compiler() is None:
         print(
@@ -115,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1 if os.environ.get("CI", "").lower() in ("1", "true", "yes") else 0
     sources = compiled_sources()
+    if not args.force and up_to_date():
+        print(f"the compiled core is up to date ({len(sources)} modules, kvsvc/_compiled/)")
+        return 0
     out = build(verbose=args.verbose)
     print(f"compiled {len(sources)} modules with mypyc into {out.relative_to(REPO_ROOT)}/")
     return 0
