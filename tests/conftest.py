@@ -87,9 +87,15 @@ def default_ports_held() -> Iterator[DefaultPortHolder]:
         holder.close()
 
 
-# Run on both builds of the core: its own tests (traces, property tests) and those of the
-# compiled Step path (kvsvc/tools/compile_core.py's COMPILED), relative to tests/.
-PURE_BUILD_PATHS = ("core", "server/test_step_paths.py", "server/test_wire_fast_paths.py")
+# Run on both builds of the core: its own tests (traces, property tests), those of the
+# compiled Step path (kvsvc/tools/compile_core.py's COMPILED) and vLLM on kvsvc against
+# stock vLLM (the engine's replica runs the core too); relative to tests/.
+PURE_BUILD_PATHS = (
+    "core",
+    "server/test_step_paths.py",
+    "server/test_wire_fast_paths.py",
+    "vllm/test_vllm_on_kvsvc.py",
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
