@@ -660,6 +660,23 @@ def _label(label: str, sizes: Sizes) -> str:
     return label
 
 
+def _format_table(header: tuple[str, ...], lines: list[tuple[str, ...]]) -> str:
+    """Columns padded to their widest cell: labels left, figures right."""
+    widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
+    out = [
+        " | ".join(h.ljust(widths[i]) for i, h in enumerate(header)),
+        "-+-".join("-" * w for w in widths),
+    ]
+    for row in lines:
+        out.append(
+            " | ".join(
+                cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i])
+                for i, cell in enumerate(row)
+            )
+        )
+    return "\n".join(out)
+
+
 def render_table(
     results: dict[str, Any], sizes: Sizes | None = None, vllm_version: str | None = None
 ) -> str:
@@ -693,19 +710,7 @@ def render_table(
                 _ratio(key, value, reference),
             )
         )
-    widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
-    out = [
-        " | ".join(h.ljust(widths[i]) for i, h in enumerate(header)),
-        "-+-".join("-" * w for w in widths),
-    ]
-    for row in lines:
-        out.append(
-            " | ".join(
-                cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i])
-                for i, cell in enumerate(row)
-            )
-        )
-    return "\n".join(out)
+    return _format_table(header, lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -870,19 +875,7 @@ def render_builds_table(
                 _ratio(key, pure[key], reference),
             )
         )
-    widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
-    out = [
-        " | ".join(h.ljust(widths[i]) for i, h in enumerate(header)),
-        "-+-".join("-" * w for w in widths),
-    ]
-    for row in lines:
-        out.append(
-            " | ".join(
-                cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i])
-                for i, cell in enumerate(row)
-            )
-        )
-    return "\n".join(out)
+    return _format_table(header, lines)
 
 
 if __name__ == "__main__":

@@ -123,27 +123,23 @@ def test_no_build_and_the_switch_are_pure(
 
 
 def test_without_a_c_compiler_the_build_says_so_and_the_core_stays_pure(tmp_path: Path) -> None:
-    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "CI": "false"}
-    done = subprocess.run(
-        [sys.executable, "-m", "kvsvc.tools.compile_core"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-        cwd=tmp_path,
-    )
+    env = {**os.environ, "CC": str(tmp_path / "no-such-cc")}
+
+    def build(ci: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "kvsvc.tools.compile_core"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**env, "CI": ci},
+            cwd=tmp_path,
+        )
+
+    done = build("false")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines() == [
         "notice: no C compiler found (CC or cc): the core stays pure Python "
         "(install gcc, then make compiled)"
     ]
     # In CI the compiled build is the one tested: a missing compiler fails.
-    done = subprocess.run(
-        [sys.executable, "-m", "kvsvc.tools.compile_core"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**env, "CI": "true"},
-        cwd=tmp_path,
-    )
-    assert done.returncode == 1
+    assert build("true").returncode == 1
