@@ -52,7 +52,15 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY kvsvc ./kvsvc
 COPY clients ./clients
-RUN pip wheel --no-deps --wheel-dir /wheels .
+# The compiled core (kvsvc.native; the wheel carries kvsvc/_compiled): mypyc from mypy, a
+# C compiler for this stage only (the runtime stages need none). Without one the image's
+# core is pure Python, and the build says so.
+RUN (command -v cc >/dev/null 2>&1 \
+     || (apt-get update -qq && apt-get install -y -qq --no-install-recommends gcc libc6-dev >/dev/null) \
+     || echo "notice: no C compiler could be installed") \
+ && pip install -q "mypy>=1.10" setuptools \
+ && python -m kvsvc.tools.compile_core \
+ && pip wheel --no-deps --wheel-dir /wheels .
 
 # ---------------------------------------------------------------- server-venv: no torch
 FROM base AS server-venv

@@ -32,7 +32,15 @@ BUF := $(NODE_DIR)/node_modules/.bin/buf
 # What `buf breaking` compares protos/ with: the previous commit (of main, in CI).
 BUF_AGAINST ?= HEAD~1
 
-.PHONY: demo test test-vllm mutate docs lint lint-protos node-tools proto proto-check bench bench-vllm venv venv-vllm images clean
+# The compiled core (kvsvc.native): mypyc builds the modules kvsvc/tools/compile_core.py
+# selects into kvsvc/_compiled/ when a C compiler is present (again only when one of them
+# changed); without one the core runs as pure Python and `make venv` says so. The pure
+# build is tested too: PURE_TESTS with KVSVC_PURE_PYTHON=1 (the core's own tests and the
+# tests marked pure_build).
+PURE_ENV := KVSVC_PURE_PYTHON=1
+PURE_TESTS ?= -m pure_build
+
+.PHONY: demo compiled test test-vllm mutate docs lint lint-protos node-tools proto proto-check bench bench-vllm venv venv-vllm images clean
 
 # install_torch PYTHON: torch==$(TORCH_VERSION) first, so the worker extra's range (torch>=2.4)
 # installs nothing more. A wheel pip finds with --no-index (find-links) is installed as it is
@@ -64,7 +72,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 	@echo "== $(VENV) is ready"
 
-venv: $(STAMP)
+venv: $(STAMP) compiled
+
+# compile_core rebuilds only when a selected source changed (the loader ignores a stale
+# build, with a warning).
+compiled: $(STAMP)
+	$(PY) -m kvsvc.tools.compile_core
 
 # torch first (as above), then vLLM; its torchvision/torchaudio/torchcodec wheels are CUDA
 # builds that break `import vllm` on a CPU machine, so they go.
@@ -98,8 +111,11 @@ demo: venv
 	$(VENV)/bin/kvsvc demo
 
 test: venv node-tools lint docs venv-vllm
+	@$(PY) -c 'import kvsvc.native as n; print(n.describe())'
 	$(PY) -m pytest $(PYTEST_ARGS)
 	$(VLLM_TEST_ENV) $(VLLM_PY) -m pytest tests/vllm $(PYTEST_ARGS)
+	$(PURE_ENV) $(PY) -m pytest $(PURE_TESTS) $(PYTEST_ARGS)
+	$(PURE_ENV) $(VLLM_TEST_ENV) $(VLLM_PY) -m pytest tests/vllm $(PURE_TESTS) $(PYTEST_ARGS)
 
 test-vllm: venv-vllm
 	$(VLLM_TEST_ENV) $(VLLM_PY) -m pytest tests/vllm $(PYTEST_ARGS)
@@ -169,4 +185,4 @@ images: venv
 	$(PY) deploy/images/smoke.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache .mypy_cache site
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache .mypy_cache site kvsvc/_compiled

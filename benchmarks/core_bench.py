@@ -22,6 +22,12 @@ Per-call times come from ``perf_counter_ns`` around each call; they include the 
 overhead (printed). The suite runs ``--runs`` times (default 3) and keeps, per metric, the
 best run's median. Run ``python benchmarks/core_bench.py`` for the table, ``--json`` for one
 JSON object, ``--quick`` for a smoke run with small sizes, ``--no-vllm`` to skip vLLM.
+
+Both builds of the core (kvsvc.native): by default, where the compiled build is there, each
+run measures it and the pure-Python build, each in a process of its own
+(``KVSVC_PURE_PYTHON=1`` for the pure one), one after the other, with vLLM measured in the
+compiled build's process; the table shows them side by side. ``--build this`` measures only
+the build this process loaded.
 """
 
 from __future__ import annotations
@@ -33,12 +39,15 @@ import os
 import platform
 import random
 import statistics
+import subprocess
+import sys
 import time
 import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvsvc import native
 from kvsvc.core import (
     BlockHasher,
     BlockPool,
@@ -651,6 +660,23 @@ def _label(label: str, sizes: Sizes) -> str:
     return label
 
 
+def _format_table(header: tuple[str, ...], lines: list[tuple[str, ...]]) -> str:
+    """Columns padded to their widest cell: labels left, figures right."""
+    widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
+    out = [
+        " | ".join(h.ljust(widths[i]) for i, h in enumerate(header)),
+        "-+-".join("-" * w for w in widths),
+    ]
+    for row in lines:
+        out.append(
+            " | ".join(
+                cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i])
+                for i, cell in enumerate(row)
+            )
+        )
+    return "\n".join(out)
+
+
 def render_table(
     results: dict[str, Any], sizes: Sizes | None = None, vllm_version: str | None = None
 ) -> str:
@@ -684,19 +710,7 @@ def render_table(
                 _ratio(key, value, reference),
             )
         )
-    widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
-    out = [
-        " | ".join(h.ljust(widths[i]) for i, h in enumerate(header)),
-        "-+-".join("-" * w for w in widths),
-    ]
-    for row in lines:
-        out.append(
-            " | ".join(
-                cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i])
-                for i, cell in enumerate(row)
-            )
-        )
-    return "\n".join(out)
+    return _format_table(header, lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -709,9 +723,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-vllm", action="store_true", help="do not measure vLLM even where it is importable"
     )
+    parser.add_argument(
+        "--build",
+        choices=("both", "this"),
+        default="both",
+        help="both builds of the core side by side (where compiled), or only this process's",
+    )
     args = parser.parse_args(argv)
-    v = None if args.no_vllm else load_vllm()
     sizes = QUICK if args.quick else Sizes()
+    if args.build == "both" and native.BUILD == "mypyc":
+        return main_both_builds(args, sizes)
+    v = None if args.no_vllm else load_vllm()
     results = run(sizes, max(1, args.runs), v)
     source, figures = vllm_figures(results, sizes)
     if args.json:
@@ -721,8 +743,10 @@ def main(argv: list[str] | None = None) -> int:
         report["vllm_version"] = v.version if v is not None else None
         report["vllm"] = figures
         report["vs_vllm"] = vs_vllm(results, sizes)
+        report["build"] = native.BUILD
         print(json.dumps(report, sort_keys=True))
     else:
+        print(native.describe())
         print(render_table(results, sizes, v.version if v is not None else None))
         where = {
             "measured": "vLLM's BlockPool, request hasher and KVCacheManager ran the same "
@@ -738,6 +762,120 @@ def main(argv: list[str] | None = None) -> int:
             "allocations of the constructor)."
         )
     return 0
+
+
+# -- both builds of the core, side by side ---------------------------------------------------
+
+BUILDS = ("mypyc", "pure")
+
+
+def run_build(build: str, args: argparse.Namespace, with_vllm: bool) -> dict[str, Any]:
+    """One suite run (``--json --runs 1``) of ``build`` in a process of its own."""
+    env = {k: v for k, v in os.environ.items() if k != native.PURE_ENV}
+    if build == "pure":
+        env[native.PURE_ENV] = "1"
+    command = [sys.executable, __file__, "--json", "--runs", "1", "--build", "this"]
+    command += ["--quick"] if args.quick else []
+    command += [] if with_vllm else ["--no-vllm"]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"the {build} build's run failed:\n{done.stderr}")
+    report: dict[str, Any] = json.loads(done.stdout)
+    if report["build"] != build:
+        raise SystemExit(f"asked for the {build} build, the run loaded {report['build']}")
+    return report
+
+
+def best_of(reports: list[dict[str, Any]]) -> dict[str, float]:
+    """Per metric, the best of several runs' figures (as :func:`run` keeps them)."""
+    best = {k: v for k, v in reports[0].items() if isinstance(v, float | int)}
+    for report in reports[1:]:
+        for key in best:
+            value = report[key]
+            if key.removeprefix(VLLM_PREFIX) in HIGHER_IS_BETTER:
+                best[key] = max(best[key], value)
+            elif not key.endswith("hit_rate"):
+                best[key] = min(best[key], value)
+    return best
+
+
+def main_both_builds(args: argparse.Namespace, sizes: Sizes) -> int:
+    """Each run: the compiled build (and vLLM) in one process, then the pure build."""
+    with_vllm = not args.no_vllm and load_vllm() is not None
+    runs: dict[str, list[dict[str, Any]]] = {build: [] for build in BUILDS}
+    vllm_version = None
+    for _ in range(max(1, args.runs)):
+        for build in BUILDS:
+            report = run_build(build, args, with_vllm and build == "mypyc")
+            runs[build].append(report)
+            vllm_version = vllm_version or report.get("vllm_version")
+    results = {build: best_of(reports) for build, reports in runs.items()}
+    # vLLM ran beside the compiled build: its figures are the same for both columns.
+    measured_vllm = {k: v for k, v in results["mypyc"].items() if k.startswith(VLLM_PREFIX)}
+    results["pure"].update(measured_vllm)
+    if args.json:
+        out: dict[str, Any] = {"builds": {}}
+        for build, figures in results.items():
+            source, reference = vllm_figures(figures, sizes)
+            out["builds"][build] = {
+                **figures,
+                "expected_hit_rate": expected_hit_rate(sizes),
+                "vllm_source": source,
+                "vllm_version": vllm_version,
+                "vllm": reference,
+                "vs_vllm": vs_vllm(figures, sizes),
+            }
+        print(json.dumps(out, sort_keys=True))
+        return 0
+    print(render_builds_table(results, sizes, vllm_version))
+    print(
+        f"\nPython {platform.python_version()}, {os.cpu_count()} CPUs; best of "
+        f"{max(1, args.runs)} runs of medians, each run the compiled build's process (with "
+        "vLLM where importable) then the pure build's. 'vs' columns: times better (>1 is "
+        "better)."
+    )
+    return 0
+
+
+def render_builds_table(
+    results: dict[str, dict[str, float]], sizes: Sizes, vllm_version: str | None = None
+) -> str:
+    """The compiled and pure builds' figures side by side, each against vLLM."""
+    compiled, pure = results["mypyc"], results["pure"]
+    source, figures = vllm_figures(compiled, sizes)
+    targets = goals(sizes)
+    vllm_title = vllm_column_title(source, vllm_version)
+    header = (
+        "metric",
+        "mypyc",
+        "pure",
+        "mypyc vs pure",
+        "goal",
+        "met",
+        vllm_title,
+        "mypyc vs vLLM",
+        "pure vs vLLM",
+    )
+    lines = []
+    for key, label, fmt in ROWS:
+        if key not in compiled or key not in pure:
+            continue
+        goal = targets.get(key)
+        reference = figures.get(key)
+        lines.append(
+            (
+                _label(label, sizes),
+                fmt(compiled[key]),
+                fmt(pure[key]),
+                _ratio(key, compiled[key], pure[key]) if key != "hit_rate" else "",
+                fmt(goal) if goal is not None else "",
+                _meets(key, compiled[key], goal),
+                fmt(reference) if reference is not None else "",
+                _ratio(key, compiled[key], reference),
+                _ratio(key, pure[key], reference),
+            )
+        )
+    return _format_table(header, lines)
 
 
 if __name__ == "__main__":

@@ -36,12 +36,18 @@ The goals are ratios of one run: a Step <= 1.0x vLLM's 256 in-process decodes (t
 (.venv-vllm) its figures are measured in this run; elsewhere the decode figure is a
 reference measured on another run, the output says so, and the admission is not shown.
 
-Usage: python benchmarks/rpc_bench.py [--json] [--pin] [--quick] [--no-vllm]
+Both builds of the core (kvsvc.native): where the compiled build is there, a second
+server (and its agent) runs the pure-Python core (KVSVC_PURE_PYTHON=1), measured in the
+same interleaved rounds over gRPC (TCP) and frames (Unix socket), next to the compiled
+server's same calls (``--no-pure`` skips it).
+
+Usage: python benchmarks/rpc_bench.py [--json] [--pin] [--quick] [--no-vllm] [--no-pure]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -61,6 +67,7 @@ sys.path.insert(0, str(REPO))
 
 from kvsvc_client import KVCacheClient  # noqa: E402
 
+from kvsvc import native  # noqa: E402
 from kvsvc.demo.processes import Child, spawn, stop_all, wait_for_ports  # noqa: E402
 from kvsvc.frames.channel import FrameChannel  # noqa: E402
 
@@ -73,6 +80,12 @@ TRANSPORTS = (
     ("_frames", "frames, Unix socket"),
 )
 GRPC_ECHO_OF = {"_frames_tcp": "", "_frames": "_unix"}
+# The pure-Python core's server, over two of those transports: (suffix, name, the
+# compiled server's transport of the same calls and echo).
+PURE_TRANSPORTS = (
+    ("_pure", "gRPC, TCP, pure-Python core", ""),
+    ("_frames_pure", "frames, Unix socket, pure-Python core", "_frames"),
+)
 
 # Goals of the issue (2-core machine): marginal < 3 us, step p50 < 1.5 ms, p99 < 3 ms,
 # a new-request Allocate within 1.5x of the echo floor, a Step within 1.0x (then 0.5x)
@@ -181,6 +194,7 @@ class AllocateNew:
     """Admit a fresh 2048-token request (half of it a shared prefix), then free it."""
 
     method = "Allocate"  # the timed call (the Free after each is not timed)
+    clock: HandlerClock | None = None  # its server's, where not the main one
 
     def __init__(self, kv: KVCacheClient, name: str = "new", salt: int = 0) -> None:
         self.kv = kv
@@ -218,6 +232,7 @@ class DecodeStep:
     """
 
     method = "Step"
+    clock: HandlerClock | None = None  # its server's, where not the main one
 
     def __init__(
         self, kv: KVCacheClient, batch: int = 256, *, lockstep: bool = False, name: str = ""
@@ -297,10 +312,11 @@ def interleaved(
     for _ in range(rounds):
         for name, (bench, n) in benches.items():
             method: str = getattr(bench, "method", "")
-            before = clock.read() if clock and method else None
+            bench_clock = getattr(bench, "clock", None) or clock  # its own server's
+            before = bench_clock.read() if bench_clock and method else None
             samples[name].extend(bench.run(n))
-            if clock is not None and before is not None:
-                after = clock.read()
+            if bench_clock is not None and before is not None:
+                after = bench_clock.read()
                 seconds, calls = after.get(method, (0.0, 0.0))
                 seconds0, calls0 = before.get(method, (0.0, 0.0))
                 total = handled.setdefault(name, [0.0, 0.0])
@@ -461,6 +477,77 @@ def _summary(samples: list[float]) -> tuple[float, float]:
     return statistics.median(samples), percentile(samples, 0.99)
 
 
+def server_sockets(tmp: str, tag: str) -> tuple[str, str]:
+    """The gRPC and framed Unix sockets of the server ``tag`` names."""
+    return f"unix:{tmp}/kvsvc{tag}.sock", f"unix:{tmp}/frames{tag}.sock"
+
+
+def start_server(
+    children: list[Child], tmp: str, tag: str, spec_file: Path, pin: str | None
+) -> tuple[int, int, int]:
+    """A kvsvc server and its CPU agent (added to ``children``); ``tag`` "pure" runs the
+    pure-Python core. Returns its gRPC, metrics and framed TCP ports."""
+    grpc_socket, frames_socket = server_sockets(tmp, tag)
+    env = {native.PURE_ENV: "1"} if tag == "pure" else {}
+    server = spawn(
+        f"server{tag}",
+        [
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--listen",
+            grpc_socket,
+            "--frames-listen",
+            frames_socket,
+            "--frames-listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--pool",
+            "bench",
+            "--max-model-len",
+            "4096",
+            "--log-level",
+            "WARNING",
+        ],
+        env=env,
+    )
+    children.append(server)
+    port, metrics_port = wait_for_ports(server)
+    expected = "core build: pure Python" if tag == "pure" else native.describe()
+    if not any(expected in line for line in server.lines):
+        raise SystemExit(f"server{tag} does not run the expected core: {list(server.lines)}")
+    frames_port = frames_tcp_port(server)
+    if pin:
+        subprocess.run(
+            ["taskset", "-p", "-c", pin, str(server.process.pid)], check=False, capture_output=True
+        )
+    children.append(
+        spawn(
+            f"worker{tag}",
+            [
+                "worker",
+                "--server",
+                f"127.0.0.1:{port}",
+                "--pool",
+                "bench",
+                "--rank",
+                "0",
+                "--world-size",
+                "1",
+                "--device",
+                "cpu",
+                "--spec-file",
+                str(spec_file),
+                # Three step benches of 256 requests, each growing by 25 * rounds.
+                "--kv-cache-memory",
+                "160MiB",
+            ],
+        )
+    )
+    return port, metrics_port, frames_port
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -473,7 +560,12 @@ def main() -> int:
     parser.add_argument(
         "--no-vllm", action="store_true", help="do not measure vLLM even where it is importable"
     )
+    parser.add_argument(
+        "--no-pure", action="store_true", help="do not run a pure-Python core's server beside"
+    )
     args = parser.parse_args()
+    # A second build to compare with only where this one is compiled.
+    with_pure = native.BUILD == "mypyc" and not args.no_pure
     rounds = 3 if args.quick else 20
     seconds = 1.0 if args.quick else 3.0
     server_pin = "1" if args.pin and os.cpu_count() and os.cpu_count() > 1 else None  # type: ignore[operator]
@@ -485,8 +577,7 @@ def main() -> int:
     vllm = None if args.no_vllm else VllmManager.make(256, 25 * rounds + 10)
     children: list[Child] = []
     with tempfile.TemporaryDirectory(prefix="kvsvc-bench-") as tmp:
-        server_socket = f"unix:{tmp}/kvsvc.sock"
-        frames_socket = f"unix:{tmp}/frames.sock"
+        server_socket, frames_socket = server_sockets(tmp, "")
         echo_socket = f"unix:{tmp}/echo.sock"
         echo_frames_socket = f"unix:{tmp}/echo-frames.sock"
         echo_proc, echo_port, echo_frames_port = start_echo(
@@ -494,65 +585,15 @@ def main() -> int:
         )
         spec_file = Path(tmp) / "tiny.json"
         spec_file.write_text(json.dumps(TINY_SPECS))
-        env: dict[str, str] = {}
         try:
-            server = spawn(
-                "server",
-                [
-                    "serve",
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--listen",
-                    server_socket,
-                    "--frames-listen",
-                    frames_socket,
-                    "--frames-listen",
-                    "127.0.0.1:0",
-                    "--metrics-listen",
-                    "127.0.0.1:0",
-                    "--pool",
-                    "bench",
-                    "--max-model-len",
-                    "4096",
-                    "--log-level",
-                    "WARNING",
-                ],
-                env=env,
-            )
-            children.append(server)
-            port, metrics_port = wait_for_ports(server)
-            frames_port = frames_tcp_port(server)
-            if server_pin:
-                subprocess.run(
-                    ["taskset", "-p", "-c", server_pin, str(server.process.pid)],
-                    check=False,
-                    capture_output=True,
-                )
+            main_server = start_server(children, tmp, "", spec_file, server_pin)
+            port, metrics_port, frames_port = main_server
             address = f"127.0.0.1:{port}"
-            children.append(
-                spawn(
-                    "worker",
-                    [
-                        "worker",
-                        "--server",
-                        address,
-                        "--pool",
-                        "bench",
-                        "--rank",
-                        "0",
-                        "--world-size",
-                        "1",
-                        "--device",
-                        "cpu",
-                        "--spec-file",
-                        str(spec_file),
-                        # Three step benches of 256 requests, each growing by 25 * rounds.
-                        "--kv-cache-memory",
-                        "160MiB",
-                    ],
-                )
-            )
+            pure = None
+            if with_pure:
+                pure = start_server(children, tmp, "pure", spec_file, server_pin)
             with (
+                contextlib.ExitStack() as stack,
                 KVCacheClient(address, pool="bench") as kv,
                 KVCacheClient(server_socket, pool="bench") as kv_unix,
                 KVCacheClient(f"frames:127.0.0.1:{frames_port}", pool="bench") as kv_frames_tcp,
@@ -565,6 +606,17 @@ def main() -> int:
                     "_frames_tcp": kv_frames_tcp,
                     "_frames": kv_frames,
                 }
+                pure_clocks = {}
+                if pure is not None:
+                    pure_port, pure_metrics_port, _ = pure
+                    pure_frames_socket = server_sockets(tmp, "pure")[1]
+                    for suffix, target in (
+                        ("_pure", f"127.0.0.1:{pure_port}"),
+                        ("_frames_pure", f"frames:{pure_frames_socket}"),
+                    ):
+                        clients[suffix] = stack.enter_context(KVCacheClient(target, pool="bench"))
+                        pure_clocks[suffix] = HandlerClock(pure_metrics_port)
+                    clients["_pure"].wait_until_ready(timeout=120)
                 echoes = {
                     "": Echo(f"127.0.0.1:{echo_port}"),
                     "_unix": Echo(echo_socket),
@@ -577,6 +629,12 @@ def main() -> int:
                     suffix: DecodeStep(client, name=f"dec{suffix}")
                     for suffix, client in clients.items()
                 }
+                admissions = {
+                    suffix: AllocateNew(client, f"new{suffix}", salt=salt)
+                    for salt, (suffix, client) in enumerate(clients.items())
+                }
+                for suffix, clock in pure_clocks.items():
+                    decodes[suffix].clock = admissions[suffix].clock = clock
                 lockstep = DecodeStep(kv, lockstep=True)
                 in_process = {}
                 if vllm is not None:
@@ -589,13 +647,7 @@ def main() -> int:
                     HandlerClock(metrics_port),
                     **in_process,
                     **{f"echo{suffix}": (echo, 50) for suffix, echo in echoes.items()},
-                    **{
-                        f"allocate_new{suffix}": (
-                            AllocateNew(client, f"new{suffix}", salt=salt),
-                            10,
-                        )
-                        for salt, (suffix, client) in enumerate(clients.items())
-                    },
+                    **{f"allocate_new{suffix}": (new, 10) for suffix, new in admissions.items()},
                     **{f"step{suffix}": (decode, 25) for suffix, decode in decodes.items()},
                     lockstep=(lockstep, 16),
                 )
@@ -609,13 +661,17 @@ def main() -> int:
             echo_proc.wait(5)
 
     figures: dict[str, Any] = {}
-    for suffix, _ in TRANSPORTS:
-        echo_p50, echo_p99 = _summary(samples[f"echo{suffix}"])
+    measured = [(suffix, suffix) for suffix, _ in TRANSPORTS]
+    if with_pure:
+        measured += [(suffix, echo_of) for suffix, _, echo_of in PURE_TRANSPORTS]
+    for suffix, echo_of in measured:
+        echo_p50, echo_p99 = _summary(samples[f"echo{echo_of}"])
         alloc_p50, alloc_p99 = _summary(samples[f"allocate_new{suffix}"])
         step_p50, step_p99 = _summary(samples[f"step{suffix}"])
+        if suffix == echo_of:
+            figures[f"echo{suffix}_p50_us"] = round(echo_p50, 1)
+            figures[f"echo{suffix}_p99_us"] = round(echo_p99, 1)
         figures |= {
-            f"echo{suffix}_p50_us": round(echo_p50, 1),
-            f"echo{suffix}_p99_us": round(echo_p99, 1),
             f"allocate_new{suffix}_p50_us": round(alloc_p50, 1),
             f"allocate_new{suffix}_p99_us": round(alloc_p99, 1),
             f"step256{suffix}_p50_us": round(step_p50, 1),
@@ -641,6 +697,14 @@ def main() -> int:
         "marginal_vs_vllm": round(figures["step256_marginal_us"] / vllm_decode, 3),
         "pinned": bool(args.pin),
     }
+    # The compiled server's calls against the pure one's (> 1: the compiled core is faster).
+    figures["pure_core"] = with_pure
+    if with_pure:
+        for suffix, _, compiled in PURE_TRANSPORTS:
+            for call in ("allocate_new", "step256"):
+                figures[f"{call}{suffix}_vs_compiled"] = round(
+                    figures[f"{call}{suffix}_p50_us"] / figures[f"{call}{compiled}_p50_us"], 3
+                )
     for call in ("echo", "allocate_new", "step256"):
         figures[f"{call}_unix_vs_tcp"] = round(
             figures[f"{call}_unix_p50_us"] / figures[f"{call}_p50_us"], 3
@@ -661,7 +725,7 @@ def main() -> int:
         vllm_admission = statistics.median(samples["vllm_admission"])
         figures["vllm_step256_us_p50"] = round(vllm_step, 1)
         figures["vllm_admission_us_p50"] = round(vllm_admission, 1)
-        for suffix, _ in TRANSPORTS:
+        for suffix, _ in measured:
             figures[f"step256{suffix}_vs_vllm"] = round(
                 figures[f"step256{suffix}_p50_us"] / vllm_step, 3
             )
@@ -684,8 +748,11 @@ def render(f: dict[str, Any]) -> str:
         else "vLLM in-process (reference, not measured here)"
     )
     rows = []
-    for suffix, transport in TRANSPORTS:
-        echo = f[f"echo{suffix}_p50_us"]
+    transports = [(suffix, transport, suffix) for suffix, transport in TRANSPORTS]
+    if f.get("pure_core"):
+        transports += PURE_TRANSPORTS
+    for suffix, transport, echo_of in transports:
+        echo = f[f"echo{echo_of}_p50_us"]
         step = f[f"step256{suffix}_p50_us"]
         step_ratio = f"{step / f['vllm_step256_us_p50']:.2f}x vLLM" if measured else ""
         allocate_ratio = f"{f[f'allocate_new{suffix}_vs_echo']:.2f}x echo"
@@ -696,14 +763,22 @@ def render(f: dict[str, Any]) -> str:
             )
         if measured:
             allocate_ratio += f", {f[f'allocate_new{suffix}_vs_vllm']:.2f}x vLLM"
+        if suffix != echo_of:  # the pure core's server: against the compiled one's call
+            allocate_ratio += f", {f[f'allocate_new{suffix}_vs_compiled']:.2f}x compiled"
+            step_ratio += (", " if step_ratio else "") + (
+                f"{f[f'step256{suffix}_vs_compiled']:.2f}x compiled"
+            )
+        if suffix == echo_of:
+            rows.append(
+                (
+                    f"echo (floor), {transport}",
+                    f"{echo:.0f}",
+                    f"{f[f'echo{suffix}_p99_us']:.0f}",
+                    "",
+                    "",
+                )
+            )
         rows += [
-            (
-                f"echo (floor), {transport}",
-                f"{echo:.0f}",
-                f"{f[f'echo{suffix}_p99_us']:.0f}",
-                "",
-                "",
-            ),
             (
                 f"Allocate new 2048-token, {transport}",
                 f"{f[f'allocate_new{suffix}_p50_us']:.0f}",

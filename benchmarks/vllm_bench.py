@@ -10,6 +10,11 @@ per scheduling step (median, max; decode-only steps apart), and the time the sch
 waited on kvsvc per step. Goals: tokens/s ratio >= 0.95 over frames and >= 0.90 over
 gRPC for both models, <= 1 RPC in decode-only steps.
 
+Both builds of the core (kvsvc.native): where the compiled build is there, two more
+engines run on servers with the pure-Python core (``KVSVC_PURE_PYTHON=1``), gRPC and
+frames, in the same rounds (``--no-pure`` skips them). The engines themselves (this
+process, whose replica of the pool runs the core) run the compiled build either way.
+
 Run: ``make bench-vllm`` (or ``VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python
 benchmarks/vllm_bench.py [--models llama,gemma3] [--rounds N] [--requests N]``).
 """
@@ -17,6 +22,7 @@ benchmarks/vllm_bench.py [--models llama,gemma3] [--rounds N] [--requests N]``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import random
@@ -29,6 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kvsvc import native
 from kvsvc.integrations.vllm import vllm_kwargs
 from tests.vllm.helpers import VLLM_ENV, engine_args, engine_core, kvsvc_server
 from tests.vllm.models import MODELS, write_model
@@ -70,6 +77,9 @@ def main() -> int:
         default="llama,gemma3",
         help=f"comma-separated tiny models to run, of: {', '.join(MODELS)} (default: %(default)s)",
     )
+    parser.add_argument(
+        "--no-pure", action="store_true", help="no engines on servers with the pure-Python core"
+    )
     args = parser.parse_args()
     models = [m for m in args.models.split(",") if m]
     unknown = [m for m in models if m not in MODELS]
@@ -95,25 +105,30 @@ def bench_model(vllm: Any, model_name: str, args: argparse.Namespace) -> list[tu
     """Stock vLLM and vLLM on kvsvc (gRPC, frames) on one model: the report's rows."""
     prompts = workload(args.requests)
     server_args = ("--num-gpu-blocks-override", str(args.blocks), "--max-model-len", "512")
-    with (
-        tempfile.TemporaryDirectory() as tmp,
-        kvsvc_server(*server_args) as server,
-        kvsvc_server(*server_args, pool="vllm-frames", frames=True) as frames_server,
-    ):
+    with_pure = native.BUILD == "mypyc" and not args.no_pure
+    builds = {"": None, "_pure": {native.PURE_ENV: "1"}} if with_pure else {"": None}
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         model = write_model(model_name, Path(tmp))
         engines = {
             "stock": vllm.LLM(**engine_args(model, num_gpu_blocks_override=args.blocks)),
-            "kvsvc": vllm.LLM(**engine_args(model, **vllm_kwargs(server.address, server.pool))),
-            "kvsvc_frames": vllm.LLM(
+        }
+        for tag, env in builds.items():
+            server = stack.enter_context(kvsvc_server(*server_args, env=env))
+            frames_server = stack.enter_context(
+                kvsvc_server(*server_args, pool="vllm-frames", frames=True, env=env)
+            )
+            engines[f"kvsvc{tag}"] = vllm.LLM(
+                **engine_args(model, **vllm_kwargs(server.address, server.pool))
+            )
+            engines[f"kvsvc_frames{tag}"] = vllm.LLM(
                 **engine_args(
                     model,
                     **vllm_kwargs(
                         frames_server.address, frames_server.pool, frames=frames_server.frames
                     ),
                 )
-            ),
-        }
-        on_kvsvc = ("kvsvc", "kvsvc_frames")
+            )
+        on_kvsvc = tuple(name for name in engines if name != "stock")
         stats = {name: engine_core(engines[name]).scheduler.kvsvc.stats for name in on_kvsvc}
         # Warm every engine (first-run compilation, allocator), then reset the counters.
         for _ in range(2):
@@ -142,14 +157,22 @@ def bench_model(vllm: Any, model_name: str, args: argparse.Namespace) -> list[tu
             ("output tokens/s, stock vLLM (median)", f"{stock_rate:,.0f}"),
             ("tokens/s per round, stock", " ".join(f"{r:,.0f}" for r in rates["stock"])),
         ]
-        for name, label, goal in (
-            ("kvsvc", "gRPC", "0.90"),
-            ("kvsvc_frames", "frames, Unix socket", "0.95"),
-        ):
+        labels = {
+            "kvsvc": ("gRPC", "0.90"),
+            "kvsvc_frames": ("frames, Unix socket", "0.95"),
+            "kvsvc_pure": ("gRPC, server with the pure-Python core", "0.90"),
+            "kvsvc_frames_pure": ("frames, Unix socket, server with the pure-Python core", "0.95"),
+        }
+
+        def wait_per_step_us(name: str) -> float:
+            counters = stats[name]
+            return 1e6 * counters.seconds_waiting / max(len(counters.rpcs_by_step), 1)
+
+        for name in on_kvsvc:
+            label, goal = labels[name]
             counters = stats[name]
             steps = counters.rpcs_by_step
             rate = statistics.median(rates[name])
-            wait_per_step_us = 1e6 * counters.seconds_waiting / max(len(steps), 1)
             decode = decode_rpcs[name]
             rows += [
                 (f"vLLM on kvsvc, {label}:", ""),
@@ -171,9 +194,17 @@ def bench_model(vllm: Any, model_name: str, args: argparse.Namespace) -> list[tu
                     f"{statistics.median(decode):g} / {max(decode)}" if decode else "-",
                 ),
                 ("  synchronous calls (resyncs)", f"{counters.sync_calls}"),
-                ("  time waiting on kvsvc per step (mean, us)", f"{wait_per_step_us:.0f}"),
+                ("  time waiting on kvsvc per step (mean, us)", f"{wait_per_step_us(name):.0f}"),
                 ("  steps measured", f"{len(steps)}"),
             ]
+            if name.endswith("_pure"):
+                compiled = name.removesuffix("_pure")
+                rows.append(
+                    (
+                        "  waiting per step vs the compiled core's server",
+                        f"{wait_per_step_us(name) / max(wait_per_step_us(compiled), 1e-9):.2f}x",
+                    )
+                )
         for llm in engines.values():
             llm.llm_engine.engine_core.shutdown()
         engines.clear()

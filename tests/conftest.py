@@ -22,6 +22,7 @@ from collections.abc import Iterator
 
 import pytest
 
+import kvsvc
 from tests.ports import DefaultPortHolder
 from tests.tooling import hypothesis_profile, in_ci
 
@@ -84,3 +85,36 @@ def default_ports_held() -> Iterator[DefaultPortHolder]:
         yield holder
     finally:
         holder.close()
+
+
+# Run on both builds of the core: its own tests (traces, property tests), those of the
+# compiled Step path (kvsvc/tools/compile_core.py's COMPILED) and vLLM on kvsvc against
+# stock vLLM (the engine's replica runs the core too); relative to tests/.
+PURE_BUILD_PATHS = (
+    "core",
+    "server/test_step_paths.py",
+    "server/test_wire_fast_paths.py",
+    "vllm/test_vllm_on_kvsvc.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark what the pure-Python pass runs, and skip core patching on the compiled build.
+
+    A test that patches a class or function of kvsvc.core cannot on the compiled build
+    (mypyc's classes are closed, and compiled callers never look the function up again):
+    there it is skipped, and make test's pure pass (``-m pure_build``) runs it.
+    """
+    tests_root = config.rootpath / "tests"
+    compiled = kvsvc.native.BUILD == "mypyc"
+    for item in items:
+        patches_core = item.get_closest_marker("patches_core") is not None
+        if patches_core or any(item.path.is_relative_to(tests_root / p) for p in PURE_BUILD_PATHS):
+            item.add_marker(pytest.mark.pure_build)
+        if compiled and patches_core:
+            item.add_marker(
+                pytest.mark.skip(
+                    reason="patches kvsvc.core, which the compiled build forbids: make test's "
+                    "pure pass (KVSVC_PURE_PYTHON=1 pytest -m pure_build) runs it"
+                )
+            )

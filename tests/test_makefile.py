@@ -93,3 +93,10 @@ def test_torch_is_checked_right_after_its_install(tmp_path: Path, index: str | N
     check = lines[installed + 1]
     assert check.endswith(f"-m kvsvc.tools.torchcheck '{index or CPU_INDEX}'"), check
     assert any("pip install" in line and "-e '.[" in line for line in lines[installed + 2 :])
+
+
+def test_venv_builds_the_compiled_core_after_installing(tmp_path: Path) -> None:
+    lines = dry_run(tmp_path)
+    install = next(i for i, line in enumerate(lines) if "pip install" in line and "-e " in line)
+    (build,) = [i for i, line in enumerate(lines) if "-m kvsvc.tools.compile_core" in line]
+    assert build > install

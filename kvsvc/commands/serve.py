@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from kvsvc import native
 from kvsvc.server.auth import env_tokens, load_credentials
 from kvsvc.server.config import (
     DEFAULT_EVENT_BUFFER_BYTES,
@@ -360,6 +361,7 @@ async def serve(
 
     # A restored pool's line is logged by the server (KvsvcServer), once: not printed here.
     server, port = await create_server(config, restore=restore, freeze_gc=True)
+    print(f"kvsvc {native.describe()}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -201,11 +201,13 @@ def check_hashing_context(
         )
     for i, item in enumerate(items):
         where = f"{field}.mm_items[{i}]"
-        identifier = item.identifier
+        # As objects: compiled, a declared str/int would fail before the check.
+        identifier: object = item.identifier
         if not isinstance(identifier, str) or not identifier:
             raise InvalidArgument(f"{where}.identifier", "must be a non-empty string")
         _check_bytes(identifier, MAX_MM_IDENTIFIER_BYTES, f"{where}.identifier")
-        offset, length = item.offset, item.length
+        offset: object = item.offset
+        length: object = item.length
         if type(offset) is not int or type(length) is not int or offset < 0 or length <= 0:
             raise InvalidArgument(
                 where, f"needs offset >= 0 and length > 0, got offset={offset!r} length={length!r}"
@@ -240,7 +242,9 @@ class BlockExtraKeys:
         self._salt: tuple[Any, ...] | None = (
             ("cache_salt", context.cache_salt) if context.cache_salt else None
         )
-        for i, digest in enumerate(context.prompt_embeds_digests):
+        # As objects: compiled, a declared int/bytes would fail before the check.
+        digests: Sequence[object] = context.prompt_embeds_digests
+        for i, digest in enumerate(digests):
             if not isinstance(digest, bytes):
                 raise InvalidArgument(
                     f"hashing.prompt_embeds_digests[{i}]",
@@ -624,7 +628,9 @@ def unpack_token_ids(packed: bytes, field: str) -> array.array[int]:
 
 
 def _bad_token_error(token_ids: Sequence[int], field: str) -> InvalidArgument:
-    for i, token in enumerate(token_ids):
+    # As objects: compiled, a declared int/bytes would fail before the check.
+    unchecked: Sequence[object] = token_ids
+    for i, token in enumerate(unchecked):
         if not isinstance(token, int):
             return InvalidArgument(
                 field, f"token ids must be integers; [{i}] is {type(token).__name__}"
@@ -643,7 +649,9 @@ def validate_token_ids(token_ids: Sequence[int], field: str) -> None:
         InvalidArgument: naming ``field``, the first bad id and its index.
     """
     if len(token_ids) == 1:
-        token = token_ids[0]
+        # As objects: compiled, a declared int/bytes would fail before the check.
+        unchecked: Sequence[object] = token_ids
+        token = unchecked[0]
         if type(token) is int and 0 <= token < MAX_TOKEN_ID_EXCLUSIVE:
             return
     pack_token_ids(token_ids, field)

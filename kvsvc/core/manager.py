@@ -8,7 +8,7 @@ nothing of request ids being valid or inputs being sane (the facade checks those
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, MutableSequence, Sequence
 from dataclasses import dataclass
 from math import gcd, lcm
 from typing import Any
@@ -202,7 +202,7 @@ class KVCacheManager:
     def new_request(
         self,
         request_id: str,
-        token_ids: list[int],
+        token_ids: MutableSequence[int],
         *,
         hashing: HashingContext | None = None,
         skip_reading_prefix_cache: bool = False,

@@ -30,9 +30,9 @@ import itertools
 import struct
 import sys
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, MutableSequence, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import xxhash
 
@@ -507,7 +507,11 @@ class PoolKVCache:
             )
         # Token lists that come with their packed form were decoded for this call (the
         # wire path): take them over instead of copying.
-        owned = packed is not None and isinstance(prompt, (list, array.array))
+        tokens: MutableSequence[int] = (
+            prompt
+            if packed is not None and isinstance(prompt, (list, array.array))
+            else list(prompt)
+        )
         if packed is None:
             packed = pack_token_ids(prompt, "new_token_ids")
         if start.num_encoder_tokens < 0:
@@ -531,7 +535,7 @@ class PoolKVCache:
         try:
             request = manager.new_request(
                 request_id,
-                prompt if owned else list(prompt),  # type: ignore[arg-type]
+                tokens,
                 hashing=start.hashing,
                 skip_reading_prefix_cache=start.skip_prefix_cache_read,
                 resumed=start.resumed,
@@ -753,6 +757,8 @@ class PoolKVCache:
             self.max_unscheduled_tokens if self.max_unscheduled_tokens is not None else sys.maxsize
         )
         pos = token_pos
+        # As objects: compiled, a declared int would fail before the check below.
+        unchecked_ids: Sequence[object] = token_ids
         for i in range(begin, end):
             count = token_counts[i]
             num_new = num_new_tokens[i]
@@ -785,7 +791,7 @@ class PoolKVCache:
             tokens_list = request.all_token_ids
             num_tokens_before = len(tokens_list)
             if count:
-                token = token_ids[pos]
+                token = unchecked_ids[pos]
                 pos += 1
                 if type(token) is not int or not 0 <= token < MAX_TOKEN_ID_EXCLUSIVE:
                     errors[i] = _token_error(token)
@@ -845,7 +851,7 @@ class PoolKVCache:
             # The request's length after this operation (len() per use cost ~5% of a Step).
             num_tokens = num_tokens_before + 1 if count else num_tokens_before
             if count:
-                tokens_list.append(token)
+                tokens_list.append(cast(int, token))  # an int, checked above
                 held += 1
                 if hasher is not None:
                     block_hashes = request.block_hashes
@@ -1196,7 +1202,9 @@ class PoolKVCache:
         """
         ids = list(block_ids)
         limit = self.manager.block_pool.num_blocks
-        for block_id in ids:
+        # As objects: compiled, a declared int/bytes would fail before the check.
+        unchecked: Sequence[object] = ids
+        for block_id in unchecked:
             if type(block_id) is not int or not 0 <= block_id < limit:
                 raise InvalidArgument(
                     "block_ids", f"block id {block_id!r} is outside the pool [0, {limit})"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import array
-from collections.abc import Sequence
+from collections.abc import MutableSequence, Sequence
 from typing import Any
 
 from kvsvc.core.hashing import BlockExtraKeys, BlockHash, BlockHasher, HashingContext
@@ -19,8 +19,8 @@ class RequestState:
 
     Args:
         request_id: the engine's id.
-        token_ids: the prompt (or, on resumption, prompt plus outputs so far). The list is
-            taken over, not copied.
+        token_ids: the prompt (or, on resumption, prompt plus outputs so far): a list, or
+            the wire's ``array('I')``. Taken over, not copied.
         hasher: the pool's hasher; None when prefix caching is off (no hashes kept).
         hashing: extra-key context (LoRA, salt, multimodal items, prompt embeds).
         skip_reading_prefix_cache: never read the cache for this request (it still writes).
@@ -49,7 +49,7 @@ class RequestState:
     def __init__(
         self,
         request_id: str,
-        token_ids: list[int],
+        token_ids: MutableSequence[int],
         *,
         hasher: BlockHasher | None = None,
         hashing: HashingContext | None = None,
@@ -57,6 +57,7 @@ class RequestState:
         resumed: bool = False,
         num_encoder_tokens: int = 0,
         packed_token_ids: bytes | None = None,
+        block_hashes: list[BlockHash] | None = None,
     ) -> None:
         self.request_id = request_id
         self.all_token_ids = token_ids
@@ -66,7 +67,7 @@ class RequestState:
         # them (a shared prefix a window group has not cached yet): sparse window
         # retention keeps the blocks ending there (vLLM's ``shared_prefix_boundary``).
         self.shared_prefix_boundary = 0
-        self.block_hashes: list[BlockHash] = []
+        self.block_hashes: list[BlockHash] = [] if block_hashes is None else block_hashes
         self.hashing = hashing
         self.lora_name = hashing.lora_name if hashing is not None else None
         self.skip_reading_prefix_cache = skip_reading_prefix_cache
@@ -76,7 +77,8 @@ class RequestState:
         self.extra_keys: BlockExtraKeys | None = None
         if hasher is not None and hashing is not None and not hashing.is_empty:
             self.extra_keys = BlockExtraKeys(hashing, hasher.block_size)
-        self.update_block_hashes(packed_token_ids)
+        if block_hashes is None:
+            self.update_block_hashes(packed_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -157,26 +159,21 @@ class RequestState:
             resumed,
             num_encoder_tokens,
         ) = state
-        self = cls.__new__(cls)
-        self.shared_prefix_boundary = 0
-        self.request_id = request_id
-        # The wire's own token type (see unpack_token_ids); the fast paths expect it.
-        self.all_token_ids = array.array("I", tokens)  # type: ignore[assignment]
+        # Saved hashes, not hashed again (a native class has no cls.__new__ to skip __init__).
+        self = cls(
+            request_id,
+            # The wire's own token type (see unpack_token_ids); the fast paths expect it.
+            array.array("I", tokens),
+            hasher=hasher,
+            hashing=None if hashing is None else HashingContext.from_state(hashing),
+            skip_reading_prefix_cache=skip,
+            resumed=resumed,
+            num_encoder_tokens=num_encoder_tokens,
+            block_hashes=list(block_hashes),
+        )
         self.num_prompt_tokens = num_prompt_tokens
         self.num_computed_tokens = num_computed_tokens
-        self.block_hashes = list(block_hashes)
-        self.hashing = None if hashing is None else HashingContext.from_state(hashing)
-        self.lora_name = self.hashing.lora_name if self.hashing is not None else None
-        self.skip_reading_prefix_cache = skip
-        self.resumed = resumed
-        self.num_encoder_tokens = num_encoder_tokens
-        self._hasher = hasher
-        self.extra_keys = None
-        expected = 0
-        if hasher is not None:
-            expected = len(self.all_token_ids) // hasher.block_size
-            if self.hashing is not None and not self.hashing.is_empty:
-                self.extra_keys = BlockExtraKeys(self.hashing, hasher.block_size)
+        expected = 0 if hasher is None else len(self.all_token_ids) // hasher.block_size
         if len(self.block_hashes) != expected:
             raise ValueError(
                 f"request {request_id!r}: {len(self.block_hashes)} saved block hashes for "

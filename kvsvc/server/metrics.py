@@ -26,7 +26,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from kvsvc import __version__
+from kvsvc import __version__, native
 from kvsvc.metrics_http import serve_metrics_http
 from kvsvc.server.config import split_host_port
 from kvsvc.server.errors import CallObserver
@@ -123,8 +123,10 @@ class _PoolCollector(Collector):
         pools = list(self._pools.by_name.values())
         now = time.monotonic()
 
-        build = InfoMetricFamily("kvsvc_build", "kvsvc version.")
-        build.add_metric([], {"version": __version__})
+        build = InfoMetricFamily(
+            "kvsvc_build", "kvsvc version, and its core's build: mypyc (compiled) or pure."
+        )
+        build.add_metric([], {"version": __version__, "core": native.BUILD})
         yield build
 
         info = InfoMetricFamily("kvsvc_pool", "Pool configuration.", labels=("pool",))

@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+import kvsvc.native
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "core_bench.py"
 
 
@@ -37,13 +39,17 @@ def bench() -> Iterator[ModuleType]:
 
 @pytest.fixture(scope="module")
 def quick_report(bench: ModuleType) -> dict[str, Any]:
-    """One ``--quick --json`` run (two suite runs, best of each metric)."""
+    """One ``--quick --json`` run of this process's build (two suite runs, best of each)."""
+    return run_main(bench, "--quick", "--json", "--runs", "2", "--build", "this")
+
+
+def run_main(bench: ModuleType, *args: str) -> dict[str, Any]:
     import contextlib
     import io
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert bench.main(["--quick", "--json", "--runs", "2"]) == 0
+        assert bench.main(list(args)) == 0
     report: dict[str, Any] = json.loads(out.getvalue())
     return report
 
@@ -156,3 +162,21 @@ def test_the_table_names_the_sizes_it_ran(bench: ModuleType, quick_report: dict[
     assert re.search(r"pool build, 0\.05M blocks", table)
     hit_row = _rows(table)["workload: prefix hit rate"]
     assert hit_row[0] == hit_row[1] == f"{15 / 32:.3f}" and hit_row[2] == "exact"
+
+
+def test_both_builds_run_side_by_side(bench: ModuleType) -> None:
+    """By default the compiled and the pure build each run in a process of their own (where
+    the compiled one is built); each report holds together and names its build."""
+    report = run_main(bench, "--quick", "--json", "--runs", "1", "--no-vllm")
+    if kvsvc.native.BUILD != "mypyc":  # nothing compiled to compare: this build alone
+        assert report["build"] == kvsvc.native.BUILD
+        check_relations(bench, report)
+        return
+    assert set(report["builds"]) == {"mypyc", "pure"}
+    for figures in report["builds"].values():
+        check_relations(bench, figures)
+    # The same workload on both: the same exact hit rate.
+    assert report["builds"]["mypyc"]["hit_rate"] == report["builds"]["pure"]["hit_rate"]
+    table = bench.render_builds_table(report["builds"], bench.QUICK)
+    header = [c.strip() for c in table.splitlines()[0].split("|")]
+    assert header[1:4] == ["mypyc", "pure", "mypyc vs pure"]

@@ -107,6 +107,7 @@ def test_shortcuts_match_the_general_path(name: str, ops: list[tuple[int, int, i
         assert state(fast) == state(slow)
 
 
+@pytest.mark.patches_core
 def test_the_shortcuts_are_taken_and_refusals_happen() -> None:
     """Guard for the property test above: its sequences do reach both shortcuts and NO_SPACE."""
     import random

@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+import kvsvc.native
+
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 
@@ -22,6 +24,9 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "rpc_bench.py"
 REFERENCE_VLLM_DECODE_US = 5.18
 # Figure suffixes: gRPC over loopback TCP and the Unix socket, the framed transport over both.
 TRANSPORTS = ("", "_unix", "_frames_tcp", "_frames")
+# The pure-Python core's server (where the compiled core is built) -> the compiled
+# server's transport it is compared with.
+PURE_TRANSPORTS = {"_pure": "", "_frames_pure": "_frames"}
 
 
 def run_bench(*flags: str, python: str = sys.executable) -> dict[str, Any]:
@@ -64,6 +69,16 @@ def check_relations(figures: dict[str, Any]) -> None:
             assert figures[f"{call}{transport}_vs_grpc_echo"] == pytest.approx(vs_echo, rel=1e-2)
             vs_grpc = mine / figures[f"{call}{grpc_transport}_p50_us"]
             assert figures[f"{call}{transport}_vs_grpc"] == pytest.approx(vs_grpc, rel=1e-2)
+    # The pure-Python core's server, beside a compiled one: its calls against the same
+    # calls of the compiled server (gRPC TCP, frames Unix socket).
+    if figures["pure_core"]:
+        for transport, compiled in PURE_TRANSPORTS.items():
+            for call in ("allocate_new", "step256"):
+                name = f"{call}{transport}"
+                assert 0 < figures[f"{name}_p50_us"] <= figures[f"{name}_p99_us"], name
+                assert 0 < figures[f"{name}_handler_us"] < figures[f"{name}_p99_us"], name
+                ratio = figures[f"{name}_p50_us"] / figures[f"{call}{compiled}_p50_us"]
+                assert figures[f"{name}_vs_compiled"] == pytest.approx(ratio, rel=1e-2)
     assert 0 < figures["step256_lockstep_p50_us"] <= figures["step256_lockstep_max_us"]
     assert figures["concurrent_ops_per_s"] > 0
     # Derived figures come from the printed medians (each rounded to 0.1 us).
@@ -93,3 +108,5 @@ def test_rpc_bench_quick_json() -> None:
     figures = run_bench("--no-vllm")
     check_relations(figures)
     assert figures["vllm_source"] == "reference"
+    # Both builds side by side wherever the compiled one is there.
+    assert figures["pure_core"] == (kvsvc.native.BUILD == "mypyc")

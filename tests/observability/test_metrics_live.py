@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 
+import kvsvc.native
 from kvsvc.server.pool import PoolState
 from tests.deploy.files import require_tool
 from tests.observability.conftest import (
@@ -40,7 +41,7 @@ BOUNDED_LABELS = {
     "grpc_code",
 }
 INFO_LABELS = {
-    "kvsvc_build_info": {"version"},
+    "kvsvc_build_info": {"version", "core"},
     "kvsvc_pool_info": {"pool", "model", "block_size", "hash_algo", "prefix_caching", "world_size"},
     "kvsvc_agent_info": {"pool", "rank", "device"},
 }
@@ -197,6 +198,9 @@ def test_pool_info_and_state(live: LiveKvsvc) -> None:
         }
         assert states == {state.name: float(state == PoolState.READY) for state in PoolState}
     assert value(s, "kvsvc_build_info") == 1
+    # The server runs this test's build of the core (it inherits KVSVC_PURE_PYTHON).
+    (build,) = label_sets(s, "kvsvc_build_info")
+    assert build["core"] == kvsvc.native.BUILD
 
 
 def test_step_batch_size_histogram(live: LiveKvsvc) -> None:

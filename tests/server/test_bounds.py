@@ -161,6 +161,7 @@ def test_a_lookup_longer_than_max_model_len_is_invalid_argument(
     assert kv.lookup([1] * MAX_MODEL_LEN) == 0
 
 
+@pytest.mark.patches_core
 def test_a_long_lookup_does_not_stall_the_pools_writers(
     server: ServerThread, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -358,9 +358,7 @@ class WriterGuard:
         return guarded
 
     def install(self, pool: Any) -> None:
-        cache = pool.cache
-        for name in ("allocate", "allocate_running", "free", "lookup"):
-            setattr(cache, name, self.wrap(getattr(cache, name)))
+        pool.cache = GuardedCache(pool.cache, self)
         guard = self
 
         class RecordingLock(asyncio.Lock):
@@ -371,6 +369,24 @@ class WriterGuard:
                 return await super().acquire()
 
         pool.lock = RecordingLock()
+
+
+class GuardedCache:
+    """The pool's cache with its writes counted by a :class:`WriterGuard`.
+
+    A stand-in the server calls instead of the cache (the compiled core's objects cannot
+    have their methods replaced); everything else goes to the cache itself.
+    """
+
+    WRITES = ("allocate", "allocate_running", "free", "lookup")
+
+    def __init__(self, cache: Any, guard: WriterGuard) -> None:
+        self._cache = cache
+        for name in self.WRITES:
+            setattr(self, name, guard.wrap(getattr(cache, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cache, name)
 
 
 def test_small_writes_wait_for_an_offloaded_one(server: ServerThread) -> None:

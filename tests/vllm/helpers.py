@@ -148,6 +148,7 @@ def kvsvc_server(
     block_size: int | None = BLOCK_SIZE,
     log_level: str = "WARNING",
     frames: bool = False,
+    env: dict[str, str] | None = None,
 ) -> Iterator[KvsvcServer]:
     """Run ``kvsvc serve`` on a free loopback port with one pool; stop it afterwards.
 
@@ -155,6 +156,7 @@ def kvsvc_server(
         extra_args: more ``kvsvc serve`` flags (``"--num-gpu-blocks-override", "100"``).
         block_size: the pool's ``--block-size`` (None: not given).
         frames: also serve the framed transport on a Unix socket (``server.frames``).
+        env: more environment for the server (``KVSVC_PURE_PYTHON=1``: the pure core).
     """
     args = [
         "serve",
@@ -175,7 +177,7 @@ def kvsvc_server(
         frames_address = f"unix:{sockets}/frames.sock" if frames else None
         if frames_address is not None:
             args += ["--frames-listen", frames_address]
-        child = spawn(f"kvsvc-{pool}", [*args, *extra_args])
+        child = spawn(f"kvsvc-{pool}", [*args, *extra_args], env=env)
         try:
             port, _ = wait_for_ports(child)
             yield KvsvcServer(child, f"127.0.0.1:{port}", pool, frames_address)
