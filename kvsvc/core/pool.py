@@ -770,17 +770,20 @@ class PoolKVCache:
                 pos += count
                 self.num_tokens_held = held
                 self.num_tokens_unscheduled = unscheduled_sum
+                failure: KvsvcError | None = None
                 try:
                     outcome = self.allocate(request_id, tokens, num_new)
                 except KvsvcError as exc:
-                    errors[i] = exc
+                    failure = exc
+                # The general path counts its own tokens: take its totals back.
+                held = self.num_tokens_held
+                unscheduled_sum = self.num_tokens_unscheduled
+                if failure is not None:
+                    errors[i] = failure
                     ok_out.append(False)
                     computed_out.append(0)
                     blocks_out.append(empty)
                     continue
-                finally:
-                    held = self.num_tokens_held
-                    unscheduled_sum = self.num_tokens_unscheduled
                 if outcome.recompute:
                     out.recompute.append(i)
                 ok_out.append(outcome.ok)
