@@ -93,7 +93,17 @@ def hybrid_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HybridFle
     spec_file = tmp / "specs.json"
     spec_file.write_text(json.dumps(HYBRID_SPECS))
     engines: list[Engine] = [
-        Engine(f"h{i}", free_port(), seed_file, spec_file, None, kv_cache_memory=MEMORY)
+        Engine(
+            f"h{i}",
+            free_port(),
+            seed_file,
+            spec_file,
+            None,
+            kv_cache_memory=MEMORY,
+            # Every full window block cached (dense retention): the scenario below counts on
+            # LONG's later window blocks being in the index after its earlier ones left.
+            serve_args=("--prefix-cache-retention-interval", "-1"),
+        )
         for i in range(2)
     ]
     redis = RedisServer(tmp / "redis")

@@ -57,6 +57,7 @@ class Engine:
     server: Child | None = None
     worker: Child | None = None
     kv_cache_memory: str = MEMORY  # the worker's --kv-cache-memory
+    serve_args: tuple[str, ...] = ()  # more `kvsvc serve` flags
 
     @property
     def address(self) -> str:
@@ -74,7 +75,7 @@ class Engine:
         ]  # fmt: skip
         if self.state_dir is not None:
             args += ["--state-dir", str(self.state_dir)]
-        self.server = spawn(f"{self.name}-server", args)
+        self.server = spawn(f"{self.name}-server", [*args, *self.serve_args])
         wait_for_ports(self.server)
 
     def start_worker(self) -> None:
