@@ -89,11 +89,12 @@ def test_node_speaks_the_framed_transport_from_the_proto_alone(
 def test_node_without_a_token_is_refused_with_the_servers_message(
     served: tuple[ServerThread, str],
 ) -> None:
-    """No token: the hello is answered (the protocol is spoken), the first call is
-    refused with UNAUTHENTICATED and the server's reason, and the connection closed."""
+    """No token: the hello is refused with UNAUTHENTICATED and the server's reason (a
+    server with tokens takes no unknown credential past the hello), and the connection
+    closed."""
     _, socket_path = served
     seen = run_node(socket_path, None)
-    assert seen["hello"] == {"version": 1, "code": 0}
+    assert seen["hello"] == {"version": 1, "code": 16}
     refused = seen["refused"]
     assert isinstance(refused, dict)
     assert refused["code"] == 16  # UNAUTHENTICATED

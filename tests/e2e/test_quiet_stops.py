@@ -79,7 +79,12 @@ def test_ctrl_c_while_serve_starts_is_one_line_at_most(delay: float) -> None:
     time.sleep(delay)
     process.send_signal(signal.SIGINT)
     output, _ = process.communicate(timeout=30)
-    lines = [line for line in output.splitlines() if "kvsvc serving on" not in line]
+    # Start-up's own lines (which core build, serving) are no stop noise.
+    lines = [
+        line
+        for line in output.splitlines()
+        if "kvsvc serving on" not in line and not line.startswith("kvsvc core build:")
+    ]
     assert process.returncode in (0, 130, -signal.SIGINT), output  # -2: ended by the signal
     assert len(lines) <= 1 and "Traceback" not in output, output
 
@@ -102,6 +107,7 @@ def test_ctrl_c_while_the_worker_imports_is_one_line(tmp_path: Path, delay: floa
     time.sleep(delay)
     process.send_signal(signal.SIGINT)
     output, _ = process.communicate(timeout=30)
-    assert process.returncode == 130, output
+    # 130, or ended by the signal itself when it lands during the interpreter's own exit.
+    assert process.returncode in (130, -signal.SIGINT), output
     (line,) = output.strip().splitlines()
     assert line in ("kvsvc: interrupted", "kvsvc worker: interrupted"), output

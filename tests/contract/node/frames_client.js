@@ -77,6 +77,8 @@ async function main() {
     socket.once("error", reject);
   });
   const reader = new FrameReader(socket);
+  // Listened for from the start: a refusing server may close before we ask.
+  const closed = new Promise((resolve) => socket.once("close", () => resolve(true)));
   const metadata = token ? [{ key: "authorization", value: `Bearer ${token}` }] : [];
   socket.write(MAGIC);
   socket.write(frame(Buffer.from(FrameHeader.encode({ version: 1, metadata }).finish())));
@@ -106,11 +108,19 @@ async function main() {
     call("KVCacheService", method, `${method}Request`, `${method}Response`, request);
 
   const out = { hello: { version: hello.version, code: hello.code } };
+  if (hello.code) {
+    // A server with tokens refuses an unknown or missing credential at the hello, says
+    // why, and closes the connection.
+    out.refused = { code: hello.code, details: hello.details };
+    out.closed = await closed;
+    process.stdout.write(JSON.stringify(out));
+    return;
+  }
   const pools = await call("AdminService", "ListPools", "ListPoolsRequest", "ListPoolsResponse", {});
   if (pools.error) {
     // Refused (no or a wrong token): the server closes the connection after saying why.
     out.refused = pools.error;
-    out.closed = await new Promise((resolve) => socket.once("close", () => resolve(true)));
+    out.closed = await closed;
     process.stdout.write(JSON.stringify(out));
     return;
   }
