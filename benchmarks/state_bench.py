@@ -226,7 +226,10 @@ def restart(state_dir: Path, blocks: int, memory: int) -> tuple[dict[str, Any], 
     started = time.perf_counter()
     server = spawn(
         "server-restart",
-        serve_args("big", state_dir, "--num-gpu-blocks-override", str(blocks + 1)),
+        # INFO: the server logs its "state restored" line (once) at that level.
+        serve_args(
+            "big", state_dir, "--num-gpu-blocks-override", str(blocks + 1), "--log-level", "INFO"
+        ),
     )
     try:
         port, _ = wait_for_ports(server, timeout=120)
