@@ -53,14 +53,16 @@ COPY pyproject.toml README.md ./
 COPY kvsvc ./kvsvc
 COPY clients ./clients
 # The compiled core (kvsvc.native; the wheel carries kvsvc/_compiled): mypyc from mypy, a
-# C compiler for this stage only (the runtime stages need none). Without one the image's
-# core is pure Python, and the build says so.
+# C compiler for this stage only (the runtime stages need none), in a build venv (a
+# Debian python refuses system-wide pip installs). Without a compiler the image's core is
+# pure Python, and the build says so.
 RUN (command -v cc >/dev/null 2>&1 \
      || (apt-get update -qq && apt-get install -y -qq --no-install-recommends gcc libc6-dev >/dev/null) \
      || echo "notice: no C compiler could be installed") \
- && pip install -q "mypy>=1.10" setuptools \
- && python -m kvsvc.tools.compile_core \
- && pip wheel --no-deps --wheel-dir /wheels .
+ && python -m venv /opt/build \
+ && /opt/build/bin/pip install -q "mypy>=1.10" setuptools wheel \
+ && /opt/build/bin/python -m kvsvc.tools.compile_core \
+ && /opt/build/bin/pip wheel --no-deps --no-build-isolation --wheel-dir /wheels .
 
 # ---------------------------------------------------------------- server-venv: no torch
 FROM base AS server-venv

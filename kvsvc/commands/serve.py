@@ -361,7 +361,8 @@ async def serve(
 
     # A restored pool's line is logged by the server (KvsvcServer), once: not printed here.
     server, port = await create_server(config, restore=restore, freeze_gc=True)
-    print(f"kvsvc {native.describe()}", flush=True)
+    # Logged, not printed: the 'serving' line stays the first line tools read.
+    logging.getLogger("kvsvc.server").info("kvsvc %s", native.describe())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
