@@ -507,8 +507,10 @@ def start_server(
             "bench",
             "--max-model-len",
             "4096",
+            # INFO: the server logs which core build it runs (checked below); nothing of
+            # its per-call path logs at that level.
             "--log-level",
-            "WARNING",
+            "INFO",
         ],
         env=env,
     )
