@@ -13,10 +13,10 @@ from typing import Any
 import grpc
 
 from kvsvc.frames.channel import AioFrameChannel, FrameChannel
-from kvsvc.frames.protocol import frames_address, is_frames_target
 from kvsvc.keepalive import CLIENT_KEEPALIVE_TIME_S, client_options
 from kvsvc.ports import is_unix_address
 from kvsvc.tls import ClientTls, client_tls, open_aio_channel, open_channel
+from kvsvc.wire.frames import frames_address, is_frames_target
 
 # Calls that change nothing may be retried after UNAVAILABLE.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})

@@ -8,7 +8,7 @@ The handlers run on the server's event loop beside gRPC's, so the pool's one-wri
 
 What a client can hit (each answered with an error frame that names it, then the
 connection is closed without reading further): a header over
-:data:`~kvsvc.frames.protocol.MAX_HEADER_BYTES`, a body over ``max_message_bytes``, bytes
+:data:`~kvsvc.wire.frames.MAX_HEADER_BYTES`, a body over ``max_message_bytes``, bytes
 that are not the protocol, an unknown or streaming method, a call its credential may not
 make. A deadline is the client's: a handler, once started, runs to its end (an engine
 call is journaled whole or not at all), as a gRPC handler whose caller went away mostly
@@ -41,15 +41,6 @@ from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
 
 from kvsvc.errors import quoted
-from kvsvc.frames.protocol import (
-    MAGIC,
-    MAX_HEADER_BYTES,
-    PREFIX,
-    VERSION,
-    FrameHeader,
-    frame,
-    reply_header,
-)
 from kvsvc.ports import unix_path
 from kvsvc.server.auth import (
     Credential,
@@ -64,6 +55,15 @@ from kvsvc.server.auth import (
 from kvsvc.server.errors import CallObserver
 from kvsvc.server.namespace import current_engine
 from kvsvc.server.seclog import RateLimitedLog
+from kvsvc.wire.frames import (
+    MAGIC,
+    MAX_HEADER_BYTES,
+    PREFIX,
+    VERSION,
+    FrameHeader,
+    frame,
+    reply_header,
+)
 
 log = logging.getLogger("kvsvc.server")
 

@@ -17,8 +17,8 @@ from kvsvc_client import (
     UnauthenticatedError,
 )
 
-from kvsvc.frames.protocol import PREFIX, call_header
 from kvsvc.v1 import kvcache_pb2
+from kvsvc.wire.frames import PREFIX, call_header
 from tests.frames.helpers import (
     KVCACHE,
     POOL,

@@ -27,7 +27,7 @@ from kvsvc_client import (
 from prometheus_client import CollectorRegistry
 
 from kvsvc.frames.channel import FrameChannel
-from kvsvc.frames.protocol import PREFIX
+from kvsvc.wire.frames import PREFIX
 from tests.frames.helpers import (
     POOL,
     QUICK,
