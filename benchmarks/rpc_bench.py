@@ -66,10 +66,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from kvsvc_client import KVCacheClient  # noqa: E402
+from kvsvc_client._frames import FrameChannel  # noqa: E402
 
 from kvsvc import native  # noqa: E402
 from kvsvc.demo.processes import Child, spawn, stop_all, wait_for_ports  # noqa: E402
-from kvsvc.frames.channel import FrameChannel  # noqa: E402
 
 # Transports measured (a figure's suffix, its name in the table), and for the framed
 # ones the gRPC echo of the same socket kind, which their calls are also compared with.
