@@ -1,6 +1,6 @@
 """The framed transport's auth: the same credentials, roles and engine namespaces as gRPC
-(one rule, :func:`kvsvc.server.auth.decide`), and a refused call answered before its
-message is read."""
+(one rule, :func:`kvsvc.server.transports.auth.decide`), and a refused call answered
+before its message is read."""
 
 from __future__ import annotations
 
