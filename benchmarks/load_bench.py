@@ -61,9 +61,9 @@ from kvsvc_client import KVCacheClient  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from kvsvc.demo.processes import Child, spawn, stop_all, wait_for_ports  # noqa: E402
-from kvsvc.frames.protocol import MAGIC, PREFIX, frame, hello_header  # noqa: E402
 from kvsvc.units import parse_bytes  # noqa: E402
 from kvsvc.v1 import frames_pb2, kvcache_pb2, kvcache_pb2_grpc  # noqa: E402
+from kvsvc.wire.frames import MAGIC, PREFIX, frame, hello_header  # noqa: E402
 
 POOL = "load"
 GOAL_RSS_GROWTH_PCT = 5.0

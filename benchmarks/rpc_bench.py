@@ -5,8 +5,8 @@ transport (``--frames-listen``), each on loopback TCP and on a Unix socket; one 
 worker agent (``kvsvc worker``) for a tiny one-layer spec file (the engine path does not
 depend on the model's size); an echo server in its own process answering a unary call
 with its payload, the floor any call of a transport pays: a grpc.aio server on TCP and a
-Unix socket, and kvsvc's own framed listener (kvsvc.frames.server) on TCP and a Unix
-socket; and this client, one channel per transport.
+Unix socket, and kvsvc's own framed listener (kvsvc.server.transports.frames_listener) on
+TCP and a Unix socket; and this client, one channel per transport.
 
 Figures (median and p99 over many calls), for gRPC and for the framed transport, each
 over TCP and over the Unix socket (a framed call is also compared with gRPC's echo on the
@@ -66,10 +66,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from kvsvc_client import KVCacheClient  # noqa: E402
+from kvsvc_client._frames import FrameChannel  # noqa: E402
 
 from kvsvc import native  # noqa: E402
 from kvsvc.demo.processes import Child, spawn, stop_all, wait_for_ports  # noqa: E402
-from kvsvc.frames.channel import FrameChannel  # noqa: E402
 
 # Transports measured (a figure's suffix, its name in the table), and for the framed
 # ones the gRPC echo of the same socket kind, which their calls are also compared with.
@@ -114,8 +114,8 @@ async def main():
     server.add_insecure_port(grpc_unix)
     await server.start()
     # The same echo over kvsvc's framed transport, served by its own listener code.
-    from kvsvc.frames.server import FrameMethod, FrameServer
-    from kvsvc.server.auth import Credentials
+    from kvsvc.server.transports.frames_listener import FrameMethod, FrameServer
+    from kvsvc.server.transports.auth import Credentials
     from kvsvc.server.errors import CallObserver
     class Raw(bytes):
         def SerializeToString(self):

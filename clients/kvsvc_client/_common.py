@@ -12,11 +12,11 @@ from typing import Any
 
 import grpc
 
-from kvsvc.frames.channel import AioFrameChannel, FrameChannel
-from kvsvc.frames.protocol import frames_address, is_frames_target
 from kvsvc.keepalive import CLIENT_KEEPALIVE_TIME_S, client_options
 from kvsvc.ports import is_unix_address
 from kvsvc.tls import ClientTls, client_tls, open_aio_channel, open_channel
+from kvsvc.wire.frames import frames_address, is_frames_target
+from kvsvc_client._frames import AioFrameChannel, FrameChannel
 
 # Calls that change nothing may be retried after UNAVAILABLE.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
@@ -119,8 +119,8 @@ class ClientOptions:
 
         ``frames:unix:PATH`` or ``frames:HOST:PORT`` is the server's framed transport
         (``kvsvc serve --frames-listen``): the same unary calls without gRPC's per-call
-        work (see :mod:`kvsvc.frames`); streaming calls (``watch_events``) need a gRPC
-        target. The framed transport serves TLS on TCP only: on a ``frames:unix:`` target
+        work (see :mod:`kvsvc_client._frames`); streaming calls (``watch_events``) need a
+        gRPC target. The framed transport serves TLS on TCP only: on a ``frames:unix:`` target
         the TLS settings are not used (the socket's directory guards it, and the traffic
         never leaves the host), as Docker's client ignores its TLS settings on a socket,
         so TLS settings from the environment do not stand in the way of the sidecar's

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
-from google.protobuf.descriptor import FieldDescriptor
 
 from kvsvc.v1 import admin_pb2, kvcache_pb2, pools_pb2
+from kvsvc.wire.packed import packed_one_byte_field, packed_varint_tags
 from kvsvc_client._types import (
     AllBlocksCleared,
     AllocateResult,
@@ -190,54 +190,7 @@ def allocate_result(response: kvcache_pb2.AllocateResponse) -> AllocateResult:
     )
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-_VARINT_TYPES = {
-    FieldDescriptor.TYPE_INT32,
-    FieldDescriptor.TYPE_INT64,
-    FieldDescriptor.TYPE_UINT32,
-    FieldDescriptor.TYPE_UINT64,
-    FieldDescriptor.TYPE_ENUM,
-}
-
-
-def packed_varint_tags(message: Any) -> dict[str, bytes]:
-    """The key bytes (field number, wire type 2) of each packed varint column of
-    ``message``, from its descriptor (so a renumbered field cannot go out of step)."""
-    return {
-        field.name: _varint(field.number << 3 | 2)
-        for field in message.DESCRIPTOR.fields
-        if field.is_repeated and field.type in _VARINT_TYPES and field.is_packed
-    }
-
-
 _STEP_REQUEST_TAGS = packed_varint_tags(kvcache_pb2.StepRequest)
-
-
-def packed_one_byte_field(tag: bytes, values: list[int]) -> bytes | None:
-    """``values`` as a packed varint field when each is in [0, 128) (one byte on the wire,
-    the value itself); b"" for none; None otherwise (``bytes()`` refuses values outside
-    [0, 256) and ``isascii()`` finds any of two bytes, both in C).
-
-    The server's replies and this client's Steps use it for columns of small counts:
-    protobuf converts a list element by element (~15 ns each), parsing bytes is in C.
-    """
-    try:
-        payload = bytes(values)
-    except (ValueError, TypeError):
-        return None
-    if not payload:
-        return b""
-    if not payload.isascii():
-        return None
-    return tag + _varint(len(payload)) + payload
 
 
 def _indices_of(values: list[int], value: int) -> list[int]:

@@ -121,12 +121,13 @@ def create_router(
         interceptors=interceptors,
         options=[("grpc.max_receive_message_length", ROUTER_MAX_MESSAGE_BYTES)],
     )
-    from kvsvc.server.gate import guard_malformed_sync
-    from kvsvc.server.grpc_handlers import add_service, recorded_handlers
+    from kvsvc.server.transports.gate import guard_malformed_sync
+    from kvsvc.server.transports.grpc_listener import add_service, recorded_handlers
 
     health_servicer = health.HealthServicer()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    # Every method answers a body that does not parse INVALID_ARGUMENT (kvsvc.server.gate).
+    # Every method answers a body that does not parse INVALID_ARGUMENT
+    # (kvsvc.server.transports.gate).
     for service, add, servicer in (
         (
             SERVICE,

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvsvc import native
-from kvsvc.server.auth import env_tokens, load_credentials
 from kvsvc.server.config import (
     DEFAULT_EVENT_BUFFER_BYTES,
     DEFAULT_LISTEN,
@@ -32,6 +31,7 @@ from kvsvc.server.config import (
     load_config_file,
     server_config_from_dict,
 )
+from kvsvc.server.transports.auth import env_tokens, load_credentials
 from kvsvc.units import parse_bytes
 
 # Collector thresholds of a process that is the server alone: CPython's default

@@ -1,4 +1,5 @@
-"""Assembling and running the server: gRPC services, health, reflection, metrics.
+"""Assembling and running the server: pools, servicers, health and metrics, served by
+the two listeners of :mod:`kvsvc.server.transports` (gRPC, and frames where configured).
 
 Health (``grpc.health.v1``): the overall service ``""`` is SERVING while the server runs;
 ``kvsvc.v1.KVCacheService`` is SERVING when every pool serves engine calls (READY or
@@ -19,21 +20,32 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvsvc.frames.server import FrameLimits, FrameServer, unary_methods
-from kvsvc.keepalive import server_options as server_keepalive_options
 from kvsvc.ports import ListenError, check_bindable, check_unix_bindable, is_unix_address
-from kvsvc.server.auth import AuthInterceptor, load_credentials
 from kvsvc.server.config import (
     ConfigFileError,
     ServerConfig,
     listen_addresses,
     split_host_port,
 )
-from kvsvc.server.gate import CallGate, InflightLimits
-from kvsvc.server.grpc_handlers import add_service, kvcache_method_handlers, recorded_handlers
 from kvsvc.server.pool import Pool, PoolState
-from kvsvc.server.reflection import enable_reflection
 from kvsvc.server.servicers import AdminServicer, KVCacheServicer, Pools, WorkerServicer
+from kvsvc.server.transports.auth import load_credentials
+from kvsvc.server.transports.frames_listener import (
+    FRAMES_LISTEN_FLAG,
+    FrameLimits,
+    FrameServer,
+    bind_frames_addresses,
+    unary_methods,
+)
+from kvsvc.server.transports.gate import CallGate, InflightLimits
+from kvsvc.server.transports.grpc_listener import (
+    LISTEN_FLAG,
+    bind_grpc_addresses,
+    create_grpc_server,
+    kvcache_method_handlers,
+    recorded_handlers,
+    register_services,
+)
 from kvsvc.tls import ServerTlsSource, TlsFileError
 from kvsvc.v1 import (
     admin_pb2,
@@ -203,18 +215,7 @@ class KvsvcServer:
             self.state_lock.describe(self.listening_on)
 
     async def _start_grpc(self) -> None:
-        options = [
-            ("grpc.max_send_message_length", self.config.max_message_bytes),
-            ("grpc.max_receive_message_length", self.config.max_message_bytes),
-            ("grpc.so_reuseport", 0),
-            # The clients' keepalive pings are welcome (kvsvc.keepalive).
-            *server_keepalive_options(self.config.keepalive_min_ping_interval_s),
-        ]
         observer = self.metrics.call_observer
-        # Auth is one interceptor over every kvsvc method (none when no token is configured).
-        interceptors = (
-            [AuthInterceptor(self.credentials, observer)] if self.credentials.enabled else []
-        )
         # Both addresses are tried before anything starts: a port in use is one line naming
         # the flag (ListenError), not gRPC's traceback or a half-started server.
         addresses = _bindable(self.config.listen, "listen", "gRPC", LISTEN_FLAG)
@@ -234,11 +235,11 @@ class KvsvcServer:
                 what="/metrics",
                 flag=METRICS_LISTEN_FLAG,
             )
-        server = grpc.aio.server(options=options, interceptors=interceptors)
+        server = create_grpc_server(self.config, self.credentials, observer)
         kvcache = KVCacheServicer(self.pools, observer, self.config.max_step_operations)
         admin = AdminServicer(self.pools, observer, time.monotonic)
         # Every handler is wrapped: a body that does not parse is INVALID_ARGUMENT, and
-        # calls in flight are bounded per kind of caller (kvsvc.server.gate).
+        # calls in flight are bounded per kind of caller (kvsvc.server.transports.gate).
         config = self.config
         self.gate = gate = CallGate(
             InflightLimits(
@@ -264,39 +265,11 @@ class KvsvcServer:
                 recorded_handlers(admin_pb2_grpc.add_AdminServiceServicer_to_server, admin),
             ),
         )
-        for service, handlers in services:
-            add_service(server, service, gate.guard(service, handlers))
         health_handlers = recorded_handlers(
             health_pb2_grpc.add_HealthServicer_to_server, self.health
         )
-        add_service(
-            server, HEALTH_SERVICE, gate.guard(HEALTH_SERVICE, health_handlers, bounded=False)
-        )
-        enable_reflection(  # grpc.reflection.v1 and v1alpha
-            (KVCACHE_SERVICE, WORKER_SERVICE, ADMIN_SERVICE, HEALTH_SERVICE),
-            server,
-        )
-        self.port = 0
-        self.unix_sockets = []
-        for address in addresses:
-            unix = is_unix_address(address)
-            if not unix:
-                host, port = split_host_port(address, "listen")
-            target = address if unix else f"{_bracket(host)}:{port}"
-            try:
-                if self.tls is not None:
-                    bound = server.add_secure_port(target, self.tls.grpc_credentials())
-                else:
-                    bound = server.add_insecure_port(target)
-            except RuntimeError:  # taken since the check: gRPC says "Failed to bind to address"
-                bound = 0
-            if bound == 0:
-                await server.stop(None)  # else its finaliser runs on a closed loop
-                raise ListenError(address, "gRPC", LISTEN_FLAG, "the address cannot be bound")
-            if unix:
-                self.unix_sockets.append(address)
-            elif not self.port:
-                self.port = bound
+        register_services(server, gate, services, (HEALTH_SERVICE, health_handlers))
+        self.port, self.unix_sockets = await bind_grpc_addresses(server, addresses, self.tls)
         await self._update_health()
         await server.start()
         self._server = server
@@ -351,18 +324,7 @@ class KvsvcServer:
             ),
             ssl_context=self.tls.ssl_context if self.tls is not None else None,
         )
-        self.frames_addresses = []
-        for address in addresses:
-            if is_unix_address(address):
-                await self._frames.listen(address)
-                self.frames_addresses.append(address)
-                continue
-            host, port = split_host_port(address, "frames_listen")
-            try:
-                bound = await self._frames.listen(address, host, port)
-            except OSError as exc:
-                raise ListenError(address, "frames", FRAMES_LISTEN_FLAG, exc) from None
-            self.frames_addresses.append(f"{_bracket(host)}:{bound}")
+        self.frames_addresses = await bind_frames_addresses(self._frames, addresses)
 
     @property
     def listening_on(self) -> str:
@@ -424,10 +386,9 @@ def freeze_long_lived() -> None:
     gc.freeze()
 
 
-# What a ListenError tells the user to change (``kvsvc serve``'s flags, the config keys).
-LISTEN_FLAG = "--listen (config key listen)"
+# What a ListenError tells the user to change (``kvsvc serve``'s flag, the config key);
+# the listeners' own: grpc_listener.LISTEN_FLAG, frames_listener.FRAMES_LISTEN_FLAG.
 METRICS_LISTEN_FLAG = "--metrics-listen (config key metrics_listen)"
-FRAMES_LISTEN_FLAG = "--frames-listen (config key frames_listen)"
 
 
 def _bindable(setting: str, key: str, what: str, flag: str) -> list[str]:
@@ -441,10 +402,6 @@ def _bindable(setting: str, key: str, what: str, flag: str) -> list[str]:
             host, port = split_host_port(address, key)
             check_bindable(host, port, address=address, what=what, flag=flag)
     return addresses
-
-
-def _bracket(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
 
 
 async def create_server(config: ServerConfig, **kwargs: Any) -> tuple[KvsvcServer, int]:

@@ -44,7 +44,7 @@ DEFAULT_MAX_SUBSCRIBERS = 64
 DEFAULT_SUBSCRIBER_MAX_LAG_BYTES = 4 * 1024 * 1024
 DEFAULT_SUBSCRIBER_WRITE_TIMEOUT_S = 30.0
 STATE_SYNCHRONOUS = ("normal", "full")
-# gRPC calls in flight (see kvsvc.server.gate).
+# gRPC calls in flight (see kvsvc.server.transports.gate).
 DEFAULT_MAX_INFLIGHT_CALLS = 256
 DEFAULT_MAX_INFLIGHT_REQUEST_BYTES = 256 * 1024 * 1024
 DEFAULT_MAX_INFLIGHT_AGENT_CALLS = 1024
@@ -233,7 +233,7 @@ class ServerConfig:
         pools: the pools served (names unique).
         auth_token: one token for every role (compatibility; prefer the per-role token
             files): every kvsvc call must carry ``authorization: Bearer <token>`` (health
-            and reflection stay open for probes). See :mod:`kvsvc.server.auth`.
+            and reflection stay open for probes). See :mod:`kvsvc.server.transports.auth`.
         auth_token_file: a file holding that all-roles token.
         engine_token, agent_token, admin_token: one token of that role only (set from the
             ``KVSVC_<ROLE>_TOKEN`` environment variables, not from argv).
@@ -256,7 +256,8 @@ class ServerConfig:
             :mod:`kvsvc.keepalive`).
         max_inflight_calls, max_inflight_request_bytes: the engines' and operators' unary
             gRPC calls (KVCache and Admin services) in flight at once, and the request
-            bytes they hold; past either, RESOURCE_EXHAUSTED (see kvsvc.server.gate).
+            bytes they hold; past either, RESOURCE_EXHAUSTED (see
+            kvsvc.server.transports.gate).
         max_inflight_agent_calls: the agents' calls in flight, their WatchPlan streams
             included (Worker service).
         max_inflight_streams: the subscribers' streams open at once (WatchEvents,
@@ -498,6 +499,15 @@ def split_host_port(address: str, what: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ConfigError(f"{what}: expected HOST:PORT, got {address!r}")
     return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def join_host_port(host: str, port: int) -> str:
+    """``host:port``, an IPv6 host in brackets (what :func:`split_host_port` splits)."""
+    return f"{_bracket(host)}:{port}"
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 @dataclass(frozen=True, slots=True)

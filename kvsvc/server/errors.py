@@ -81,7 +81,7 @@ def rpc_handler(method: str) -> Callable[[_Handler], _Handler]:
     """Wrap a unary servicer method: error mapping and call accounting.
 
     The servicer must have ``_observer: CallObserver``. Authentication is not done here
-    but by :class:`kvsvc.server.auth.AuthInterceptor`, once for every method.
+    but by the listeners (:mod:`kvsvc.server.transports`), once for every method.
     """
 
     def decorate(fn: _Handler) -> _Handler:

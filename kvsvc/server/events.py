@@ -4,9 +4,9 @@ The core numbers batches 1, 2, 3, ...; the log keeps the newest of them within t
 bounds (batches, events and bytes, oldest dropped first). A batch is converted to protobuf
 and serialized the first time a subscriber needs it, and the bytes are then shared by
 every subscriber (the ``WatchEvents`` handler passes them through unchanged, see
-:mod:`kvsvc.server.grpc_handlers`): a sidecar nobody watches pays nothing for its events
-(a decode step that completes a block in each of 256 requests makes 256 events), and a
-watched one serializes each batch once, not once per subscriber.
+:mod:`kvsvc.server.transports.grpc_listener`): a sidecar nobody watches pays nothing for
+its events (a decode step that completes a block in each of 256 requests makes 256
+events), and a watched one serializes each batch once, not once per subscriber.
 
 A subscriber asks for a start sequence: it gets what is still held, a ``gap`` marker
 first when its start was already dropped, then new batches as they arrive. One that asks

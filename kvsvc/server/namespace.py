@@ -6,9 +6,9 @@ may use the same ids without seeing each other's requests, and no id an engine s
 reach another's (request ids may not contain NUL). Unnamed engine tokens and the all-roles
 token use the default namespace: the id as sent.
 
-The interceptor (:mod:`kvsvc.server.auth`) sets :data:`current_engine` for the call; the
-servicers scope ids with :func:`scoped_request_id` and strip the prefix again from every
-message that goes back (:func:`unscope_message`).
+Both listeners (:mod:`kvsvc.server.transports`) set :data:`current_engine` for the call;
+the servicers scope ids with :func:`scoped_request_id` and strip the prefix again from
+every message that goes back (:func:`unscope_message`).
 """
 
 from __future__ import annotations

@@ -299,7 +299,8 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
     async def WatchEvents(self, request: Any, context: Any) -> AsyncIterator[Any]:
         """Follow the pool's events. Each batch goes out as the bytes the pool's event log
         serialized once for all subscribers, written with ``context.write`` (the method is
-        registered by :func:`kvsvc.server.grpc_handlers.kvcache_method_handlers`, whose
+        registered by
+        :func:`kvsvc.server.transports.grpc_listener.kvcache_method_handlers`, whose
         serializer passes bytes through), so a write that never completes can be timed
         out (see :meth:`EventLog.serve`). Nothing is yielded."""
         pool = self._pools.get(request.pool)

@@ -10,8 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, cast
 
-from kvsvc_client._wire import packed_one_byte_field, packed_varint_tags
-
 from kvsvc.core import (
     MAX_MM_ITEMS,
     AllBlocksCleared,
@@ -27,6 +25,7 @@ from kvsvc.core import (
 from kvsvc.core.hashing import unpack_token_ids
 from kvsvc.errors import InvalidArgument
 from kvsvc.v1 import kvcache_pb2 as pb
+from kvsvc.wire.packed import packed_one_byte_field, packed_varint_tags
 
 MAX_REQUEST_ID_BYTES = 256
 STATUS_OK: int = pb.ALLOCATE_STATUS_OK

@@ -37,7 +37,7 @@ def server() -> Iterator[ServerThread]:
 
 def _reflection_descriptor_set(path: Path) -> Path:
     """grpc.reflection.v1's descriptor (the server registers it) as a FileDescriptorSet."""
-    import kvsvc.server.reflection as reflection
+    import kvsvc.server.transports.reflection as reflection
 
     reflection._register_v1_descriptor()
     file = descriptor_pool.Default().FindFileByName("grpc/reflection/v1/reflection.proto")

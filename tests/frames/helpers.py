@@ -14,9 +14,9 @@ from typing import Any
 
 from kvsvc_client import ClientOptions
 
-from kvsvc.frames.protocol import MAGIC, PREFIX, FrameHeader, call_header, frame, hello_header
 from kvsvc.ports import unix_path
 from kvsvc.server.config import PoolConfig, ServerConfig
+from kvsvc.wire.frames import MAGIC, PREFIX, FrameHeader, call_header, frame, hello_header
 from tests.server.harness import FakeRank, ServerThread, bring_up
 
 POOL = "p"

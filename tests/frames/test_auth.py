@@ -1,6 +1,6 @@
 """The framed transport's auth: the same credentials, roles and engine namespaces as gRPC
-(one rule, :func:`kvsvc.server.auth.decide`), and a refused call answered before its
-message is read."""
+(one rule, :func:`kvsvc.server.transports.auth.decide`), and a refused call answered
+before its message is read."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from kvsvc_client import (
     UnauthenticatedError,
 )
 
-from kvsvc.frames.protocol import PREFIX, call_header
 from kvsvc.v1 import kvcache_pb2
+from kvsvc.wire.frames import PREFIX, call_header
 from tests.frames.helpers import (
     KVCACHE,
     POOL,

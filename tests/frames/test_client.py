@@ -24,10 +24,10 @@ from kvsvc_client import (
     OperationError,
     UnavailableError,
 )
+from kvsvc_client._frames import FrameChannel
 from prometheus_client import CollectorRegistry
 
-from kvsvc.frames.channel import FrameChannel
-from kvsvc.frames.protocol import PREFIX
+from kvsvc.wire.frames import PREFIX
 from tests.frames.helpers import (
     POOL,
     QUICK,

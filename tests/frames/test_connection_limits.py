@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 from kvsvc_client import AsyncKVCacheClient, ClientOptions, KVCacheClient
 
-from kvsvc.frames.protocol import MAGIC, PREFIX, call_header
 from kvsvc.v1 import kvcache_pb2
+from kvsvc.wire.frames import MAGIC, PREFIX, call_header
 from tests.frames.helpers import KVCACHE, POOL, RawClient, short_dir, token_server, unix_target
 from tests.server.harness import ServerThread
 

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvsvc.frames.protocol import MAGIC, MAX_HEADER_BYTES, PREFIX, call_header, frame
 from kvsvc.v1 import admin_pb2, kvcache_pb2
+from kvsvc.wire.frames import MAGIC, MAX_HEADER_BYTES, PREFIX, call_header, frame
 from tests.frames.helpers import ADMIN, KVCACHE, POOL, RawClient, frames_server, short_dir
 from tests.server.harness import ServerThread
 
@@ -158,7 +158,7 @@ def test_another_protocol_version_is_refused_in_the_hello(address: str) -> None:
 
 
 def test_a_hello_with_a_body_is_refused(address: str) -> None:
-    from kvsvc.frames.protocol import hello_header
+    from kvsvc.wire.frames import hello_header
 
     with RawClient(address) as raw:
         raw.send(MAGIC + frame(hello_header(None), b"x"))

@@ -35,9 +35,9 @@ from kvsvc_client import (
 )
 
 from kvsvc.errors import quoted
-from kvsvc.server.auth import Credential, Role, load_credentials, read_token_file
 from kvsvc.server.config import ConfigError, PoolConfig, ServerConfig
 from kvsvc.server.namespace import scoped_request_id, unscope_message
+from kvsvc.server.transports.auth import Credential, Role, load_credentials, read_token_file
 from kvsvc.v1 import admin_pb2, cluster_pb2, kvcache_pb2, kvcache_pb2_grpc, pools_pb2, worker_pb2
 from tests.frames.helpers import RawClient, short_dir
 from tests.server.harness import ServerThread, bring_up, running_server

@@ -1,6 +1,6 @@
-"""Bounds on gRPC calls in flight, per kind of caller (kvsvc.server.gate): engines' unary
-calls by count and request bytes, agents' calls and subscribers' streams each on their
-own.
+"""Bounds on gRPC calls in flight, per kind of caller (kvsvc.server.transports.gate):
+engines' unary calls by count and request bytes, agents' calls and subscribers' streams
+each on their own.
 
 The calls are held in flight deterministically: the test takes the pool's lock on the
 server's loop, so every Lookup waits for it inside its handler, then releases it.

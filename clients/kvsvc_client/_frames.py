@@ -34,7 +34,8 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvsvc.frames.protocol import (
+from kvsvc.ports import is_unix_address, unix_path
+from kvsvc.wire.frames import (
     MAGIC,
     MAX_HEADER_BYTES,
     PREFIX,
@@ -44,7 +45,6 @@ from kvsvc.frames.protocol import (
     frame,
     hello_header,
 )
-from kvsvc.ports import is_unix_address, unix_path
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 DEFAULT_MAX_REPLY_BYTES = 64 * 1024 * 1024

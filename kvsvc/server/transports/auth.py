@@ -1,4 +1,4 @@
-"""Who may call what: bearer credentials per role, checked once per call by an interceptor.
+"""Who may call what, on either transport: bearer credentials per role, and the refusals.
 
 Three roles (DESIGN, "Who may do what"):
 
@@ -18,15 +18,19 @@ why), and engines cannot learn each other's prompts, adapters or salts through a
 A credential of one role is refused by the others' services (PERMISSION_DENIED); no or an
 unknown credential is UNAUTHENTICATED. Health and reflection stay open for probes.
 
-The check runs in a server interceptor, before the request message is read, so every
-method of every kvsvc service is covered in one place (a new method cannot be left open by
-forgetting a decorator) and a large unauthenticated message is neither parsed nor held:
-the refusal goes out before it arrives.
+Both listeners decide by this module, so a method cannot be open on one transport and
+closed on the other: the gRPC listener's interceptor checks every call
+(:class:`~kvsvc.server.transports.grpc_listener.AuthInterceptor`); the framed listener
+looks a connection's credential up once, in its hello, and checks each call's role
+(:mod:`kvsvc.server.transports.frames_listener`). What they refuse is logged here too
+(:func:`report_refusal`, :func:`report_malformed`): one rate-limited line per peer host on
+the security log (:mod:`kvsvc.server.seclog`), never the token.
 
 Engine identity: an engine token may carry a name (``NAME TOKEN`` in a token file). A
-named engine's request ids live in its own namespace (see :func:`scoped_request_id`), so
-one engine cannot read, extend or free another's requests. Unnamed engine tokens and the
-all-roles token share the default namespace.
+named engine's request ids live in its own namespace (see
+:func:`kvsvc.server.namespace.scoped_request_id`), so one engine cannot read, extend or
+free another's requests. Unnamed engine tokens and the all-roles token share the default
+namespace.
 """
 
 from __future__ import annotations
@@ -34,16 +38,14 @@ from __future__ import annotations
 import enum
 import hmac
 import os
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
 
 from kvsvc.server.config import ConfigError, ServerConfig
 from kvsvc.server.errors import CallObserver
-from kvsvc.server.namespace import current_engine
 from kvsvc.server.seclog import RateLimitedLog
 
 # Engine names: what may precede a request id in the server's tables.
@@ -293,83 +295,13 @@ def report_refusal(
     observer.observe(short, refusal.code, 0.0)
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses calls to kvsvc services without a credential of a role that may make them."""
-
-    def __init__(self, credentials: Credentials, observer: CallObserver) -> None:
-        self._credentials = credentials
-        self._observer = observer
-        self._log = RateLimitedLog()
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        method: str = handler_call_details.method  # type: ignore[attr-defined]
-        allowed = roles_for_method(method)
-        if allowed is None:
-            return await continuation(handler_call_details)
-        header: str | bytes | None = None
-        for key, value in handler_call_details.invocation_metadata or ():  # type: ignore[attr-defined]
-            if key == "authorization":
-                header = value
-                break
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            # No such method (``/kvsvc.v1.KVCacheService/Nope``): gRPC answers
-            # UNIMPLEMENTED, whoever asks; there is nothing to refuse or to wrap.
-            return None
-        decision = authorize(self._credentials, header, method, allowed)
-        if isinstance(decision, Refusal):
-            return self._deny(handler, method, decision)
-        if decision.engine and Role.ENGINE in allowed:
-            return _with_engine(handler, decision.engine)
-        return handler
-
-    def _deny(
-        self, handler: grpc.RpcMethodHandler, method: str, refusal: Refusal
-    ) -> grpc.RpcMethodHandler:
-        log = self._log
-        observer = self._observer
-
-        async def deny(requests: Any, context: grpc.aio.ServicerContext) -> None:
-            report_refusal(log, observer, method, refusal, context.peer())
-            await context.abort(refusal.code, refusal.reason)
-
-        def skip(_: bytes) -> None:
-            return None
-
-        # Registered as request-streaming, whatever the method is: gRPC then hands the
-        # handler the requests as a stream it never reads, so the refusal is answered
-        # before the message arrives. A unary handler would receive the whole message
-        # first (up to max_message_bytes per call, held in memory while it arrives):
-        # four unauthenticated 60 MiB calls held ~540 MiB that way, ~8 MiB this way (what
-        # HTTP/2 flow control lets a peer send unasked).
-        if handler.response_streaming:  # type: ignore[attr-defined]
-            return grpc.stream_stream_rpc_method_handler(deny, request_deserializer=skip)
-        return grpc.stream_unary_rpc_method_handler(deny, request_deserializer=skip)
+_malformed_log = RateLimitedLog()
 
 
-def _with_engine(handler: grpc.RpcMethodHandler, engine: str) -> grpc.RpcMethodHandler:
-    """``handler`` run with :data:`current_engine` set to ``engine``."""
-    request_deserializer = handler.request_deserializer  # type: ignore[attr-defined]
-    response_serializer = handler.response_serializer  # type: ignore[attr-defined]
-    if handler.response_streaming:  # type: ignore[attr-defined]
-        inner_stream = handler.unary_stream  # type: ignore[attr-defined]
-
-        async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            current_engine.set(engine)
-            async for message in inner_stream(request, context):
-                yield message
-
-        return grpc.unary_stream_rpc_method_handler(
-            stream, request_deserializer, response_serializer
-        )
-    inner = handler.unary_unary  # type: ignore[attr-defined]
-
-    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        current_engine.set(engine)
-        return await inner(request, context)
-
-    return grpc.unary_unary_rpc_method_handler(unary, request_deserializer, response_serializer)
+def report_malformed(method: str, peer: str) -> None:
+    """A request body that does not parse: one line per method and peer host per interval
+    on the security log (the gRPC listener answers it INVALID_ARGUMENT)."""
+    host = peer_host(peer or "?")
+    _malformed_log.warning(
+        f"malformed:{method}:{host}", "malformed request: %s from %s", method, host
+    )

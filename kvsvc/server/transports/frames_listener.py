@@ -1,14 +1,17 @@
-"""The server side of the framed transport: the same servicers, called without gRPC.
+"""The framed listener: the server side of the framed transport, the same servicers'
+unary methods called without gRPC (the wire: :mod:`kvsvc.wire.frames`; the client side:
+:mod:`kvsvc_client._frames`).
 
 Each connection is served by one task, one call after another: read a frame, check the
-caller's credential for the method, decode the request, run the servicer's handler (the
-same coroutine gRPC runs, with a small stand-in for gRPC's context), write the reply.
+caller's credential for the method (by :mod:`kvsvc.server.transports.auth`, the gRPC
+listener's rule), decode the request, run the servicer's handler (the same coroutine
+gRPC runs, with a small stand-in for gRPC's context), write the reply.
 The handlers run on the server's event loop beside gRPC's, so the pool's one-writer rule
 (a write runs whole between two awaits) holds across both transports.
 
 What a client can hit (each answered with an error frame that names it, then the
 connection is closed without reading further): a header over
-:data:`~kvsvc.frames.protocol.MAX_HEADER_BYTES`, a body over ``max_message_bytes``, bytes
+:data:`~kvsvc.wire.frames.MAX_HEADER_BYTES`, a body over ``max_message_bytes``, bytes
 that are not the protocol, an unknown or streaming method, a call its credential may not
 make. A deadline is the client's: a handler, once started, runs to its end (an engine
 call is journaled whole or not at all), as a gRPC handler whose caller went away mostly
@@ -41,17 +44,12 @@ from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
 
 from kvsvc.errors import quoted
-from kvsvc.frames.protocol import (
-    MAGIC,
-    MAX_HEADER_BYTES,
-    PREFIX,
-    VERSION,
-    FrameHeader,
-    frame,
-    reply_header,
-)
-from kvsvc.ports import unix_path
-from kvsvc.server.auth import (
+from kvsvc.ports import ListenError, is_unix_address, unix_path
+from kvsvc.server.config import join_host_port, split_host_port
+from kvsvc.server.errors import CallObserver
+from kvsvc.server.namespace import current_engine
+from kvsvc.server.seclog import RateLimitedLog
+from kvsvc.server.transports.auth import (
     Credential,
     Credentials,
     Refusal,
@@ -61,11 +59,20 @@ from kvsvc.server.auth import (
     report_refusal,
     roles_for_method,
 )
-from kvsvc.server.errors import CallObserver
-from kvsvc.server.namespace import current_engine
-from kvsvc.server.seclog import RateLimitedLog
+from kvsvc.wire.frames import (
+    MAGIC,
+    MAX_HEADER_BYTES,
+    PREFIX,
+    VERSION,
+    FrameHeader,
+    frame,
+    reply_header,
+)
 
 log = logging.getLogger("kvsvc.server")
+
+# What a ListenError tells the user to change (``kvsvc serve``'s flag, the config key).
+FRAMES_LISTEN_FLAG = "--frames-listen (config key frames_listen)"
 
 DEFAULT_MAX_CONNECTIONS = 1024
 DEFAULT_MAX_PENDING = 64
@@ -508,6 +515,28 @@ class FrameServer:
                 self._headers.clear()
             header = self._headers[key] = reply_header(0, metadata=trailing)
         return header
+
+
+async def bind_frames_addresses(frames: FrameServer, addresses: Iterable[str]) -> list[str]:
+    """Start ``frames`` listening on ``addresses`` (``HOST:PORT`` or ``unix:PATH``); the
+    addresses as bound (a TCP port 0 resolved).
+
+    Raises:
+        ListenError: an address cannot be bound (taken since it was checked).
+    """
+    bound_addresses: list[str] = []
+    for address in addresses:
+        if is_unix_address(address):
+            await frames.listen(address)
+            bound_addresses.append(address)
+            continue
+        host, port = split_host_port(address, "frames_listen")
+        try:
+            bound = await frames.listen(address, host, port)
+        except OSError as exc:
+            raise ListenError(address, "frames", FRAMES_LISTEN_FLAG, exc) from None
+        bound_addresses.append(join_host_port(host, bound))
+    return bound_addresses
 
 
 # How a refused hello is named on the security log, and the roles a framed connection

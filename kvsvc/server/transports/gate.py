@@ -5,7 +5,9 @@ that does not parse, and the bounds on calls in flight.
 that raises makes gRPC log a traceback and answer UNKNOWN (the sync server of ``kvsvc
 router``: INTERNAL). Here the deserializer never raises: bytes that do not parse become a
 :class:`Malformed` request, which the handler's wrapper answers INVALID_ARGUMENT (one
-rate-limited line on the security log, no traceback), as the framed transport does.
+rate-limited line on the security log by
+:func:`~kvsvc.server.transports.auth.report_malformed`, no traceback), as the framed
+transport does.
 
 **Calls in flight** (:class:`InflightLimits`), counted per kind of caller so one cannot
 starve another: the engines' and operators' unary calls (KVCache and Admin services; by
@@ -27,7 +29,6 @@ from typing import Any
 
 import grpc
 
-from kvsvc.server.auth import peer_host
 from kvsvc.server.config import (
     DEFAULT_MAX_INFLIGHT_AGENT_CALLS,
     DEFAULT_MAX_INFLIGHT_CALLS,
@@ -36,6 +37,7 @@ from kvsvc.server.config import (
 )
 from kvsvc.server.errors import CallObserver
 from kvsvc.server.seclog import RateLimitedLog
+from kvsvc.server.transports.auth import report_malformed
 
 log = logging.getLogger("kvsvc.server")
 
@@ -78,17 +80,6 @@ def malformed_details(method: str, request: Malformed) -> str:
     return (
         f"the request message does not parse as {method.rpartition('/')[2]}'s request: "
         f"{request.error}"
-    )
-
-
-_malformed_log = RateLimitedLog()
-
-
-def report_malformed(method: str, peer: str) -> None:
-    """One line per method and peer host per interval on the security log."""
-    host = peer_host(peer or "?")
-    _malformed_log.warning(
-        f"malformed:{method}:{host}", "malformed request: %s from %s", method, host
     )
 
 

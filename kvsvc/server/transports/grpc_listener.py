@@ -1,0 +1,264 @@
+"""The gRPC listener: the ``grpc.aio`` server, its options and auth interceptor, kvsvc's
+services registered behind the gate, and the addresses it binds.
+
+:func:`create_grpc_server` makes the server with kvsvc's message bound and keepalive
+policy and, when the server has tokens, :class:`AuthInterceptor`, which decides every call
+by :mod:`kvsvc.server.transports.auth` (the framed listener decides by the same rule).
+:func:`register_services` registers the services, each handler wrapped by the gate
+(:mod:`kvsvc.server.transports.gate`: malformed bodies, calls in flight), with health and
+reflection; :func:`bind_grpc_addresses` binds ``listen``'s ports and Unix sockets.
+:mod:`kvsvc.server.app` composes the servicers and calls these.
+
+The generated ``add_*Servicer_to_server`` functions register a servicer's handlers
+directly; here they are recorded first (:func:`recorded_handlers`), so the server can wrap
+each one before registering them (:func:`add_service`).
+
+KVCacheService's WatchEvents is also replaced by one that sends pre-serialized bytes.
+Every subscriber of a pool gets the same event batches; the generated registration
+serializes each message once per stream (``WatchEventsResponse.SerializeToString``), so a
+batch of 256 events cost ~40 us per subscriber before gRPC even saw it. Here the
+WatchEvents handler writes the bytes :class:`~kvsvc.server.events.EventLog` serialized
+once, and its response serializer passes them through: the wire format is exactly the
+generated one (the same message, serialized by protobuf), only the work is shared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any
+
+import grpc
+
+from kvsvc.keepalive import server_options as server_keepalive_options
+from kvsvc.ports import ListenError, is_unix_address
+from kvsvc.server.config import ServerConfig, join_host_port, split_host_port
+from kvsvc.server.errors import CallObserver
+from kvsvc.server.namespace import current_engine
+from kvsvc.server.seclog import RateLimitedLog
+from kvsvc.server.transports.auth import (
+    Credentials,
+    Refusal,
+    Role,
+    authorize,
+    report_refusal,
+    roles_for_method,
+)
+from kvsvc.server.transports.gate import CallGate
+from kvsvc.server.transports.reflection import enable_reflection
+from kvsvc.tls import ServerTlsSource
+from kvsvc.v1 import kvcache_pb2, kvcache_pb2_grpc
+
+# What a ListenError tells the user to change (``kvsvc serve``'s flag, the config key).
+LISTEN_FLAG = "--listen (config key listen)"
+
+Handlers = dict[str, grpc.RpcMethodHandler]
+
+
+def create_grpc_server(
+    config: ServerConfig, credentials: Credentials, observer: CallObserver
+) -> grpc.aio.Server:
+    """The gRPC server of ``config``: its message bound and keepalive policy, and auth as
+    one interceptor over every kvsvc method (none when no token is configured)."""
+    options = [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+        # The clients' keepalive pings are welcome (kvsvc.keepalive).
+        *server_keepalive_options(config.keepalive_min_ping_interval_s),
+    ]
+    interceptors = [AuthInterceptor(credentials, observer)] if credentials.enabled else []
+    return grpc.aio.server(options=options, interceptors=interceptors)
+
+
+def register_services(
+    server: grpc.aio.Server,
+    gate: CallGate,
+    services: Sequence[tuple[str, Handlers]],
+    health: tuple[str, Handlers],
+) -> None:
+    """Register ``services`` (name, handlers), every handler wrapped by ``gate``: a body
+    that does not parse is INVALID_ARGUMENT, and calls in flight are bounded per kind of
+    caller; the ``health`` service gets the malformed-body answer only (probes are not
+    bounded). Reflection (``grpc.reflection.v1`` and ``v1alpha``) describes them all."""
+    for service, handlers in services:
+        add_service(server, service, gate.guard(service, handlers))
+    health_service, health_handlers = health
+    add_service(server, health_service, gate.guard(health_service, health_handlers, bounded=False))
+    enable_reflection((*(service for service, _ in services), health_service), server)
+
+
+async def bind_grpc_addresses(
+    server: grpc.aio.Server, addresses: Iterable[str], tls: ServerTlsSource | None
+) -> tuple[int, list[str]]:
+    """Bind ``server`` to ``addresses`` (``HOST:PORT`` or ``unix:PATH``), with TLS when
+    ``tls`` is given. Returns the first TCP port bound (0: none) and the ``unix:PATH``
+    addresses.
+
+    Raises:
+        ListenError: an address cannot be bound (taken since it was checked); the server
+            is stopped first.
+    """
+    first_port = 0
+    unix_sockets: list[str] = []
+    for address in addresses:
+        unix = is_unix_address(address)
+        if not unix:
+            host, port = split_host_port(address, "listen")
+        target = address if unix else join_host_port(host, port)
+        try:
+            if tls is not None:
+                bound = server.add_secure_port(target, tls.grpc_credentials())
+            else:
+                bound = server.add_insecure_port(target)
+        except RuntimeError:  # taken since the check: gRPC says "Failed to bind to address"
+            bound = 0
+        if bound == 0:
+            await server.stop(None)  # else its finaliser runs on a closed loop
+            raise ListenError(address, "gRPC", LISTEN_FLAG, "the address cannot be bound")
+        if unix:
+            unix_sockets.append(address)
+        elif not first_port:
+            first_port = bound
+    return first_port, unix_sockets
+
+
+def _passthrough(message: bytes) -> bytes:
+    """The response serializer of WatchEvents: its handler already wrote protobuf bytes."""
+    return message
+
+
+class _Recorder:
+    """Stands in for a server to capture the generated method handlers."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        """Ignored: the registered handlers below name the same methods."""
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler]
+    ) -> None:
+        self.handlers = dict(handlers)
+
+
+def recorded_handlers(
+    add: Callable[[Any, Any], None], servicer: Any
+) -> dict[str, grpc.RpcMethodHandler]:
+    """The handlers (method name -> handler) that ``add`` (a generated
+    ``add_*Servicer_to_server``) would register for ``servicer``."""
+    recorder = _Recorder()
+    add(servicer, recorder)
+    assert recorder.handlers, "generated registration changed: no handlers recorded"
+    return recorder.handlers
+
+
+def kvcache_method_handlers(servicer: Any) -> dict[str, grpc.RpcMethodHandler]:
+    """The generated KVCacheService handlers of ``servicer``, WatchEvents's replaced by one
+    whose messages are bytes (``servicer.WatchEvents`` writes them with ``context.write``)."""
+    handlers = recorded_handlers(kvcache_pb2_grpc.add_KVCacheServiceServicer_to_server, servicer)
+    assert "WatchEvents" in handlers, "generated registration changed: no WatchEvents handler"
+    handlers["WatchEvents"] = grpc.unary_stream_rpc_method_handler(
+        servicer.WatchEvents,
+        request_deserializer=kvcache_pb2.WatchEventsRequest.FromString,
+        response_serializer=_passthrough,
+    )
+    return handlers
+
+
+def add_service(
+    server: grpc.aio.Server | grpc.Server,
+    service: str,
+    handlers: dict[str, grpc.RpcMethodHandler],
+) -> None:
+    """Register ``handlers`` as the generated code registers a service's."""
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)  # type: ignore[attr-defined]
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls to kvsvc services without a credential of a role that may make them.
+
+    The check runs here, before the request message is read, so every method of every
+    kvsvc service is covered in one place (a new method cannot be left open by forgetting
+    a decorator) and a large unauthenticated message is neither parsed nor held: the
+    refusal goes out before it arrives.
+    """
+
+    def __init__(self, credentials: Credentials, observer: CallObserver) -> None:
+        self._credentials = credentials
+        self._observer = observer
+        self._log = RateLimitedLog()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        method: str = handler_call_details.method  # type: ignore[attr-defined]
+        allowed = roles_for_method(method)
+        if allowed is None:
+            return await continuation(handler_call_details)
+        header: str | bytes | None = None
+        for key, value in handler_call_details.invocation_metadata or ():  # type: ignore[attr-defined]
+            if key == "authorization":
+                header = value
+                break
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            # No such method (``/kvsvc.v1.KVCacheService/Nope``): gRPC answers
+            # UNIMPLEMENTED, whoever asks; there is nothing to refuse or to wrap.
+            return None
+        decision = authorize(self._credentials, header, method, allowed)
+        if isinstance(decision, Refusal):
+            return self._deny(handler, method, decision)
+        if decision.engine and Role.ENGINE in allowed:
+            return _with_engine(handler, decision.engine)
+        return handler
+
+    def _deny(
+        self, handler: grpc.RpcMethodHandler, method: str, refusal: Refusal
+    ) -> grpc.RpcMethodHandler:
+        log = self._log
+        observer = self._observer
+
+        async def deny(requests: Any, context: grpc.aio.ServicerContext) -> None:
+            report_refusal(log, observer, method, refusal, context.peer())
+            await context.abort(refusal.code, refusal.reason)
+
+        def skip(_: bytes) -> None:
+            return None
+
+        # Registered as request-streaming, whatever the method is: gRPC then hands the
+        # handler the requests as a stream it never reads, so the refusal is answered
+        # before the message arrives. A unary handler would receive the whole message
+        # first (up to max_message_bytes per call, held in memory while it arrives):
+        # four unauthenticated 60 MiB calls held ~540 MiB that way, ~8 MiB this way (what
+        # HTTP/2 flow control lets a peer send unasked).
+        if handler.response_streaming:  # type: ignore[attr-defined]
+            return grpc.stream_stream_rpc_method_handler(deny, request_deserializer=skip)
+        return grpc.stream_unary_rpc_method_handler(deny, request_deserializer=skip)
+
+
+def _with_engine(handler: grpc.RpcMethodHandler, engine: str) -> grpc.RpcMethodHandler:
+    """``handler`` run with :data:`current_engine` set to ``engine``."""
+    request_deserializer = handler.request_deserializer  # type: ignore[attr-defined]
+    response_serializer = handler.response_serializer  # type: ignore[attr-defined]
+    if handler.response_streaming:  # type: ignore[attr-defined]
+        inner_stream = handler.unary_stream  # type: ignore[attr-defined]
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            current_engine.set(engine)
+            async for message in inner_stream(request, context):
+                yield message
+
+        return grpc.unary_stream_rpc_method_handler(
+            stream, request_deserializer, response_serializer
+        )
+    inner = handler.unary_unary  # type: ignore[attr-defined]
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        current_engine.set(engine)
+        return await inner(request, context)
+
+    return grpc.unary_unary_rpc_method_handler(unary, request_deserializer, response_serializer)
