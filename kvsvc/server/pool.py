@@ -57,21 +57,20 @@ from kvsvc.errors import (
 from kvsvc.server.calls import CallLog, parse_journaled, replay_call
 from kvsvc.server.config import PoolConfig
 from kvsvc.server.events import EventLog
-from kvsvc.server.seclog import security_log
-from kvsvc.server.state import (
-    DEFAULT_SNAPSHOT_EVERY,
+from kvsvc.server.persistence.journal_store import PoolStore
+from kvsvc.server.persistence.records import (
     JournalKind,
     JournalRecord,
-    PoolPersistence,
-    PoolStore,
     RankRecord,
     Snapshot,
     SnapshotCapture,
     StateError,
     new_store_id,
     reply_digest,
-    write_snapshot,
 )
+from kvsvc.server.persistence.snapshot_file import write_snapshot
+from kvsvc.server.persistence.writer import DEFAULT_SNAPSHOT_EVERY, PoolPersistence
+from kvsvc.server.seclog import security_log
 from kvsvc.specs import AttentionSpec, KVCacheSpec, iter_layer_specs
 from kvsvc.specs.serde import spec_from_dict, spec_to_dict
 

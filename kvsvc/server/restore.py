@@ -19,17 +19,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvsvc.server.config import ServerConfig
-from kvsvc.server.dirlock import StateDirLock
-from kvsvc.server.durability import AckedMarker
+from kvsvc.server.persistence.dirlock import StateDirLock
+from kvsvc.server.persistence.durability import AckedMarker
+from kvsvc.server.persistence.journal_store import PoolStore
+from kvsvc.server.persistence.records import Snapshot, StateError, new_store_id
+from kvsvc.server.persistence.snapshot_file import read_snapshot, snapshot_name
 from kvsvc.server.pool import Pool
-from kvsvc.server.state import (
-    PoolStore,
-    Snapshot,
-    StateError,
-    new_store_id,
-    read_snapshot,
-    snapshot_name,
-)
 
 log = logging.getLogger("kvsvc.server")
 

@@ -33,8 +33,8 @@ from kvsvc.server.calls import (
 )
 from kvsvc.server.errors import CallObserver, OpenStreams, rpc_handler, rpc_stream_handler
 from kvsvc.server.namespace import current_engine, scoped_request_id
+from kvsvc.server.persistence.records import JournalKind
 from kvsvc.server.pool import MemoryReport, Pool, PoolState, Registration
-from kvsvc.server.state import JournalKind
 from kvsvc.server.wire import (
     StepColumns,
     check_request_id,
