@@ -24,6 +24,7 @@ from kvsvc.server.persistence.durability import AckedMarker
 from kvsvc.server.persistence.journal_store import PoolStore
 from kvsvc.server.persistence.records import Snapshot, StateError, new_store_id
 from kvsvc.server.persistence.snapshot_file import read_snapshot, snapshot_name
+from kvsvc.server.persistence.writer import StateSettings
 from kvsvc.server.pool import Pool
 
 log = logging.getLogger("kvsvc.server")
@@ -139,11 +140,13 @@ def load_states(
     for name, pool in pools.items():
         if directory is not None:
             pool.configure_state(
-                directory,
-                synchronous=config.state_synchronous,
-                snapshot_every=config.state_snapshot_every,
-                snapshot_min_interval_s=config.state_snapshot_min_interval_s,
-                checkpoint_interval_s=config.state_checkpoint_interval_s,
+                StateSettings(
+                    directory,
+                    synchronous=config.state_synchronous,
+                    snapshot_every=config.state_snapshot_every,
+                    snapshot_min_interval_s=config.state_snapshot_min_interval_s,
+                    checkpoint_interval_s=config.state_checkpoint_interval_s,
+                )
             )
         started = time.perf_counter()
         store = (

@@ -7,14 +7,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvsvc.errors import Unavailable, quoted
 from kvsvc.server.persistence.durability import disk_full
 from kvsvc.server.persistence.journal_store import PoolStore
-from kvsvc.server.persistence.records import JournalRecord, RankRecord, SnapshotCapture
+from kvsvc.server.persistence.records import (
+    JournalRecord,
+    RankRecord,
+    SnapshotCapture,
+    reply_digest,
+)
 from kvsvc.server.persistence.schema import SYNCHRONOUS_MODES
 from kvsvc.server.persistence.snapshot_file import write_snapshot
 
@@ -25,9 +33,60 @@ log = logging.getLogger("kvsvc.server")
 DEFAULT_SNAPSHOT_EVERY = 200_000
 
 
+@dataclass(frozen=True, slots=True)
+class StateSettings:
+    """Where a pool's state is kept and how it is written (``state_dir`` and the
+    ``state_*`` settings of the server's config)."""
+
+    directory: Path
+    synchronous: str = "normal"
+    snapshot_every: int = DEFAULT_SNAPSHOT_EVERY
+    snapshot_min_interval_s: float = 10.0
+    checkpoint_interval_s: float = 1.0
+
+    def create_store(
+        self, identity: dict[str, Any], cache: Any, ranks: list[RankRecord]
+    ) -> PoolStore:
+        """A newly planned pool's store, starting with a snapshot of its empty ``cache``
+        (run it in a thread).
+
+        Raises:
+            StateError: the pool already has a state file in the directory.
+            OSError, sqlite3.Error: the files could not be written.
+        """
+        empty = SnapshotCapture(cache.to_state(), {"calls": []}, ranks, journal_seq=0)
+        return PoolStore.create(
+            self.directory,
+            identity,
+            empty.to_snapshot(identity, generation=1),
+            synchronous=self.synchronous,
+        )
+
+    def writer(
+        self,
+        store: PoolStore,
+        *,
+        lock: asyncio.Lock,
+        capture: Callable[[], SnapshotCapture],
+        publish: Callable[[Any], None],
+    ) -> PoolPersistence:
+        """The writer of ``store`` with these settings (see :class:`PoolPersistence`)."""
+        return PoolPersistence(
+            store,
+            lock=lock,
+            capture=capture,
+            synchronous=self.synchronous,
+            snapshot_every=self.snapshot_every,
+            snapshot_min_interval_s=self.snapshot_min_interval_s,
+            checkpoint_interval_s=self.checkpoint_interval_s,
+            publish=publish,
+        )
+
+
 class PoolPersistence:
     """Group commit, checkpoints and snapshots of one pool's :class:`PoolStore`, driven
-    from the server's event loop.
+    from the server's event loop. The pool owns it (``Pool.persistence``; None while the
+    pool is kept in memory only).
 
     A change is *recorded* (:meth:`record`, :meth:`update_rank`) under the pool's lock,
     in the order it was applied, and gets a ticket; the caller replies once
@@ -39,12 +98,18 @@ class PoolPersistence:
     When a commit fails the store is *failed*: every waiting and later change is refused
     with UNAVAILABLE, so nothing is acknowledged that the disk does not hold (the pool's
     memory may be ahead of the disk then; restart the server).
+
+    A snapshot replaces the journal once it holds ``snapshot_every`` units of replay work:
+    ``capture`` copies the pool's state, called under the pool's ``lock`` (between two
+    calls); encoding and writing it run in a thread.
     """
 
     def __init__(
         self,
         store: PoolStore,
         *,
+        lock: asyncio.Lock,
+        capture: Callable[[], SnapshotCapture],
         synchronous: str = "normal",
         snapshot_every: int = DEFAULT_SNAPSHOT_EVERY,
         snapshot_min_interval_s: float = 10.0,
@@ -54,12 +119,14 @@ class PoolPersistence:
         if synchronous not in SYNCHRONOUS_MODES:
             raise ValueError(f"state_synchronous must be one of {SYNCHRONOUS_MODES}")
         self.store = store
+        self._lock = lock
+        self._capture = capture
         self.synchronous = synchronous
         self.snapshot_every = snapshot_every
         self.snapshot_min_interval_s = snapshot_min_interval_s
         self.checkpoint_interval_s = checkpoint_interval_s
         self.last_seq = store.last_seq
-        # Replay work journaled since the snapshot (see record's ``weight``): not kept on
+        # Replay work journaled since the snapshot (see record's ``work``): not kept on
         # disk, so a restart counts the journal it found as one snapshot's worth.
         self.work_since_snapshot = 0 if store.last_seq == store.snapshot_seq else snapshot_every
         # Event batches of the recorded changes go to subscribers once committed.
@@ -78,6 +145,7 @@ class PoolPersistence:
         self.snapshotting = False
         self._last_snapshot = time.monotonic()
         self._checkpointer: Any = None
+        self._snapshot_task: asyncio.Task[bool] | None = None
         # Figures (metrics, benchmarks).
         self.num_commits = 0
         self.num_records = 0
@@ -100,22 +168,40 @@ class PoolPersistence:
         kind: int,
         engine: str,
         payload: bytes,
-        event_seq: int,
-        event_ts: float,
-        digest: int,
+        reply: bytes,
         batches: Sequence[Any] = (),
-        weight: int = 1,
+        work: int = 0,
     ) -> int:
-        """Journal one applied call (``batches``: the events it made, published once the
-        commit is done; ``weight``: what replaying it costs, one unit per operation and per
-        64 tokens, ~3 us each); returns its ticket."""
+        """Journal one applied call, right after the change and the events drain (under
+        the pool's lock); returns its ticket. Schedules a snapshot when one is due.
+
+        Args:
+            kind: what ``payload`` is (a :class:`JournalKind`).
+            engine: the engine namespace the call ran in.
+            payload: the request as it came over the wire.
+            reply: the serialized reply the caller gets (the row keeps its digest).
+            batches: the events the call made, published once the commit is done.
+            work: tokens + 64 per operation, as the servicers count it (replaying costs
+                one unit, ~3 us, per operation and per 64 tokens).
+        """
         self.last_seq += 1
-        self.work_since_snapshot += weight
+        self.work_since_snapshot += 1 + work // 64
         self._records.append(
-            JournalRecord(self.last_seq, kind, engine, payload, event_seq, event_ts, digest)
+            JournalRecord(
+                self.last_seq,
+                kind,
+                engine,
+                payload,
+                batches[-1].seq if batches else 0,
+                batches[0].timestamp if batches else 0.0,
+                reply_digest(reply),
+            )
         )
         self._batches.extend(batches)
-        return self._next_ticket()
+        ticket = self._next_ticket()
+        if self.snapshot_due():
+            self.schedule_snapshot()
+        return ticket
 
     def update_rank(self, record: RankRecord) -> int:
         """Persist a rank's registration and tensor identity; returns its ticket."""
@@ -262,6 +348,42 @@ class PoolPersistence:
             self.snapshotting = False
             self._last_snapshot = time.monotonic()
 
+    def schedule_snapshot(self) -> None:
+        """Take a snapshot soon (a task: it waits for the pool's lock)."""
+        if self._snapshot_task is None or self._snapshot_task.done():
+            self._snapshot_task = self._loop().create_task(self.snapshot())
+
+    async def snapshot(self) -> bool:
+        """Replace the journal with a snapshot now (the next restart replays nothing).
+
+        Returns:
+            Whether one was written (False: busy, failed before, or it failed: logged, and
+            the journal stays as it was).
+        """
+        if self.snapshotting or self.failed:
+            return False
+        self.snapshotting = True
+        try:
+            async with self._lock:
+                capture = self._capture()
+            await self.install_snapshot(capture)
+        except Unavailable:
+            return False
+        except (OSError, sqlite3.Error, ValueError) as exc:
+            log.error(
+                "pool %r: writing a snapshot failed (the journal stays): %s", self.store.pool, exc
+            )
+            return False
+        finally:
+            self.snapshotting = False
+        # Rows journaled while it was written may make the next one due already.
+        self._loop().call_soon(self._snapshot_if_due)
+        return True
+
+    def _snapshot_if_due(self) -> None:
+        if self.snapshot_due():
+            self.schedule_snapshot()
+
     # -- checkpoints -----------------------------------------------------------------
 
     def start(self) -> None:
@@ -280,8 +402,14 @@ class PoolPersistence:
                 except Exception as exc:  # sqlite3.Error, OSError
                     self._fail(exc)
 
-    async def close(self) -> None:
-        """Commit what is pending, checkpoint, and close the files."""
+    async def close(self, *, final_snapshot: bool = True) -> None:
+        """Commit what is pending, checkpoint, and close the files. With
+        ``final_snapshot``, replace the journal by a snapshot first (a graceful stop: the
+        next start, perhaps of a newer kvsvc, replays nothing)."""
+        if self._snapshot_task is not None:
+            await asyncio.gather(self._snapshot_task, return_exceptions=True)
+        if final_snapshot and self.records_since_snapshot and not self.failed:
+            await self.snapshot()
         if self._checkpointer is not None:
             self._checkpointer.cancel()
             self._checkpointer = None
