@@ -314,7 +314,7 @@ class Pool:
             try:
                 plan = await loop.run_in_executor(None, plan_kv_cache, specs, memory, options)
                 check_plan_size(self.config, plan)
-                cache = await loop.run_in_executor(None, build_pool_cache, self.config, plan)
+                cache = await loop.run_in_executor(None, self._build_cache, plan)
             finally:
                 self._planning = False
         except (PlanningError, ValueError) as exc:
@@ -364,6 +364,11 @@ class Pool:
         )
         with contextlib.suppress(RuntimeError):  # no running loop yet: start_state does
             self.persistence.start()
+
+    def _build_cache(self, plan: Any) -> Any:
+        """The pool's core cache for ``plan`` (in a thread; a failure is a planning
+        failure, see :meth:`_plan_locked`)."""
+        return build_pool_cache(self.config, plan)
 
     def _plan_failed(self, error: str) -> None:
         """Drop every registration and tell every rank's plan stream why.
