@@ -48,7 +48,7 @@ from rpc_bench import TINY_SPECS, DecodeStep, interleaved, percentile  # noqa: E
 
 from kvsvc.convert import layer_specs_to_pb  # noqa: E402
 from kvsvc.demo.processes import Child, spawn, stop_all, wait_for_ports  # noqa: E402
-from kvsvc.server.state import DEFAULT_SNAPSHOT_EVERY  # noqa: E402
+from kvsvc.server.persistence.writer import DEFAULT_SNAPSHOT_EVERY  # noqa: E402
 from kvsvc.specs.serde import spec_from_dict  # noqa: E402
 from kvsvc.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 

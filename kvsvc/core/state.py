@@ -9,7 +9,7 @@ the data). ``decode_state(encode_state(s)) == s`` for every state.
 Layout: ``MAGIC`` (8 bytes, the format's version in its last byte), a canonical CBOR map
 of the fields, then the packed columns it refers to by index. Integrity (a checksum of
 these bytes) and identity (which pool, which plan) are the storage layer's business
-(:mod:`kvsvc.server.state`).
+(:mod:`kvsvc.server.persistence`).
 
 Pure functions, no I/O: the server runs them in a thread while the pool keeps serving.
 """

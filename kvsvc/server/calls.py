@@ -5,7 +5,7 @@ A call is decoded (shape checked, ids put in the engine's namespace) and then ap
 the pool's core under its lock. A restarting server replays its journal through exactly
 these functions, from the requests as they came over the wire, so a replayed call does
 what the served one did; its reply is rebuilt too, and must match the digest the journal
-kept of the reply the caller got (see :mod:`kvsvc.server.state`).
+kept of the reply the caller got (see :mod:`kvsvc.server.persistence`).
 
 Also here: the :class:`CallLog` of recent replies by ``call_id``, which answers a retried
 call (its reply was lost, e.g. in a restart) without applying it twice.
@@ -23,7 +23,7 @@ from google.protobuf.message import DecodeError, Message
 from kvsvc.core import AllocateOutcome, RequestStart
 from kvsvc.errors import InvalidArgument, quoted
 from kvsvc.server.namespace import NAMESPACE_SEPARATOR, scoped_request_id, unscope_message
-from kvsvc.server.state import JournalKind
+from kvsvc.server.persistence.records import JournalKind
 from kvsvc.server.step import apply_step
 from kvsvc.server.wire import (
     STATUS_OK,

@@ -282,7 +282,7 @@ class ServerConfig:
             certificate signed by it (mTLS). Needs tls_cert.
         state_dir: keep every pool's state (plan, hash seed, block pool, prefix index, live
             requests, event sequence) in this directory, so a restart loses nothing
-            acknowledged (see :mod:`kvsvc.server.state`). None: in memory only.
+            acknowledged (see :mod:`kvsvc.server.persistence`). None: in memory only.
         state_synchronous: ``normal`` (a commit writes SQLite's WAL without a disk sync: a
             crash of the process loses nothing acknowledged, a power loss the changes
             since the last checkpoint) or ``full`` (every commit is synced to disk).

@@ -377,7 +377,7 @@ class ServerMetrics:
             registry=self.registry,
         )
         for pool in pools.by_name.values():
-            pool.step_size_observer = self.step_operations.labels(pool.name).observe
+            pool.counters.step_size_observer = self.step_operations.labels(pool.name).observe
         self.registry.register(_PoolCollector(pools))
 
     def serve_http(self, listen: str, tls: ServerTlsSource | None = None) -> tuple[Any, int]:

@@ -19,17 +19,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvsvc.server.config import ServerConfig
-from kvsvc.server.dirlock import StateDirLock
-from kvsvc.server.durability import AckedMarker
+from kvsvc.server.persistence.dirlock import StateDirLock
+from kvsvc.server.persistence.durability import AckedMarker
+from kvsvc.server.persistence.journal_store import PoolStore
+from kvsvc.server.persistence.records import Snapshot, StateError, new_store_id
+from kvsvc.server.persistence.snapshot_file import read_snapshot, snapshot_name
+from kvsvc.server.persistence.writer import StateSettings
 from kvsvc.server.pool import Pool
-from kvsvc.server.state import (
-    PoolStore,
-    Snapshot,
-    StateError,
-    new_store_id,
-    read_snapshot,
-    snapshot_name,
-)
 
 log = logging.getLogger("kvsvc.server")
 
@@ -144,11 +140,13 @@ def load_states(
     for name, pool in pools.items():
         if directory is not None:
             pool.configure_state(
-                directory,
-                synchronous=config.state_synchronous,
-                snapshot_every=config.state_snapshot_every,
-                snapshot_min_interval_s=config.state_snapshot_min_interval_s,
-                checkpoint_interval_s=config.state_checkpoint_interval_s,
+                StateSettings(
+                    directory,
+                    synchronous=config.state_synchronous,
+                    snapshot_every=config.state_snapshot_every,
+                    snapshot_min_interval_s=config.state_snapshot_min_interval_s,
+                    checkpoint_interval_s=config.state_checkpoint_interval_s,
+                )
             )
         started = time.perf_counter()
         store = (

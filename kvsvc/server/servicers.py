@@ -33,8 +33,9 @@ from kvsvc.server.calls import (
 )
 from kvsvc.server.errors import CallObserver, OpenStreams, rpc_handler, rpc_stream_handler
 from kvsvc.server.namespace import current_engine, scoped_request_id
-from kvsvc.server.pool import MemoryReport, Pool, PoolState, Registration
-from kvsvc.server.state import JournalKind
+from kvsvc.server.persistence.records import JournalKind
+from kvsvc.server.pool import Pool, PoolState
+from kvsvc.server.registration import MemoryReport, Registration
 from kvsvc.server.wire import (
     StepColumns,
     check_request_id,
@@ -208,7 +209,7 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
     @staticmethod
     def _allocate_one(pool: Pool, call: AllocateCall) -> tuple[Any, bool]:
         response, changed, outcome = apply_allocate(pool.ensure_writable(), call)
-        pool.stats_allocate(outcome)
+        pool.counters.count_allocate(outcome)
         return response, changed
 
     @rpc_handler("Free")
@@ -226,7 +227,7 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
     def _free(pool: Pool, call: FreeCall) -> tuple[Any, bool]:
         response, changed, freed = apply_free(pool.ensure_writable(), call)
         requests = response.num_freed_requests if call.needing_recompute else len(call.ids)
-        pool.stats_free(requests, freed, call.preempted)
+        pool.counters.count_free(requests, freed, call.preempted)
         return response, changed
 
     @rpc_handler("Step")
@@ -240,7 +241,7 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
         response: kvcache_pb2.StepResponse = await _mutate(
             pool, JournalKind.STEP, request, work, self._apply_step, pool, columns, engine
         )
-        pool.stats_step(len(columns.types))
+        pool.counters.count_step(len(columns.types))
         return response
 
     @staticmethod
@@ -269,7 +270,7 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
             hashing,
         )
         cached, _ = await _read(pool, cache.probe_lookup, prepared)
-        pool.stats_lookup(cached)
+        pool.counters.count_lookup(cached)
         return kvcache_pb2.LookupResponse(num_cached_tokens=cached)
 
     @staticmethod

@@ -17,7 +17,8 @@ import pytest
 from kvsvc_client import ClientOptions, KVCacheClient
 
 from kvsvc.demo.processes import Child, spawn, stop_all, wait_for_ports
-from kvsvc.server.state import Snapshot, read_snapshot
+from kvsvc.server.persistence.records import Snapshot
+from kvsvc.server.persistence.snapshot_file import read_snapshot
 from tests.server.harness import FakeRank, llama_like_specs
 
 pytestmark = pytest.mark.e2e

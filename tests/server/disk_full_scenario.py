@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kvsvc_client import KVCacheClient, KVCacheError
 
-from kvsvc.server.state import StateError
+from kvsvc.server.persistence.records import StateError
 from tests.server.harness import bring_up
 from tests.server.test_restart import MEMORY, QUICK, crash, rejoin, server_on
 

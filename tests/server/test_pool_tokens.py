@@ -19,7 +19,7 @@ import pytest
 from kvsvc_client import OperationError, ResourceExhaustedError
 
 from kvsvc.server.config import PoolConfig
-from kvsvc.server.pool import DEFAULT_UNSCHEDULED_TOKENS_PER_MODEL_LEN
+from kvsvc.server.pool_planning import DEFAULT_UNSCHEDULED_TOKENS_PER_MODEL_LEN
 from tests.server.harness import ServerThread, bring_up, running_server, tidy_client
 
 MAX_MODEL_LEN = 256

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 
 from kvsvc.server.config import PoolConfig
-from kvsvc.server.pool import MemoryReport, Pool, PoolState, Registration
+from kvsvc.server.pool import Pool, PoolState
+from kvsvc.server.registration import MemoryReport, Registration
 from tests.server.harness import llama_like_specs
 
 BYTES_PER_BLOCK = 4 * 2 * 128 * 2 * 16

@@ -10,7 +10,7 @@ import pytest
 
 from kvsvc.core import PoolKVCache
 from kvsvc.errors import InvalidArgument
-from kvsvc.server.pool import EngineCounters
+from kvsvc.server.engine_stats import EngineCounters
 from kvsvc.server.step import apply_step
 from kvsvc.server.wire import MAX_REQUEST_ID_BYTES, StepColumns, check_request_id
 from kvsvc.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec

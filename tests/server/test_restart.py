@@ -37,7 +37,7 @@ from kvsvc_client import (
 )
 
 from kvsvc.server.config import PoolConfig, ServerConfig
-from kvsvc.server.state import StateError
+from kvsvc.server.persistence.records import StateError
 from kvsvc.v1 import kvcache_pb2, kvcache_pb2_grpc
 from tests.server.engine_model import Engine
 from tests.server.harness import FakeRank, ServerThread, bring_up, llama_like_specs

@@ -26,14 +26,10 @@ import pytest
 from kvsvc_client import KVCacheClient, UnavailableError
 
 from kvsvc.server.config import PoolConfig, ServerConfig
-from kvsvc.server.state import (
-    SCHEMA_VERSION,
-    JournalRecord,
-    PoolStore,
-    StateError,
-    create_journal_schema_v1,
-    read_snapshot,
-)
+from kvsvc.server.persistence.journal_store import PoolStore
+from kvsvc.server.persistence.records import JournalRecord, StateError
+from kvsvc.server.persistence.schema import SCHEMA_VERSION, create_journal_schema_v1
+from kvsvc.server.persistence.snapshot_file import read_snapshot
 from kvsvc.v1 import kvcache_pb2, kvcache_pb2_grpc
 from tests.server.harness import ServerThread, bring_up
 from tests.server.test_restart import MEMORY, POOL, QUICK, core_state, crash, server_on

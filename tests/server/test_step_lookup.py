@@ -12,7 +12,7 @@ import pytest
 
 from kvsvc.core import PoolKVCache
 from kvsvc.errors import InvalidArgument
-from kvsvc.server.pool import EngineCounters
+from kvsvc.server.engine_stats import EngineCounters
 from kvsvc.server.step import apply_step
 from kvsvc.server.wire import StepColumns
 from kvsvc.specs import (

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvsvc.core import PoolKVCache
-from kvsvc.server.pool import EngineCounters
+from kvsvc.server.engine_stats import EngineCounters
 from kvsvc.server.step import _apply_general, _apply_plain
 from kvsvc.server.wire import StepColumns
 from kvsvc.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec

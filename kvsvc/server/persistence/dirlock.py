@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvsvc.server.state import StateError
+from kvsvc.server.persistence.records import StateError
 
 LOCK_NAME = "kvsvc.lock"
 # The holder's description is short (pid, addresses, time): read at most this much of it.
