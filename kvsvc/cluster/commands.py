@@ -50,7 +50,7 @@ def _seed_flags(parser: Any) -> None:
 def _read_seed(args: argparse.Namespace) -> str | None:
     import os
 
-    from kvsvc.cluster.hashing import read_seed_file
+    from kvsvc.core.seed import read_seed_file
 
     path = args.hash_seed_file or os.environ.get(HASH_SEED_ENV)
     return read_seed_file(path) if path else None

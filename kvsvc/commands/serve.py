@@ -319,7 +319,7 @@ def _hash_seed(args: argparse.Namespace) -> str | None:
     """
     if not args.hash_seed_file:
         return args.hash_seed  # type: ignore[no-any-return]
-    from kvsvc.cluster.hashing import read_seed_file
+    from kvsvc.core.seed import read_seed_file
 
     try:
         return read_seed_file(args.hash_seed_file)
