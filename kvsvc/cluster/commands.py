@@ -67,7 +67,7 @@ def _host_port(text: str, flag: str) -> tuple[str, int]:
 
 
 def add_indexer_parser(subparsers: Any) -> None:
-    from kvsvc.cluster.indexer import (
+    from kvsvc.cluster.source import (
         DEFAULT_LEASE_TTL_S,
         DEFAULT_MAX_BATCH_EVENTS,
         DEFAULT_PURGE_AFTER_S,
@@ -165,9 +165,10 @@ def run_indexer(args: argparse.Namespace) -> int:
         return 2
     from kvsvc_client import ClientOptions
 
-    from kvsvc.cluster.indexer import Indexer, IndexerOptions, read_sources_file
+    from kvsvc.cluster.indexer import Indexer, read_sources_file
     from kvsvc.cluster.indexer import watch_sources_file as watch
     from kvsvc.cluster.metrics import IndexerMetrics
+    from kvsvc.cluster.source import IndexerOptions
     from kvsvc.cluster.store import connect, parse_source
     from kvsvc.commands._tls import client_tls_from_args, metrics_tls_from_args
 
