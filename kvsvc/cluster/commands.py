@@ -72,7 +72,7 @@ def add_indexer_parser(subparsers: Any) -> None:
         DEFAULT_MAX_BATCH_EVENTS,
         DEFAULT_PURGE_AFTER_S,
     )
-    from kvsvc.commands._tls import add_client_tls_flags, add_metrics_tls_flags
+    from kvsvc.tls_flags import add_client_tls_flags, add_metrics_tls_flags
 
     parser = subparsers.add_parser(
         "indexer",
@@ -170,7 +170,7 @@ def run_indexer(args: argparse.Namespace) -> int:
     from kvsvc.cluster.metrics import IndexerMetrics
     from kvsvc.cluster.source import IndexerOptions
     from kvsvc.cluster.store import connect, parse_source
-    from kvsvc.commands._tls import client_tls_from_args, metrics_tls_from_args
+    from kvsvc.tls_flags import client_tls_from_args, metrics_tls_from_args
 
     try:
         for source in args.source:
