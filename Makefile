@@ -135,6 +135,7 @@ lint: venv node-tools
 	$(VENV)/bin/ruff check kvsvc clients tests benchmarks deploy
 	$(VENV)/bin/ruff format --check kvsvc clients tests benchmarks deploy
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 	@$(MAKE) --no-print-directory lint-protos
 
 # buf lint and buf breaking with protos/buf.yaml (breaking: against BUF_AGAINST). A clone
@@ -185,4 +186,4 @@ images: venv
 	$(PY) deploy/images/smoke.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache .mypy_cache site kvsvc/_compiled
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache .mypy_cache .import_linter_cache site kvsvc/_compiled

@@ -354,8 +354,9 @@ def bench_real_servers(url: str, servers: int, seconds: float) -> dict[str, Any]
     Indexer following them into Redis."""
     from kvsvc_client import KVCacheClient
 
-    from kvsvc.cluster.indexer import Indexer, IndexerOptions
+    from kvsvc.cluster.indexer import Indexer
     from kvsvc.cluster.metrics import IndexerMetrics
+    from kvsvc.cluster.source import IndexerOptions
     from kvsvc.demo.processes import spawn, stop_all, wait_for_ports
 
     tmp = Path(tempfile.mkdtemp(prefix="kvsvc-bench-"))

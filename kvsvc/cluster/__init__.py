@@ -6,6 +6,7 @@ key layout of :mod:`kvsvc.cluster.layout`), and a scorer that tells a router, pe
 engine, how many leading tokens of a prompt that engine has cached
 (:mod:`kvsvc.cluster.score`, served by :mod:`kvsvc.cluster.router`).
 
-This package's root and :mod:`kvsvc.cluster.hashing` import neither redis nor grpc: the
-server uses the seed fingerprint from there.
+This package's root and :mod:`kvsvc.cluster.hashing` import neither redis nor grpc. The
+hash seed's file and fingerprint, which the servers read too, are the core's
+(:mod:`kvsvc.core.seed`): the cluster sits above the server and the core, never below.
 """

@@ -50,7 +50,7 @@ def _seed_flags(parser: Any) -> None:
 def _read_seed(args: argparse.Namespace) -> str | None:
     import os
 
-    from kvsvc.cluster.hashing import read_seed_file
+    from kvsvc.core.seed import read_seed_file
 
     path = args.hash_seed_file or os.environ.get(HASH_SEED_ENV)
     return read_seed_file(path) if path else None
@@ -67,12 +67,12 @@ def _host_port(text: str, flag: str) -> tuple[str, int]:
 
 
 def add_indexer_parser(subparsers: Any) -> None:
-    from kvsvc.cluster.indexer import (
+    from kvsvc.cluster.source import (
         DEFAULT_LEASE_TTL_S,
         DEFAULT_MAX_BATCH_EVENTS,
         DEFAULT_PURGE_AFTER_S,
     )
-    from kvsvc.commands._tls import add_client_tls_flags, add_metrics_tls_flags
+    from kvsvc.tls_flags import add_client_tls_flags, add_metrics_tls_flags
 
     parser = subparsers.add_parser(
         "indexer",
@@ -165,11 +165,12 @@ def run_indexer(args: argparse.Namespace) -> int:
         return 2
     from kvsvc_client import ClientOptions
 
-    from kvsvc.cluster.indexer import Indexer, IndexerOptions, read_sources_file
+    from kvsvc.cluster.indexer import Indexer, read_sources_file
     from kvsvc.cluster.indexer import watch_sources_file as watch
     from kvsvc.cluster.metrics import IndexerMetrics
+    from kvsvc.cluster.source import IndexerOptions
     from kvsvc.cluster.store import connect, parse_source
-    from kvsvc.commands._tls import client_tls_from_args, metrics_tls_from_args
+    from kvsvc.tls_flags import client_tls_from_args, metrics_tls_from_args
 
     try:
         for source in args.source:

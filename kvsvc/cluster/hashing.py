@@ -7,9 +7,7 @@ reads a coarser group's hashes the way the core does (every k-th hash block).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
-from pathlib import Path
 
 from kvsvc.core.hashing import (
     HASH_ALGOS,
@@ -19,37 +17,8 @@ from kvsvc.core.hashing import (
     check_hashing_context,
     pack_token_ids,
 )
+from kvsvc.core.seed import seed_fingerprint
 from kvsvc.errors import InvalidArgument
-
-# What a fingerprint is computed over: a fixed prefix, so it is of no use as a hash of the
-# seed anywhere else.
-_FINGERPRINT_PREFIX = b"kvsvc-hash-seed\0"
-
-
-def seed_fingerprint(seed: str) -> str:
-    """Hex of the first 16 bytes of SHA-256(prefix + seed): lets a scorer check that it
-    hashes with the servers' seed, while the seed (a secret for ``xxh3_128``) stays put."""
-    return hashlib.sha256(_FINGERPRINT_PREFIX + seed.encode()).hexdigest()[:32]
-
-
-def read_seed_file(path: str, what: str = "--hash-seed-file") -> str:
-    """The seed in ``path``: its first line that is neither blank nor a ``#`` comment
-    (surrounding whitespace dropped), like a token file.
-
-    Raises:
-        ValueError: the file cannot be read or holds no seed (the message names ``what``).
-    """
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ValueError(f"{what} {path}: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"{what} {path}: not UTF-8 text") from None
-    for line in text.splitlines():
-        seed = line.strip()
-        if seed and not seed.startswith("#"):
-            return seed
-    raise ValueError(f"{what} {path} holds no seed (one line of text; blank and # lines skip)")
 
 
 class PromptHasher:

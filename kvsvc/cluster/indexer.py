@@ -29,17 +29,16 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvsvc.cluster.layout import SLIDING_WINDOW_KINDS, Keys
+from kvsvc.cluster.layout import SLIDING_WINDOW_KINDS
 from kvsvc.cluster.metrics import IndexerMetrics
+from kvsvc.cluster.source import IndexerOptions, SourceThread, redis_error_type
 from kvsvc.cluster.store import (
     InvalidSource,
     LeaseLost,
     SourceMoved,
-    SourceStore,
     Tracking,
     parse_source,
     source_name,
@@ -47,33 +46,11 @@ from kvsvc.cluster.store import (
 
 _log = logging.getLogger("kvsvc.cluster")
 
-# Defaults (flags of `kvsvc indexer`).
-DEFAULT_LEASE_TTL_S = 10.0
-DEFAULT_PURGE_AFTER_S = 300.0
-DEFAULT_MAX_BATCH_EVENTS = 20_000
 # Batches a reader may hold before its writer takes them (bounds memory while Redis is
 # slow: the server then holds them back, or cuts the stream with a gap marker).
 READER_QUEUE_BATCHES = 1024
 SNAPSHOT_TIMEOUT_S = 60.0
 RETRY_BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
-
-
-@dataclass(frozen=True, slots=True)
-class IndexerOptions:
-    """Attributes:
-    lease_ttl_s: a source's lease lasts this long unrenewed (renewed every third).
-    purge_after_s: a source unreachable this long is purged from the index.
-    max_batch_events: block events applied in one script call at most.
-    client_options: how to reach the sources (token of the admin role, TLS); a
-        :class:`kvsvc_client.ClientOptions`, None for its defaults with ``role="admin"``.
-    keys: the key layout (prefix).
-    """
-
-    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
-    purge_after_s: float = DEFAULT_PURGE_AFTER_S
-    max_batch_events: int = DEFAULT_MAX_BATCH_EVENTS
-    client_options: Any = None
-    keys: Keys = field(default_factory=Keys)
 
 
 class _NeedSnapshot(Exception):
@@ -84,12 +61,6 @@ class _NeedSnapshot(Exception):
 
 class _SourceDown(Exception):
     pass
-
-
-def _redis_error() -> type[Exception]:
-    import redis
-
-    return redis.exceptions.RedisError  # type: ignore[no-any-return]
 
 
 def _events_to_ops(batch: Any, tracked: frozenset[int]) -> tuple[list[bytes], int, int, int]:
@@ -114,78 +85,6 @@ def _events_to_ops(batch: Any, tracked: frozenset[int]) -> tuple[list[bytes], in
             cleared += 1
             ops.append(b"C")
     return ops, stored, removed, cleared
-
-
-class SourceThread:
-    """What every source follower shares, whatever its stream (a kvsvc server's
-    WatchEvents, a vLLM ZMQ stream): its name in the index, its store (lease, sequence
-    guard, bits), its state in the metrics, and the thread that follows it.
-
-    Subclasses give ``_run`` (the thread's loop, until ``_stop`` is set) and may give
-    ``_interrupt`` (what wakes a loop blocked on its stream when it must stop).
-    """
-
-    def __init__(
-        self,
-        name: str,
-        client: Any,
-        options: IndexerOptions,
-        metrics: IndexerMetrics,
-        owner: str,
-        thread_name: str,
-    ) -> None:
-        self.name = name
-        self.options = options
-        self.metrics = metrics
-        self.store = SourceStore(client, name, owner, options.keys, options.lease_ttl_s)
-        self.state_name = "standby"
-        self.caught_up = threading.Event()  # set once the source is followed live
-        self._stop = threading.Event()
-        self._purge_on_stop = False
-        self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
-        self._tracking: Tracking | None = None
-        self._seq = 0
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, purge: bool = False, timeout: float = 10.0) -> None:
-        """Stop following; with ``purge`` drop the source from the index (taken out of
-        the sources) if this indexer holds its lease, else give the lease back."""
-        self._purge_on_stop = purge
-        self._stop.set()
-        self._interrupt()
-        self._thread.join(timeout)
-
-    def _interrupt(self) -> None:
-        """Wake the loop if it is blocked on its stream (nothing by default)."""
-
-    def _set_state(self, name: str) -> None:
-        self.state_name = self.metrics.move_source(self.state_name, name)
-
-    def _quarantine(self, error: InvalidSource) -> None:
-        """The source sent what the index cannot hold: drop its entries (so Score goes on
-        for every other engine), say so once, and ignore it until stopped (a restarted
-        indexer tries it again)."""
-        self.metrics.quarantines.inc()
-        self._set_state("quarantined")
-        _log.warning(
-            "%s: quarantined: it sent %s; its entries are dropped from the index and its "
-            "stream ignored until the indexer restarts",
-            self.name,
-            error,
-        )
-        try:
-            if self.store.acquire() != "held":
-                self.store.purge()
-                self.store.release()
-        except (_redis_error(), LeaseLost) as exc:
-            _log.warning("%s: dropping its entries: %s", self.name, exc)
-        self._tracking = None
-        self._stop.wait()
-
-    def _run(self) -> None:
-        raise NotImplementedError
 
 
 class Follower(SourceThread):
@@ -219,7 +118,7 @@ class Follower(SourceThread):
     def _run(self) -> None:
         self.metrics.sources.labels(self.state_name).inc()
         attempt = 0
-        redis_error = _redis_error()
+        redis_error = redis_error_type()
         from kvsvc_client import KVCacheError
 
         while not self._stop.is_set():
@@ -267,7 +166,7 @@ class Follower(SourceThread):
                 self.metrics.purges.labels("removed").inc()
                 _log.info("%s: removed from the sources: purged (%d blocks)", self.name, cleared)
             self.store.release()
-        except (_redis_error(), LeaseLost) as exc:
+        except (redis_error_type(), LeaseLost) as exc:
             _log.warning("%s: stopping: %s", self.name, exc)
 
     def _source_down(self, why: str) -> None:

@@ -36,8 +36,8 @@ import logging
 import time
 from typing import Any
 
-from kvsvc.cluster.indexer import IndexerOptions, SourceThread
 from kvsvc.cluster.metrics import IndexerMetrics
+from kvsvc.cluster.source import IndexerOptions, SourceThread
 from kvsvc.cluster.store import (
     MAX_GROUP_INDEX,
     MAX_HASH_BYTES,

@@ -8,9 +8,9 @@ import sys
 from typing import Any
 
 from kvsvc.commands._args import int_at_least, positive_float
-from kvsvc.commands._tls import add_client_tls_flags, client_tls_from_args, tls_exit_status
 from kvsvc.server.config import DEFAULT_LISTEN
 from kvsvc.tls import TlsError
+from kvsvc.tls_flags import add_client_tls_flags, client_tls_from_args, tls_exit_status
 
 
 def add_parser(subparsers: Any) -> None:

@@ -1,4 +1,8 @@
-"""``kvsvc serve``: run the server (flags define one pool; ``--config`` holds several)."""
+"""``kvsvc serve``: run the server (flags define one pool; ``--config`` holds several).
+
+Also the composition root: the server's plugins (the vLLM-format KV event publisher) sit
+above it, and :func:`build_server` here wires those its config asks for into it.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvsvc import native
 from kvsvc.server.config import (
@@ -33,6 +37,10 @@ from kvsvc.server.config import (
 )
 from kvsvc.server.transports.auth import env_tokens, load_credentials
 from kvsvc.units import parse_bytes
+
+if TYPE_CHECKING:
+    from kvsvc.server.app import KvsvcServer
+    from kvsvc.server.plugins import EventSinkFactory
 
 # Collector thresholds of a process that is the server alone: CPython's default
 # (700, 10, 10) runs a young collection every few engine calls (a 2048-token admission
@@ -319,7 +327,7 @@ def _hash_seed(args: argparse.Namespace) -> str | None:
     """
     if not args.hash_seed_file:
         return args.hash_seed  # type: ignore[no-any-return]
-    from kvsvc.cluster.hashing import read_seed_file
+    from kvsvc.core.seed import read_seed_file
 
     try:
         return read_seed_file(args.hash_seed_file)
@@ -348,6 +356,35 @@ class EarlyStop:
         self.requested = True
 
 
+def event_sinks_for(config: ServerConfig) -> dict[str, EventSinkFactory]:
+    """The event sinks ``config`` asks for, by the setting each serves (the server never
+    imports them: :mod:`kvsvc.server.plugins`).
+
+    Raises:
+        ImportError: ``kv_events_zmq`` without pyzmq or msgspec (naming ``kvsvc[vllm]``).
+    """
+    if config.kv_events_zmq is None:
+        return {}
+    from kvsvc.integrations.vllm.events import ZmqKVEvents
+
+    return {"kv_events_zmq": ZmqKVEvents.attach}
+
+
+def build_server(config: ServerConfig, **kwargs: Any) -> KvsvcServer:
+    """A :class:`~kvsvc.server.app.KvsvcServer` (``kwargs`` as it takes them) with the
+    plugins its config asks for."""
+    from kvsvc.server.app import KvsvcServer
+
+    return KvsvcServer(config, event_sinks=event_sinks_for(config), **kwargs)
+
+
+async def create_server(config: ServerConfig, **kwargs: Any) -> tuple[KvsvcServer, int]:
+    """:func:`kvsvc.server.app.create_server` with the plugins the config asks for."""
+    from kvsvc.server import app
+
+    return await app.create_server(config, event_sinks=event_sinks_for(config), **kwargs)
+
+
 async def serve(
     config: ServerConfig,
     ready: Any | None = None,
@@ -357,8 +394,6 @@ async def serve(
     """Run until SIGINT/SIGTERM, then stop gracefully (a persisted pool ends with a
     snapshot, so the next start replays nothing). ``early_stop``: the signals noted while
     starting (the server stops as soon as it started)."""
-    from kvsvc.server.app import create_server
-
     # A restored pool's line is logged by the server (KvsvcServer), once: not printed here.
     server, port = await create_server(config, restore=restore, freeze_gc=True)
     # Logged, not printed: the 'serving' line stays the first line tools read.
@@ -371,10 +406,9 @@ async def serve(
         logging.getLogger("kvsvc.server").info("stopped while starting: shutting down")
         await server.stop(grace=1.0)
         return
-    if server.kv_events is not None:
-        # Before the 'serving' line, which tools wait for: by then these are printed too.
-        for line in server.kv_events.describe():
-            print(line, flush=True)
+    # Before the 'serving' line, which tools wait for: by then these are printed too.
+    for line in server.event_sinks.describe():
+        print(line, flush=True)
     # Unix sockets first, each on its line: tools wait for the 'serving' line (a port, or
     # the socket of a server on sockets only), and by then these are printed too.
     sockets = server.unix_sockets if port else server.unix_sockets[1:]

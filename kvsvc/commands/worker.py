@@ -26,15 +26,15 @@ from kvsvc.commands._args import (
     int_at_least,
     positive_float,
 )
-from kvsvc.commands._tls import (
+from kvsvc.errors import InvalidArgument
+from kvsvc.tls import TlsError
+from kvsvc.tls_flags import (
     add_client_tls_flags,
     add_metrics_tls_flags,
     client_tls_from_args,
     metrics_tls_from_args,
     tls_exit_status,
 )
-from kvsvc.errors import InvalidArgument
-from kvsvc.tls import TlsError
 from kvsvc.units import parse_bytes
 
 EXAMPLES = """\

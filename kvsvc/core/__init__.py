@@ -8,6 +8,7 @@ Pure Python, no I/O: no gRPC, Prometheus or torch. Layers, each with one job::
           managers       per attention type: table sizing, windows, hit search, caching
             BlockPool    ref counts, free queue (eviction order), prefix index, events
     hashing              chained block hashes, extra keys, the seed
+    seed                 the seed file (the core's one file read) and its fingerprint
 """
 
 from kvsvc.core.block_pool import NULL_BLOCK_ID, BlockPool, FreeBlockQueue

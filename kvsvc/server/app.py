@@ -14,8 +14,8 @@ import asyncio
 import gc
 import logging
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -27,6 +27,7 @@ from kvsvc.server.config import (
     listen_addresses,
     split_host_port,
 )
+from kvsvc.server.plugins import NO_EVENT_SINKS, EventSinkFactory, EventSinks, check_event_sinks
 from kvsvc.server.pool import Pool, PoolState
 from kvsvc.server.servicers import AdminServicer, KVCacheServicer, Pools, WorkerServicer
 from kvsvc.server.transports.auth import load_credentials
@@ -55,9 +56,6 @@ from kvsvc.v1 import (
     worker_pb2_grpc,
 )
 
-if TYPE_CHECKING:
-    from kvsvc.integrations.vllm.events import ZmqKVEvents
-
 log = logging.getLogger("kvsvc.server")
 
 KVCACHE_SERVICE = kvcache_pb2.DESCRIPTOR.services_by_name["KVCacheService"].full_name
@@ -83,9 +81,14 @@ class KvsvcServer:
         metrics_registry: Any | None = None,
         restore: Sequence[str] = (),
         freeze_gc: bool = False,
+        event_sinks: Mapping[str, EventSinkFactory] = NO_EVENT_SINKS,
     ) -> None:
         """Raises StateError (a ConfigFileError) when a pool's saved state, or a
-        ``restore`` file, cannot be used: nothing is served then.
+        ``restore`` file, cannot be used: nothing is served then; ConfigError when the
+        config asks for an event sink that ``event_sinks`` does not serve.
+
+        ``event_sinks``: config setting -> the factory of the sink that serves it
+        (:mod:`kvsvc.server.plugins`), attached when the config sets it.
 
         ``freeze_gc``: the first time each pool is READY, collect once and move every
         object then alive out of the collector's reach (:func:`gc.freeze`), for a process
@@ -95,6 +98,7 @@ class KvsvcServer:
 
         self.config = config
         self.credentials = load_credentials(config)  # ConfigError before anything starts
+        check_event_sinks(config, event_sinks)
         self.pools = Pools(
             {
                 p.name: Pool(
@@ -119,7 +123,7 @@ class KvsvcServer:
         # until stop() (or this process's end: a SIGKILL leaves no stale lock).
         self.state_lock = lock_state_dir(config)
         try:
-            self._load(config, restore, metrics_registry)
+            self._load(config, restore, metrics_registry, event_sinks)
         except BaseException:
             self._release_state_dir()
             raise
@@ -140,24 +144,22 @@ class KvsvcServer:
         self._frozen_pools: set[str] = set()
 
     def _load(
-        self, config: ServerConfig, restore: Sequence[str], metrics_registry: Any | None
+        self,
+        config: ServerConfig,
+        restore: Sequence[str],
+        metrics_registry: Any | None,
+        event_sinks: Mapping[str, EventSinkFactory],
     ) -> None:
-        """The pools' saved states, the vLLM-format publisher, metrics and TLS (the state
-        directory is locked; the caller releases it when this raises)."""
+        """The pools' saved states, the event sinks, metrics and TLS (the state directory
+        is locked; the caller releases it when this raises)."""
         from kvsvc.server.metrics import ServerMetrics
         from kvsvc.server.restore import load_states
 
-        # Saved states first: the vLLM-format publisher below must not see their replay.
+        # Saved states first: the event sinks below must not see their replay.
         self.restored = load_states(self.pools.by_name, config, restore)
         for line in self.restored:
             log.info("%s", line)
-        # vLLM-format events: imported only when asked for (pyzmq and msgspec are optional;
-        # the ImportError says to install kvsvc[vllm]).
-        self.kv_events: ZmqKVEvents | None = None
-        if config.kv_events_zmq is not None:
-            from kvsvc.integrations.vllm.events import ZmqKVEvents
-
-            self.kv_events = ZmqKVEvents.attach(config, self.pools.by_name.values())
+        self.event_sinks = EventSinks.attach(config, self.pools.by_name.values(), event_sinks)
         self.metrics = ServerMetrics(self.pools, registry=metrics_registry)
         # One certificate source for both listeners (gRPC and /metrics), re-read on change.
         self.tls: ServerTlsSource | None = None
@@ -202,13 +204,11 @@ class KvsvcServer:
     async def start(self) -> None:
         for pool in self.pools.by_name.values():
             pool.start_state()
-        if self.kv_events is not None:
-            self.kv_events.start()  # first: a port in use stops the start before serving
+        self.event_sinks.start()  # first: a port in use stops the start before serving
         try:
             await self._start_grpc()
         except BaseException:
-            if self.kv_events is not None:
-                self.kv_events.close()
+            self.event_sinks.close()
             self._release_state_dir()
             raise
         if self.state_lock is not None:  # a server refused the directory names these
@@ -363,9 +363,9 @@ class KvsvcServer:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()  # release the port now, not at collection
             self._metrics_http = None
-        if self.kv_events is not None:
+        if self.event_sinks:
             # After the gRPC stop: the last calls' events are still published.
-            await asyncio.get_running_loop().run_in_executor(None, self.kv_events.close)
+            await asyncio.get_running_loop().run_in_executor(None, self.event_sinks.close)
         self._release_state_dir()  # after the final snapshots: the next server may start
 
     async def wait_for_termination(self) -> None:

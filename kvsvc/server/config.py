@@ -683,7 +683,7 @@ def _with_seed_file(pool: dict[str, Any], where: str) -> dict[str, Any]:
         return pool
     if pool.get("hash_seed") is not None:
         raise ConfigError(f"{where}: give hash_seed or hash_seed_file, not both")
-    from kvsvc.cluster.hashing import read_seed_file
+    from kvsvc.core.seed import read_seed_file
 
     try:
         pool["hash_seed"] = read_seed_file(str(path), what=f"{where}.hash_seed_file")

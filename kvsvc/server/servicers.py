@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
-from kvsvc.cluster.hashing import seed_fingerprint
 from kvsvc.convert import config_to_pb, layer_specs_from_pb
 from kvsvc.core.managers import representative_spec
+from kvsvc.core.seed import seed_fingerprint
 from kvsvc.errors import InvalidArgument, NotFound, Unavailable, quoted
 from kvsvc.server.calls import (
     AllocateCall,

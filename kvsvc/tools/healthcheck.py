@@ -53,14 +53,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from kvsvc.commands._tls import (
+from kvsvc.ports import is_unix_address, unix_path
+from kvsvc.tls import ClientTls, TlsError, open_channel
+from kvsvc.tls_flags import (
     METRICS_TLS_CERT_ENV,
     add_client_tls_flags,
     client_tls_from_args,
     tls_exit_status,
 )
-from kvsvc.ports import is_unix_address, unix_path
-from kvsvc.tls import ClientTls, TlsError, open_channel
 
 HEALTHY, UNHEALTHY, USAGE = 0, 1, 2
 DEFAULT_TIMEOUT_S = 3.0

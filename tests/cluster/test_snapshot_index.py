@@ -9,7 +9,7 @@ import grpc
 import pytest
 from kvsvc_client import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheClient
 
-from kvsvc.cluster.hashing import seed_fingerprint
+from kvsvc.core.seed import seed_fingerprint
 from kvsvc.server.config import PoolConfig
 from kvsvc.v1 import kvcache_pb2, kvcache_pb2_grpc
 from tests.server.harness import bring_up, running_server

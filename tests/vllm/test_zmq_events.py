@@ -509,7 +509,7 @@ def test_pools_whose_ports_collide_are_refused(
 
 
 def test_a_port_in_use_fails_the_start(ctx: Any) -> None:
-    from kvsvc.server.app import create_server
+    from kvsvc.commands.serve import create_server
     from kvsvc.server.config import PoolConfig, ServerConfig
 
     blocker = ctx.socket(zmq.PUB)
@@ -534,23 +534,22 @@ def test_missing_pyzmq_says_install_the_extra(
     err = capsys.readouterr().err
     assert "pyzmq and msgspec" in err and "kvsvc[vllm]" in err and "zmq is missing" in err
 
-    from kvsvc.server.app import KvsvcServer
+    from kvsvc.commands.serve import build_server
     from kvsvc.server.config import PoolConfig, ServerConfig
 
     config = ServerConfig(pools=(PoolConfig("p"),), metrics_listen=None, kv_events_zmq="tcp://*:1")
     with pytest.raises(ImportError, match=r"kvsvc\[vllm\]"):
-        KvsvcServer(config)
+        build_server(config)
 
 
 def test_the_server_imports_and_runs_without_pyzmq_or_msgspec() -> None:
     """Only the feature needs the extra: a server without it never imports zmq."""
     code = (
         "import sys; sys.modules['zmq'] = None; sys.modules['msgspec'] = None\n"
-        "from kvsvc.commands.serve import build_config\n"
-        "from kvsvc.server.app import KvsvcServer\n"
+        "from kvsvc.commands.serve import build_config, build_server\n"
         "from kvsvc.server.config import PoolConfig, ServerConfig\n"
-        "server = KvsvcServer(ServerConfig(pools=(PoolConfig('p'),), metrics_listen=None))\n"
-        "assert server.kv_events is None\n"
+        "server = build_server(ServerConfig(pools=(PoolConfig('p'),), metrics_listen=None))\n"
+        "assert not server.event_sinks\n"
         "assert 'kvsvc.integrations.vllm.events' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -23,8 +23,9 @@ The server's hot path never waits on ZMQ: a drained batch is appended to a bound
 encodes, sends and buffers it for replay; a second thread answers replay requests. Each
 socket is used by one thread only, as ZMQ requires.
 
-Imported only when ``kv_events_zmq`` is configured: it needs pyzmq and msgspec (the
-``kvsvc[vllm]`` extra), and says so when they are missing.
+Imported only when ``kv_events_zmq`` is configured (by ``kvsvc serve``, which gives the
+server :class:`ZmqKVEvents` as its event sink: :mod:`kvsvc.server.plugins`): it needs pyzmq
+and msgspec (the ``kvsvc[vllm]`` extra), and says so when they are missing.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvsvc.core import events as kv
 from kvsvc.server.config import KVEventsTarget, ServerConfig, is_bind_endpoint, kv_events_targets
+from kvsvc.server.plugins import EventSink
 from kvsvc.specs import sliding_window_of
 
 if TYPE_CHECKING:
@@ -449,8 +451,10 @@ class _PoolFeed:
         self._publisher.submit(batch, self._windows)
 
 
-class ZmqKVEvents:
-    """The vLLM-format publishers of one server, one per pool (see :func:`kv_events_targets`)."""
+class ZmqKVEvents(EventSink):
+    """The vLLM-format publishers of one server, one per pool (see :func:`kv_events_targets`):
+    the event sink ``kvsvc serve`` gives the server for ``kv_events_zmq`` (:meth:`attach`
+    is its factory)."""
 
     def __init__(self, publishers: dict[str, ZmqEventPublisher]) -> None:
         self.publishers = publishers

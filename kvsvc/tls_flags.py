@@ -4,6 +4,10 @@ check, ``demo``'s children), and of a listener's certificate (the agent's ``/met
 One definition so every client spells them alike and falls back on the same environment
 variables (see :mod:`kvsvc.tls`). Exit status convention for TLS: flags that do not go
 together are bad usage (2); a file that is missing or wrong is the environment (1).
+
+It sits below every package with commands (:mod:`kvsvc.commands`, the cluster's
+``indexer`` and ``router`` in :mod:`kvsvc.cluster.commands`, :mod:`kvsvc.tools.healthcheck`)
+so that none of them imports another to share it.
 """
 
 from __future__ import annotations
