@@ -41,7 +41,8 @@ As a process: ``kvsvc worker --server HOST:PORT --pool P --rank R --world-size W
 (:mod:`kvsvc.commands.worker`).
 """
 
-from kvsvc.worker.agent import WorkerAgent, WorkerAgentConfig, backoff_delay
+from kvsvc.worker.agent import WorkerAgent, backoff_delay
+from kvsvc.worker.agent_config import WorkerAgentConfig
 from kvsvc.worker.allocation import (
     KVCacheView,
     ViewInfo,

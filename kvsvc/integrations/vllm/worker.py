@@ -52,7 +52,8 @@ from kvsvc.integrations.vllm.specs import kvsvc_specs_from_vllm
 from kvsvc.planner import allocated_bytes as planned_bytes
 from kvsvc.planner import pool_bytes_per_block
 from kvsvc.specs import KVCacheConfig, KVCacheSpec
-from kvsvc.worker.agent import WorkerAgent, WorkerAgentConfig, _Retry
+from kvsvc.worker.agent import WorkerAgent, _Retry
+from kvsvc.worker.agent_config import WorkerAgentConfig
 from kvsvc.worker.allocation import KVCacheView
 from kvsvc.worker.errors import WorkerAgentError
 from kvsvc.worker.profiling import MemoryProfile, process_rss_bytes, read_meminfo
