@@ -41,7 +41,7 @@ As a process: ``kvsvc worker --server HOST:PORT --pool P --rank R --world-size W
 (:mod:`kvsvc.commands.worker`).
 """
 
-from kvsvc.worker.agent import WorkerAgent, backoff_delay
+from kvsvc.worker.agent import WorkerAgent
 from kvsvc.worker.agent_config import WorkerAgentConfig
 from kvsvc.worker.allocation import (
     KVCacheView,
@@ -65,6 +65,7 @@ from kvsvc.worker.profiling import (
     read_meminfo,
     take_cuda_snapshot,
 )
+from kvsvc.worker.retries import backoff_delay
 
 __all__ = [
     "DEFAULT_LAYOUT",

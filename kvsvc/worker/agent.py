@@ -71,47 +71,15 @@ from kvsvc.worker.profiling import (
     device_free_bytes,
     profile_memory,
 )
+from kvsvc.worker.retries import (
+    FATAL_CODES,
+    STALE_SESSION_CODES,
+    RetrySession,
+    backoff_delay,
+    rpc_summary,
+)
 
 logger = logging.getLogger("kvsvc.worker")
-
-_FATAL = frozenset(
-    {
-        grpc.StatusCode.INVALID_ARGUMENT,
-        grpc.StatusCode.UNAUTHENTICATED,
-        grpc.StatusCode.PERMISSION_DENIED,
-        grpc.StatusCode.UNIMPLEMENTED,
-    }
-)
-_STALE_SESSION = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION})
-
-
-def backoff_delay(
-    attempt: int, initial: float, maximum: float, rng: random.Random | None = None
-) -> float:
-    """Seconds to wait before retry ``attempt`` (0-based): ``initial * 2**attempt`` capped at
-    ``maximum``, scaled by a random factor in [0.5, 1] so many agents do not retry in step."""
-    base = min(maximum, initial * (2 ** min(attempt, 62)))
-    return base * (0.5 + 0.5 * (rng or random).random())
-
-
-class _Retry(Exception):
-    """The session ended for a reason worth retrying (the message says which).
-
-    ``resumable``: the server may still hold the session (a broken connection), so the
-    next attempt reopens its plan stream before registering anew. ``immediate``: the server
-    is up and said the session is gone: register at once instead of backing off.
-    """
-
-    def __init__(self, reason: str, *, resumable: bool = True, immediate: bool = False) -> None:
-        super().__init__(reason)
-        self.resumable = resumable
-        self.immediate = immediate
-
-
-def _rpc_summary(err: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
-    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
-    details = err.details() if hasattr(err, "details") else str(err)
-    return code, details or code.name
 
 
 def _state_name(state: int) -> str:
@@ -425,7 +393,7 @@ class WorkerAgent:
                 future.cancel()
             return future.result()
         except grpc.FutureCancelledError:
-            raise _Retry("call cancelled") from None
+            raise RetrySession("call cancelled") from None
         finally:
             with self._lock:
                 self._calls.discard(future)
@@ -447,7 +415,7 @@ class WorkerAgent:
                 try:
                     self._session()
                     reason, resumable, immediate = "the server closed the plan stream", True, False
-                except _Retry as exc:
+                except RetrySession as exc:
                     reason, resumable, immediate = str(exc), exc.resumable, exc.immediate
                 self._end_session(resumable)
                 if self._stop.is_set():
@@ -537,24 +505,24 @@ class WorkerAgent:
                 self._progress = True
                 self._on_plan_message(message, session_id)
         except grpc.RpcError as err:
-            code, details = _rpc_summary(err)
+            code, details = rpc_summary(err)
             if code == grpc.StatusCode.CANCELLED:
                 with self._lock:
                     reason, resumable = self._reregister_reason, self._reregister_resumable
-                raise _Retry(
+                raise RetrySession(
                     reason or "plan stream cancelled",
                     resumable=resumable,
                     immediate=reason is not None and not resumable,
                 ) from None
-            if code in _STALE_SESSION:
-                raise _Retry(
+            if code in STALE_SESSION_CODES:
+                raise RetrySession(
                     f"session {session_id} is stale ({code.name}: {details})",
                     resumable=False,
                     immediate=resumed,  # only a resumed session: no register/stale loop
                 ) from None
-            if code in _FATAL:
+            if code in FATAL_CODES:
                 raise WorkerAgentError(code.name, f"WatchPlan: {details}") from None
-            raise _Retry(f"plan stream broke ({code.name}: {details})") from None
+            raise RetrySession(f"plan stream broke ({code.name}: {details})") from None
         finally:
             call.cancel()
             with self._lock:
@@ -582,14 +550,14 @@ class WorkerAgent:
         try:
             response = self._unary(self._stub.Register, request)
         except grpc.RpcError as err:
-            code, details = _rpc_summary(err)
-            fatal = code in _FATAL or (
+            code, details = rpc_summary(err)
+            fatal = code in FATAL_CODES or (
                 not self._had_session
                 and code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS)
             )
             if fatal:
                 raise WorkerAgentError(code.name, f"Register: {details}") from None
-            raise _Retry(f"Register failed ({code.name}: {details})") from None
+            raise RetrySession(f"Register failed ({code.name}: {details})") from None
         with self._changed:
             self._session_id = response.session_id
             self._resume_session = None
@@ -736,14 +704,14 @@ class WorkerAgent:
         try:
             response = self._unary(self._stub.ReportAllocation, request)
         except grpc.RpcError as err:
-            code, details = _rpc_summary(err)
-            if code in _FATAL:
+            code, details = rpc_summary(err)
+            if code in FATAL_CODES:
                 raise WorkerAgentError(code.name, f"ReportAllocation: {details}") from None
-            if code in _STALE_SESSION:
-                raise _Retry(
+            if code in STALE_SESSION_CODES:
+                raise RetrySession(
                     f"session {session_id} is stale ({code.name}: {details})", resumable=False
                 ) from None
-            raise _Retry(f"ReportAllocation failed ({code.name}: {details})") from None
+            raise RetrySession(f"ReportAllocation failed ({code.name}: {details})") from None
         with self._changed:
             self._reported_session = session_id
             self._state = response.state
@@ -797,14 +765,14 @@ class WorkerAgent:
             )
             try:
                 response = self._unary(self._stub.Heartbeat, request)
-            except _Retry:
+            except RetrySession:
                 continue  # cancelled by stop()
             except grpc.RpcError as err:
-                code, details = _rpc_summary(err)
+                code, details = rpc_summary(err)
                 self.metrics.heartbeat_failures.inc()
                 failures += 1
                 logger.debug("heartbeat failed (%s: %s)", code.name, details)
-                if code in _STALE_SESSION:
+                if code in STALE_SESSION_CODES:
                     self._request_reregister(
                         session_id, f"heartbeat: session stale ({details})", resumable=False
                     )
@@ -836,4 +804,4 @@ def _profile_fields(profile: MemoryProfile | None) -> dict[str, int]:
     }
 
 
-__all__ = ["WorkerAgent", "backoff_delay"]
+__all__ = ["WorkerAgent"]

@@ -52,11 +52,12 @@ from kvsvc.integrations.vllm.specs import kvsvc_specs_from_vllm
 from kvsvc.planner import allocated_bytes as planned_bytes
 from kvsvc.planner import pool_bytes_per_block
 from kvsvc.specs import KVCacheConfig, KVCacheSpec
-from kvsvc.worker.agent import WorkerAgent, _Retry
+from kvsvc.worker.agent import WorkerAgent
 from kvsvc.worker.agent_config import WorkerAgentConfig
 from kvsvc.worker.allocation import KVCacheView
 from kvsvc.worker.errors import WorkerAgentError
 from kvsvc.worker.profiling import MemoryProfile, process_rss_bytes, read_meminfo
+from kvsvc.worker.retries import RetrySession
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig as VllmKVCacheConfig
@@ -174,7 +175,7 @@ class EngineTensorsAgent(WorkerAgent):
             self._changed.wait_for(lambda: self._binding is not None or self._stop.is_set())
             if self._binding is None:
                 # Stopping: end the session the way a cancelled call does (not an error).
-                raise _Retry("stopped before the engine allocated", resumable=False)
+                raise RetrySession("stopped before the engine allocated", resumable=False)
             views, allocated = self._binding
             self._config, self._views, self._allocated = config, views, allocated
         self.metrics.tensor_bytes.set(allocated)
