@@ -30,6 +30,12 @@ the snapshot (it raises ``InvalidArgument`` without CUDA) and give ``device="cpu
 fixed ``kv_cache_memory``. A different plan after ``start`` returned stops the agent
 with ``REPLANNED`` (``agent.error``), since the engine bound the old tensors.
 
+An engine that allocates its KV cache itself keeps the agent's protocol and replaces only
+the allocation: ``WorkerAgent(..., allocator=...)`` with a :class:`KVCacheAllocator` whose
+``allocate`` hands over the engine's tensors for the plan :meth:`WorkerAgent.wait_plan`
+returned (:mod:`kvsvc.worker.allocators`; vLLM's is
+:class:`kvsvc.integrations.vllm.worker.EngineTensorsAgent`).
+
 Without gRPC, the pure steps::
 
     profile = profile_memory("cpu", kv_cache_memory=4 << 30)
@@ -53,6 +59,7 @@ from kvsvc.worker.allocation import (
     reshape_kv_cache,
     torch_dtype,
 )
+from kvsvc.worker.allocators import DeviceAllocator, KVCacheAllocation, KVCacheAllocator
 from kvsvc.worker.errors import AllocationError, WorkerAgentError
 from kvsvc.worker.layouts import DEFAULT_LAYOUT, LAYOUTS, AttentionLayout, resolve_layouts
 from kvsvc.worker.metrics import AgentMetrics, MetricsServer, serve_metrics
@@ -74,6 +81,9 @@ __all__ = [
     "AllocationError",
     "AttentionLayout",
     "CudaMemorySnapshot",
+    "DeviceAllocator",
+    "KVCacheAllocation",
+    "KVCacheAllocator",
     "KVCacheView",
     "MemoryProfile",
     "MetricsServer",

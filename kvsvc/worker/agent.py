@@ -2,7 +2,7 @@
 
 One agent per rank speaks ``kvsvc.v1.WorkerService``::
 
-    Register ──▶ WatchPlan (stream) ──▶ config ──▶ allocate + reshape ──▶ ReportAllocation
+    Register ──▶ WatchPlan (stream) ──▶ config ──▶ allocator ──▶ ReportAllocation
         ▲            │ state changes (READY, DEGRADED, ...) keep arriving
         │            ▼
         └── stream broke / session stale / heartbeat said reregister: back off, register again
@@ -12,6 +12,10 @@ One agent per rank speaks ``kvsvc.v1.WorkerService``::
 Two threads do the work: the *control* thread (register, follow the plan stream, allocate,
 report) and the *heartbeat* thread. Tensors outlive sessions: after a server restart the
 agent registers again with the same specs, gets the same plan back and keeps its tensors.
+
+The allocator is the one step an engine may replace (:mod:`kvsvc.worker.allocators`): by
+default the agent allocates the plan's tensors and reshapes them per layer; an engine that
+allocates its own KV cache passes an allocator that hands the engine's tensors over.
 
 Errors split three ways:
 
@@ -39,7 +43,6 @@ import logging
 import random
 import threading
 import time
-import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -52,16 +55,10 @@ from kvsvc.tls import open_channel
 from kvsvc.units import format_gib
 from kvsvc.v1 import pools_pb2, worker_pb2, worker_pb2_grpc
 from kvsvc.worker.agent_config import WorkerAgentConfig
-from kvsvc.worker.allocation import (
-    KVCacheView,
-    allocate_kv_cache,
-    allocated_bytes,
-    describe_views,
-    parse_device,
-    reshape_kv_cache,
-)
-from kvsvc.worker.errors import AllocationError, WorkerAgentError
-from kvsvc.worker.layouts import DEFAULT_LAYOUT, resolve_layouts
+from kvsvc.worker.allocation import KVCacheView, describe_views, parse_device
+from kvsvc.worker.allocators import DeviceAllocator, KVCacheAllocation, KVCacheAllocator
+from kvsvc.worker.errors import WorkerAgentError
+from kvsvc.worker.layouts import DEFAULT_LAYOUT
 from kvsvc.worker.metrics import AgentMetrics
 from kvsvc.worker.profiling import (
     PYTHON_NAMES,
@@ -92,6 +89,10 @@ def _state_name(state: int) -> str:
 class WorkerAgent:
     """One rank's agent. See the module docstring for the protocol and error handling.
 
+    The tensors come from its allocator (:mod:`kvsvc.worker.allocators`): a
+    :class:`~kvsvc.worker.allocators.DeviceAllocator` built from the layout arguments, or
+    an engine's own, which :meth:`wait_plan` tells what to allocate.
+
     Thread-safe: properties may be read from any thread while the agent runs.
     """
 
@@ -108,6 +109,7 @@ class WorkerAgent:
         memory_baseline: CudaMemorySnapshot | None = None,
         memory_profile: MemoryProfile | None = None,
         setting_names: SettingNames = PYTHON_NAMES,
+        allocator: KVCacheAllocator | None = None,
     ) -> None:
         """Validate everything that can be checked before talking to the server.
 
@@ -120,11 +122,15 @@ class WorkerAgent:
             shared_layers: ``{layer: target}`` for KV-sharing layers; they get the target's
                 view.
             kernel_block_sizes: per layer, a kernel block size smaller than the plan's.
+                These four lay out the default allocator's views, and only its.
             metrics: series to update (default: a fresh registry).
             memory_baseline: CUDA: the snapshot taken before the engine loaded weights.
             memory_profile: skip profiling and offer these figures.
             setting_names: how memory errors name the settings to change (default the
                 ``WorkerAgentConfig`` fields; ``kvsvc worker`` passes its flags).
+            allocator: turns each plan into the tensors reported (default: a
+                :class:`~kvsvc.worker.allocators.DeviceAllocator` on ``config.device``); an
+                engine that allocates its own KV cache passes one that hands them over.
 
         Raises:
             InvalidArgument: naming the bad field.
@@ -132,22 +138,31 @@ class WorkerAgent:
         config.validate()
         if not layer_specs:
             raise InvalidArgument("layer_specs", "a rank must hold at least one layer")
-        resolve_layouts(layer_specs, attn_layouts, default_attn_layout)
-        shared = dict(shared_layers or {})
-        for name, target in shared.items():
-            if name in layer_specs:
-                raise InvalidArgument(f"shared_layers[{name}]", "the layer also has its own spec")
-            if target not in layer_specs:
-                raise InvalidArgument(
-                    f"shared_layers[{name}]", f"target {target!r} is not a layer of this rank"
-                )
-        self._cfg = config
         self._device = str(parse_device(config.device))
+        if allocator is None:
+            allocator = DeviceAllocator(
+                self._device,
+                layer_specs,
+                attn_layouts=attn_layouts,
+                default_attn_layout=default_attn_layout,
+                shared_layers=shared_layers,
+                kernel_block_sizes=kernel_block_sizes,
+            )
+        elif (
+            attn_layouts
+            or shared_layers
+            or kernel_block_sizes
+            or default_attn_layout != DEFAULT_LAYOUT
+        ):
+            raise InvalidArgument(
+                "allocator",
+                "an allocator of its own lays out its views: attn_layouts, "
+                "default_attn_layout, shared_layers and kernel_block_sizes are the default "
+                "allocator's",
+            )
+        self._cfg = config
+        self._allocator = allocator
         self._layer_specs = dict(layer_specs)
-        self._layouts = dict(attn_layouts or {})
-        self._default_layout = default_attn_layout
-        self._shared = shared
-        self._kernel_block_sizes = dict(kernel_block_sizes or {})
         self.metrics = metrics or AgentMetrics(config.pool, config.rank, self._device)
         self._baseline = memory_baseline
         self._profile = memory_profile
@@ -180,14 +195,9 @@ class WorkerAgent:
         self._state = pools_pb2.POOL_STATE_UNSPECIFIED
         self._num_registered = 0
         self._max_model_len = 0
-        self._config: KVCacheConfig | None = None
-        self._raw: dict[str, Any] | None = None
-        self._views: dict[str, KVCacheView] | None = None
-        self._allocated = 0
-        # Identifies the tensors this process allocated (new with every allocation, the
-        # same across sessions): a server that kept its state tells by it whether this
-        # rank's KV data survived (a reconnect, a server restart) or is gone (a new agent).
-        self._allocation_id = ""
+        self._plan: KVCacheConfig | None = None  # the latest handed to the allocator
+        self._config: KVCacheConfig | None = None  # the plan of the tensors held
+        self._allocation: KVCacheAllocation | None = None
 
     # ------------------------------------------------------------------ public API
 
@@ -283,18 +293,38 @@ class WorkerAgent:
         """
         with self._changed:
             self._changed.wait_for(lambda: self._ever_ready or self._done, timeout)
-            if self._ever_ready and self._views is not None:
-                return dict(self._views)
-            if self._error is not None:
-                raise self._error
-            if self._done:
-                raise WorkerAgentError("STOPPED", "the agent was stopped before its plan arrived")
-            raise WorkerAgentError(
-                "TIMEOUT",
-                f"no plan for pool {self._cfg.pool!r} after {timeout} s (pool state "
-                f"{_state_name(self._state)}, {self._num_registered}/{self._cfg.world_size} "
-                "ranks registered)",
-            )
+            if self._ever_ready and self._allocation is not None:
+                return dict(self._allocation.views)
+            raise self._why_no_plan(timeout)
+
+    def wait_plan(self, timeout: float | None = None) -> KVCacheConfig:
+        """Block until the agent handed this rank's plan to its allocator; return the plan.
+
+        An engine that allocates its own KV cache learns here what to allocate, while its
+        allocator waits for the tensors (:mod:`kvsvc.worker.allocators`).
+
+        Raises:
+            WorkerAgentError: the agent stopped (``error`` says why: the server refused it,
+                planning failed) or ``timeout`` passed (``code == "TIMEOUT"``).
+        """
+        with self._changed:
+            self._changed.wait_for(lambda: self._plan is not None or self._done, timeout)
+            if self._plan is not None:
+                return self._plan
+            raise self._why_no_plan(timeout)
+
+    def _why_no_plan(self, timeout: float | None) -> WorkerAgentError:
+        """Why a wait for the plan ended without one (called holding the lock)."""
+        if self._error is not None:
+            return self._error
+        if self._done:
+            return WorkerAgentError("STOPPED", "the agent was stopped before its plan arrived")
+        return WorkerAgentError(
+            "TIMEOUT",
+            f"no plan for pool {self._cfg.pool!r} after {timeout} s (pool state "
+            f"{_state_name(self._state)}, {self._num_registered}/{self._cfg.world_size} "
+            "ranks registered)",
+        )
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the agent stops (fatal error or :meth:`stop`); True if it did."""
@@ -308,6 +338,7 @@ class WorkerAgent:
         server marks the rank gone after its timeout.
         """
         self._stop.set()
+        self._allocator.cancel()  # an allocator waiting for the engine's tensors gives up
         with self._lock:
             calls = list(self._calls)
         for call in calls:
@@ -337,15 +368,25 @@ class WorkerAgent:
     @property
     def kv_caches(self) -> dict[str, KVCacheView] | None:
         with self._lock:
-            return dict(self._views) if self._views is not None else None
+            return dict(self._allocation.views) if self._allocation is not None else None
 
     @property
     def raw_tensors(self) -> dict[str, Any] | None:
         with self._lock:
-            return dict(self._raw) if self._raw is not None else None
+            allocation = self._allocation
+            if allocation is None or allocation.raw_tensors is None:
+                return None
+            return dict(allocation.raw_tensors)
+
+    @property
+    def plan(self) -> KVCacheConfig | None:
+        """The plan last handed to the allocator (``None`` until one arrived)."""
+        with self._lock:
+            return self._plan
 
     @property
     def kv_cache_config(self) -> KVCacheConfig | None:
+        """The plan of the tensors held (``None`` until the allocator returned them)."""
         with self._lock:
             return self._config
 
@@ -379,7 +420,7 @@ class WorkerAgent:
     @property
     def allocated_bytes(self) -> int:
         with self._lock:
-            return self._allocated
+            return self._allocation.allocated_bytes if self._allocation is not None else 0
 
     # ------------------------------------------------------------------ calls
 
@@ -530,6 +571,8 @@ class WorkerAgent:
                 self._watch_call = None
 
     def _register(self) -> str:
+        assert self._profile is not None, "launch() profiles before registering"
+        profile = self._profile
         request = worker_pb2.RegisterRequest(
             pool=self._cfg.pool,
             rank=self._cfg.rank,
@@ -537,7 +580,12 @@ class WorkerAgent:
             device=self._device,
             hostname=self._cfg.hostname,
             layers=layer_specs_to_pb(self._layer_specs),
-            memory=worker_pb2.MemoryProfile(**_profile_fields(self._profile)),
+            memory=worker_pb2.MemoryProfile(
+                total_bytes=profile.total_bytes,
+                free_bytes=profile.free_bytes,
+                non_kv_bytes=profile.non_kv_bytes,
+                kv_cache_bytes=profile.kv_cache_bytes,
+            ),
             tensor_parallel_size=self._cfg.tensor_parallel_size,
             pipeline_parallel_size=self._cfg.pipeline_parallel_size,
             max_model_len=self._cfg.max_model_len,
@@ -546,7 +594,8 @@ class WorkerAgent:
         )
         with self._lock:
             self._reregister_reason = None
-            request.allocation_id = self._allocation_id
+            if self._allocation is not None:
+                request.allocation_id = self._allocation.allocation_id
         try:
             response = self._unary(self._stub.Register, request)
         except grpc.RpcError as err:
@@ -618,70 +667,33 @@ class WorkerAgent:
             )
 
     def _apply_plan(self, config: KVCacheConfig) -> None:
+        """Keep the tensors of the same plan; hand a new plan to the allocator."""
         with self._lock:
-            held, current = self._views is not None, self._config
+            held, current = self._allocation is not None, self._config
         if held and config == current:
             logger.info("the plan is unchanged: keeping the %d-block tensors", config.num_blocks)
             return
         if held and not self._cfg.allow_replan:
-            raise WorkerAgentError(
-                "REPLANNED",
-                "the server sent a different plan after the tensors were handed out; the "
-                "engine must restart to bind new tensors",
-            )
+            raise WorkerAgentError("REPLANNED", self._allocator.replan_refusal)
         self._check_plan_layers(config)
-        # Every layer-outer tensor is its own allocation; all packed entries share one.
-        needed = sum(t.size for t in config.kv_cache_tensors if not t.is_packed) + max(
-            (t.size for t in config.kv_cache_tensors if t.is_packed), default=0
-        )
-        assert self._profile is not None
-        if needed > self._profile.kv_cache_bytes:
-            raise WorkerAgentError(
-                "INVALID_PLAN",
-                f"the plan needs {needed} bytes but this rank offered "
-                f"{self._profile.kv_cache_bytes}",
-            )
-        with self._lock:  # let the old tensors go before allocating new ones
-            self._raw = self._views = None
-        started = time.perf_counter()
-        try:
-            raw = allocate_kv_cache(config, self._device)
-            views = reshape_kv_cache(
-                config,
-                raw,
-                layouts=self._layouts,
-                default_layout=self._default_layout,
-                shared_layers=self._shared,
-                kernel_block_sizes=self._kernel_block_sizes,
-            )
-        except (AllocationError, InvalidArgument) as exc:
-            raise WorkerAgentError("ALLOCATION", f"cannot lay out the plan: {exc}") from None
-        except RuntimeError as exc:  # torch.OutOfMemoryError and allocator failures
-            raise WorkerAgentError(
-                "ALLOCATION", f"allocating {needed} bytes on {self._device} failed: {exc}"
-            ) from None
-        total = allocated_bytes(raw)
+        assert self._profile is not None, "launch() profiles before registering"
+        with self._changed:  # let the old tensors go before allocating new ones
+            self._allocation = None
+            self._plan = config
+            self._changed.notify_all()
+        allocation = self._allocator.allocate(config, self._profile)
+        if allocation is None:  # stop() cancelled the wait: end the session quietly
+            raise RetrySession("stopped before the tensors were allocated", resumable=False)
         with self._lock:
-            self._config, self._raw, self._views, self._allocated = config, raw, views, total
-            self._allocation_id = uuid.uuid4().hex
-        self.metrics.tensor_bytes.set(total)
+            self._config, self._allocation = config, allocation
+        self.metrics.tensor_bytes.set(allocation.allocated_bytes)
         self.metrics.num_blocks.set(config.num_blocks)
-        logger.info(
-            "allocated %d blocks x %d layers in %d tensors: %s GiB on %s in %.2f s%s",
-            config.num_blocks,
-            len(config.layer_names),
-            len(config.kv_cache_tensors),
-            format_gib(total),
-            self._device,
-            time.perf_counter() - started,
-            " (zeroed)" if config.needs_kv_cache_zeroing else "",
-        )
 
     def _report(self, session_id: str) -> None:
         with self._lock:
-            config, views, total = self._config, self._views, self._allocated
-            allocation_id = self._allocation_id
-        assert config is not None and views is not None
+            config, allocation = self._config, self._allocation
+        assert config is not None and allocation is not None
+        total = allocation.allocated_bytes
         free = self._free_bytes()
         request = worker_pb2.ReportAllocationRequest(
             pool=self._cfg.pool,
@@ -690,7 +702,7 @@ class WorkerAgent:
             num_blocks=config.num_blocks,
             allocated_bytes=total,
             memory_free_bytes=free,
-            allocation_id=allocation_id,
+            allocation_id=allocation.allocation_id,
             views=[
                 worker_pb2.AllocatedView(
                     layer_name=info.layer_name,
@@ -698,7 +710,7 @@ class WorkerAgent:
                     stride=info.stride,
                     dtype=info.dtype,
                 )
-                for info in describe_views(views, config.layer_names)
+                for info in describe_views(allocation.views, config.layer_names)
             ],
         )
         try:
@@ -792,16 +804,6 @@ class WorkerAgent:
                 self._request_reregister(
                     session_id, "the server asked this rank to re-register", resumable=False
                 )
-
-
-def _profile_fields(profile: MemoryProfile | None) -> dict[str, int]:
-    assert profile is not None, "launch() profiles before registering"
-    return {
-        "total_bytes": profile.total_bytes,
-        "free_bytes": profile.free_bytes,
-        "non_kv_bytes": profile.non_kv_bytes,
-        "kv_cache_bytes": profile.kv_cache_bytes,
-    }
 
 
 __all__ = ["WorkerAgent"]
