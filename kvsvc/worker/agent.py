@@ -48,14 +48,15 @@ from typing import Any
 
 import grpc
 
-from kvsvc.convert import config_from_pb, layer_specs_to_pb
+from kvsvc.convert import config_from_pb
 from kvsvc.errors import InvalidArgument
 from kvsvc.specs import KVCacheConfig, KVCacheSpec
 from kvsvc.tls import open_channel
 from kvsvc.units import format_gib
 from kvsvc.v1 import pools_pb2, worker_pb2, worker_pb2_grpc
 from kvsvc.worker.agent_config import WorkerAgentConfig
-from kvsvc.worker.allocation import KVCacheView, describe_views, parse_device
+from kvsvc.worker.agent_messages import pool_state_name, register_request, report_request
+from kvsvc.worker.allocation import KVCacheView, parse_device
 from kvsvc.worker.allocators import DeviceAllocator, KVCacheAllocation, KVCacheAllocator
 from kvsvc.worker.errors import WorkerAgentError
 from kvsvc.worker.layouts import DEFAULT_LAYOUT
@@ -77,13 +78,6 @@ from kvsvc.worker.retries import (
 )
 
 logger = logging.getLogger("kvsvc.worker")
-
-
-def _state_name(state: int) -> str:
-    try:
-        return pools_pb2.PoolState.Name(state).removeprefix("POOL_STATE_")  # type: ignore[arg-type]
-    except ValueError:
-        return str(state)
 
 
 class WorkerAgent:
@@ -322,7 +316,7 @@ class WorkerAgent:
         return WorkerAgentError(
             "TIMEOUT",
             f"no plan for pool {self._cfg.pool!r} after {timeout} s (pool state "
-            f"{_state_name(self._state)}, {self._num_registered}/{self._cfg.world_size} "
+            f"{pool_state_name(self._state)}, {self._num_registered}/{self._cfg.world_size} "
             "ranks registered)",
         )
 
@@ -403,7 +397,7 @@ class WorkerAgent:
     def state(self) -> str:
         """The pool state last heard (``READY``, ``DEGRADED``, ...)."""
         with self._lock:
-            return _state_name(self._state)
+            return pool_state_name(self._state)
 
     @property
     def ready(self) -> bool:
@@ -572,26 +566,7 @@ class WorkerAgent:
 
     def _register(self) -> str:
         assert self._profile is not None, "launch() profiles before registering"
-        profile = self._profile
-        request = worker_pb2.RegisterRequest(
-            pool=self._cfg.pool,
-            rank=self._cfg.rank,
-            world_size=self._cfg.world_size,
-            device=self._device,
-            hostname=self._cfg.hostname,
-            layers=layer_specs_to_pb(self._layer_specs),
-            memory=worker_pb2.MemoryProfile(
-                total_bytes=profile.total_bytes,
-                free_bytes=profile.free_bytes,
-                non_kv_bytes=profile.non_kv_bytes,
-                kv_cache_bytes=profile.kv_cache_bytes,
-            ),
-            tensor_parallel_size=self._cfg.tensor_parallel_size,
-            pipeline_parallel_size=self._cfg.pipeline_parallel_size,
-            max_model_len=self._cfg.max_model_len,
-            max_num_encoder_input_tokens=self._cfg.max_num_encoder_input_tokens,
-            model=self._cfg.model,
-        )
+        request = register_request(self._cfg, self._device, self._layer_specs, self._profile)
         with self._lock:
             self._reregister_reason = None
             if self._allocation is not None:
@@ -625,14 +600,14 @@ class WorkerAgent:
             response.session_id,
             response.num_registered,
             self._cfg.world_size,
-            _state_name(response.state),
+            pool_state_name(response.state),
         )
         return str(response.session_id)
 
     def _on_plan_message(self, message: Any, session_id: str) -> None:
         with self._changed:
             if message.state != self._state:
-                logger.info("pool %s is %s", self._cfg.pool, _state_name(message.state))
+                logger.info("pool %s is %s", self._cfg.pool, pool_state_name(message.state))
             self._state = message.state
             if message.max_model_len:
                 self._max_model_len = message.max_model_len
@@ -695,24 +670,7 @@ class WorkerAgent:
         assert config is not None and allocation is not None
         total = allocation.allocated_bytes
         free = self._free_bytes()
-        request = worker_pb2.ReportAllocationRequest(
-            pool=self._cfg.pool,
-            rank=self._cfg.rank,
-            session_id=session_id,
-            num_blocks=config.num_blocks,
-            allocated_bytes=total,
-            memory_free_bytes=free,
-            allocation_id=allocation.allocation_id,
-            views=[
-                worker_pb2.AllocatedView(
-                    layer_name=info.layer_name,
-                    shape=info.shape,
-                    stride=info.stride,
-                    dtype=info.dtype,
-                )
-                for info in describe_views(allocation.views, config.layer_names)
-            ],
-        )
+        request = report_request(self._cfg, session_id, config, allocation, free)
         try:
             response = self._unary(self._stub.ReportAllocation, request)
         except grpc.RpcError as err:
@@ -738,7 +696,7 @@ class WorkerAgent:
             self._cfg.pool,
             format_gib(free),
             self._device,
-            _state_name(response.state),
+            pool_state_name(response.state),
         )
 
     # ------------------------------------------------------------------ heartbeat thread
