@@ -31,10 +31,14 @@ fixed ``kv_cache_memory``. A different plan after ``start`` returned stops the a
 with ``REPLANNED`` (``agent.error``), since the engine bound the old tensors.
 
 An engine that allocates its KV cache itself keeps the agent's protocol and replaces only
-the allocation: ``WorkerAgent(..., allocator=...)`` with a :class:`KVCacheAllocator` whose
-``allocate`` hands over the engine's tensors for the plan :meth:`WorkerAgent.wait_plan`
-returned (:mod:`kvsvc.worker.allocators`; vLLM's is
-:class:`kvsvc.integrations.vllm.worker.EngineTensorsAgent`).
+the allocation (:mod:`kvsvc.worker.allocators`)::
+
+    tensors = EngineTensors("my-engine")
+    agent = WorkerAgent(config, layer_specs, memory_profile=profile, allocator=tensors)
+    agent.launch()
+    plan = agent.wait_plan(timeout=300)      # the engine allocates plan.num_blocks blocks
+    tensors.hand_over(engine_kv_caches, engine_kv_bytes)
+    agent.wait_ready(timeout=60)             # reported; heartbeats until agent.stop()
 
 Without gRPC, the pure steps::
 
@@ -59,7 +63,12 @@ from kvsvc.worker.allocation import (
     reshape_kv_cache,
     torch_dtype,
 )
-from kvsvc.worker.allocators import DeviceAllocator, KVCacheAllocation, KVCacheAllocator
+from kvsvc.worker.allocators import (
+    DeviceAllocator,
+    EngineTensors,
+    KVCacheAllocation,
+    KVCacheAllocator,
+)
 from kvsvc.worker.errors import AllocationError, WorkerAgentError
 from kvsvc.worker.layouts import DEFAULT_LAYOUT, LAYOUTS, AttentionLayout, resolve_layouts
 from kvsvc.worker.metrics import AgentMetrics, MetricsServer, serve_metrics
@@ -82,6 +91,7 @@ __all__ = [
     "AttentionLayout",
     "CudaMemorySnapshot",
     "DeviceAllocator",
+    "EngineTensors",
     "KVCacheAllocation",
     "KVCacheAllocator",
     "KVCacheView",

@@ -10,16 +10,18 @@ stream, report, heartbeat, reconnect) and hands every new plan to its allocator:
 
 :class:`DeviceAllocator`, the default, allocates the plan's raw tensors on the agent's
 device and lays out the per-layer views (:mod:`kvsvc.worker.allocation`). An engine that
-allocates its KV cache itself (vLLM's model runner does) subclasses
-:class:`KVCacheAllocator` instead and passes it as ``WorkerAgent(..., allocator=...)``: its
-:meth:`~KVCacheAllocator.allocate` waits until the engine, told the plan by
+allocates its KV cache itself (vLLM's model runner does) passes
+``WorkerAgent(..., allocator=EngineTensors(...))``: its :meth:`~EngineTensors.allocate`
+waits until the engine, told the plan by
 :meth:`WorkerAgent.wait_plan <kvsvc.worker.agent.WorkerAgent.wait_plan>`, hands over what it
-allocated (:class:`kvsvc.integrations.vllm.worker.EngineTensorsAgent` is one).
+allocated (:class:`kvsvc.integrations.vllm.worker.EngineTensorsAgent` does). Any other
+source of tensors subclasses :class:`KVCacheAllocator`.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -197,4 +199,59 @@ class DeviceAllocator(KVCacheAllocator):
         return KVCacheAllocation(views, total, raw_tensors=raw, allocation_id=uuid.uuid4().hex)
 
 
-__all__ = ["DeviceAllocator", "KVCacheAllocation", "KVCacheAllocator"]
+class EngineTensors(KVCacheAllocator):
+    """For an engine that allocates its KV cache itself: the engine hands its tensors over.
+
+    :meth:`allocate` waits on the agent's control thread until the engine, having allocated
+    for the plan :meth:`WorkerAgent.wait_plan` returned, calls :meth:`hand_over` (or the
+    agent stops). Tensors handed over are the engine's for good: the agent re-reports them
+    after a reconnect, and another plan stops it with ``REPLANNED``.
+    """
+
+    def __init__(self, engine: str = "the engine") -> None:
+        """``engine`` names the engine in the ``REPLANNED`` errors (``"vLLM"``)."""
+        self._engine = engine
+        self.replan_refusal = (
+            f"the server sent a different plan after {engine} allocated its KV cache; "
+            "restart the engine to allocate the new one"
+        )
+        self._handed = threading.Condition()
+        self._plan: KVCacheConfig | None = None
+        self._tensors: KVCacheAllocation | None = None
+        self._cancelled = False
+
+    def allocate(self, plan: KVCacheConfig, offered: MemoryProfile) -> KVCacheAllocation | None:
+        """Wait for the engine's tensors for ``plan`` (``None``: the agent stopped first).
+
+        Raises:
+            WorkerAgentError: ``REPLANNED`` for a plan other than the one the engine is
+                allocating for.
+        """
+        with self._handed:
+            if self._plan is not None and plan != self._plan:
+                raise WorkerAgentError(
+                    "REPLANNED",
+                    f"the server sent a different plan while {self._engine} was sizing its "
+                    "KV cache from the first one; restart the engine",
+                )
+            self._plan = plan
+            self._handed.wait_for(lambda: self._tensors is not None or self._cancelled)
+            return self._tensors
+
+    def cancel(self) -> None:
+        with self._handed:
+            self._cancelled = True
+            self._handed.notify_all()
+
+    def hand_over(self, views: Mapping[str, KVCacheView], allocated_bytes: int) -> None:
+        """The tensors the engine bound for the plan, and the bytes behind them.
+
+        ``views`` is informational for the server (``kvsvc ctl`` shows it); the engine's
+        tensors get no ``allocation_id``.
+        """
+        with self._handed:
+            self._tensors = KVCacheAllocation(dict(views), allocated_bytes)
+            self._handed.notify_all()
+
+
+__all__ = ["DeviceAllocator", "EngineTensors", "KVCacheAllocation", "KVCacheAllocator"]

@@ -40,7 +40,6 @@ from __future__ import annotations
 import logging
 import re
 import socket
-import threading
 import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -56,7 +55,7 @@ from kvsvc.specs import KVCacheConfig, KVCacheSpec
 from kvsvc.worker.agent import WorkerAgent
 from kvsvc.worker.agent_config import WorkerAgentConfig
 from kvsvc.worker.allocation import KVCacheView
-from kvsvc.worker.allocators import KVCacheAllocation, KVCacheAllocator
+from kvsvc.worker.allocators import EngineTensors
 from kvsvc.worker.errors import WorkerAgentError
 from kvsvc.worker.profiling import MemoryProfile, process_rss_bytes, read_meminfo
 
@@ -83,61 +82,17 @@ class KvsvcWorkerError(RuntimeError):
     """
 
 
-class _EngineTensors(KVCacheAllocator):
-    """The allocation step of a vLLM rank: vLLM allocates, and its tensors are handed over.
-
-    The agent's control thread calls :meth:`allocate` with the plan (the one
-    :meth:`WorkerAgent.wait_plan` returns to the worker) and waits there until the worker,
-    once vLLM allocated, hands the tensors over (:meth:`hand_over`) or the agent stops.
-    """
-
-    replan_refusal = (
-        "the server sent a different plan after vLLM allocated its KV cache; restart the "
-        "engine to allocate the new one"
-    )
-
-    def __init__(self) -> None:
-        self._handed = threading.Condition()
-        self._plan: KVCacheConfig | None = None
-        self._tensors: KVCacheAllocation | None = None
-        self._cancelled = False
-
-    def allocate(self, plan: KVCacheConfig, offered: MemoryProfile) -> KVCacheAllocation | None:
-        """Wait for vLLM's tensors for ``plan`` (``None``: the agent stopped first)."""
-        with self._handed:
-            if self._plan is not None and plan != self._plan:
-                raise WorkerAgentError(
-                    "REPLANNED",
-                    "the server sent a different plan while vLLM was sizing its KV cache "
-                    "from the first one; restart the engine",
-                )
-            self._plan = plan
-            self._handed.wait_for(lambda: self._tensors is not None or self._cancelled)
-            return self._tensors
-
-    def cancel(self) -> None:
-        with self._handed:
-            self._cancelled = True
-            self._handed.notify_all()
-
-    def hand_over(self, views: Mapping[str, KVCacheView], allocated: int) -> None:
-        """The tensors vLLM allocated for the plan: :meth:`allocate` returns them."""
-        with self._handed:
-            self._tensors = KVCacheAllocation(dict(views), allocated)
-            self._handed.notify_all()
-
-
 class EngineTensorsAgent(WorkerAgent):
     """kvsvc's worker agent for a rank whose KV cache tensors the engine allocates.
 
     :class:`WorkerAgent` allocates the plan's tensors itself when the plan arrives; vLLM
-    instead allocates after its own sizing step, so this agent's allocator hands vLLM's
-    tensors over: the worker reads the plan (:meth:`wait_plan`) and, once vLLM allocated,
-    passes what it bound (:meth:`bind`). The agent then reports the allocation (the pool
-    goes READY when every rank did) and, after a server restart or a lost session,
-    registers again and re-reports the same tensors; a *different* plan after binding stops
-    the agent with ``REPLANNED``, since the engine cannot swap its cache. Heartbeats run
-    from :meth:`launch` until :meth:`stop`.
+    instead allocates after its own sizing step, so this agent's allocator is
+    :class:`~kvsvc.worker.allocators.EngineTensors`: the worker reads the plan
+    (:meth:`wait_plan`) and, once vLLM allocated, hands over what it bound (:meth:`bind`).
+    The agent then reports the allocation (the pool goes READY when every rank did) and,
+    after a server restart or a lost session, registers again and re-reports the same
+    tensors; a *different* plan after binding stops the agent with ``REPLANNED``, since the
+    engine cannot swap its cache. Heartbeats run from :meth:`launch` until :meth:`stop`.
     """
 
     def __init__(
@@ -147,7 +102,7 @@ class EngineTensorsAgent(WorkerAgent):
         *,
         memory_profile: MemoryProfile,
     ) -> None:
-        engine_tensors = _EngineTensors()
+        engine_tensors = EngineTensors("vLLM")
         super().__init__(
             config, layer_specs, memory_profile=memory_profile, allocator=engine_tensors
         )
