@@ -30,6 +30,16 @@ the snapshot (it raises ``InvalidArgument`` without CUDA) and give ``device="cpu
 fixed ``kv_cache_memory``. A different plan after ``start`` returned stops the agent
 with ``REPLANNED`` (``agent.error``), since the engine bound the old tensors.
 
+An engine that allocates its KV cache itself keeps the agent's protocol and replaces only
+the allocation (:mod:`kvsvc.worker.allocators`)::
+
+    tensors = EngineTensors("my-engine")
+    agent = WorkerAgent(config, layer_specs, memory_profile=profile, allocator=tensors)
+    agent.launch()
+    plan = agent.wait_plan(timeout=300)      # the engine allocates plan.num_blocks blocks
+    tensors.hand_over(engine_kv_caches, engine_kv_bytes)
+    agent.wait_ready(timeout=60)             # reported; heartbeats until agent.stop()
+
 Without gRPC, the pure steps::
 
     profile = profile_memory("cpu", kv_cache_memory=4 << 30)
@@ -41,7 +51,8 @@ As a process: ``kvsvc worker --server HOST:PORT --pool P --rank R --world-size W
 (:mod:`kvsvc.commands.worker`).
 """
 
-from kvsvc.worker.agent import WorkerAgent, WorkerAgentConfig, backoff_delay
+from kvsvc.worker.agent import WorkerAgent
+from kvsvc.worker.agent_config import WorkerAgentConfig
 from kvsvc.worker.allocation import (
     KVCacheView,
     ViewInfo,
@@ -51,6 +62,12 @@ from kvsvc.worker.allocation import (
     parse_device,
     reshape_kv_cache,
     torch_dtype,
+)
+from kvsvc.worker.allocators import (
+    DeviceAllocator,
+    EngineTensors,
+    KVCacheAllocation,
+    KVCacheAllocator,
 )
 from kvsvc.worker.errors import AllocationError, WorkerAgentError
 from kvsvc.worker.layouts import DEFAULT_LAYOUT, LAYOUTS, AttentionLayout, resolve_layouts
@@ -64,6 +81,7 @@ from kvsvc.worker.profiling import (
     read_meminfo,
     take_cuda_snapshot,
 )
+from kvsvc.worker.retries import backoff_delay
 
 __all__ = [
     "DEFAULT_LAYOUT",
@@ -72,6 +90,10 @@ __all__ = [
     "AllocationError",
     "AttentionLayout",
     "CudaMemorySnapshot",
+    "DeviceAllocator",
+    "EngineTensors",
+    "KVCacheAllocation",
+    "KVCacheAllocator",
     "KVCacheView",
     "MemoryProfile",
     "MetricsServer",

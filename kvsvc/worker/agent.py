@@ -2,7 +2,7 @@
 
 One agent per rank speaks ``kvsvc.v1.WorkerService``::
 
-    Register ──▶ WatchPlan (stream) ──▶ config ──▶ allocate + reshape ──▶ ReportAllocation
+    Register ──▶ WatchPlan (stream) ──▶ config ──▶ allocator ──▶ ReportAllocation
         ▲            │ state changes (READY, DEGRADED, ...) keep arriving
         │            ▼
         └── stream broke / session stale / heartbeat said reregister: back off, register again
@@ -12,6 +12,10 @@ One agent per rank speaks ``kvsvc.v1.WorkerService``::
 Two threads do the work: the *control* thread (register, follow the plan stream, allocate,
 report) and the *heartbeat* thread. Tensors outlive sessions: after a server restart the
 agent registers again with the same specs, gets the same plan back and keeps its tensors.
+
+The allocator is the one step an engine may replace (:mod:`kvsvc.worker.allocators`): by
+default the agent allocates the plan's tensors and reshapes them per layer; an engine that
+allocates its own KV cache passes an allocator that hands the engine's tensors over.
 
 Errors split three ways:
 
@@ -37,32 +41,25 @@ from __future__ import annotations
 
 import logging
 import random
-import socket
 import threading
 import time
-import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
-from kvsvc.convert import config_from_pb, layer_specs_to_pb
+from kvsvc.convert import config_from_pb
 from kvsvc.errors import InvalidArgument
 from kvsvc.specs import KVCacheConfig, KVCacheSpec
-from kvsvc.tls import ClientTls, TlsError, client_tls, open_channel
+from kvsvc.tls import open_channel
 from kvsvc.units import format_gib
 from kvsvc.v1 import pools_pb2, worker_pb2, worker_pb2_grpc
-from kvsvc.worker.allocation import (
-    KVCacheView,
-    allocate_kv_cache,
-    allocated_bytes,
-    describe_views,
-    parse_device,
-    reshape_kv_cache,
-)
-from kvsvc.worker.errors import AllocationError, WorkerAgentError
-from kvsvc.worker.layouts import DEFAULT_LAYOUT, resolve_layouts
+from kvsvc.worker.agent_config import WorkerAgentConfig
+from kvsvc.worker.agent_messages import pool_state_name, register_request, report_request
+from kvsvc.worker.allocation import KVCacheView, parse_device
+from kvsvc.worker.allocators import DeviceAllocator, KVCacheAllocation, KVCacheAllocator
+from kvsvc.worker.errors import WorkerAgentError
+from kvsvc.worker.layouts import DEFAULT_LAYOUT
 from kvsvc.worker.metrics import AgentMetrics
 from kvsvc.worker.profiling import (
     PYTHON_NAMES,
@@ -72,166 +69,23 @@ from kvsvc.worker.profiling import (
     device_free_bytes,
     profile_memory,
 )
+from kvsvc.worker.retries import (
+    FATAL_CODES,
+    STALE_SESSION_CODES,
+    RetrySession,
+    backoff_delay,
+    rpc_summary,
+)
 
 logger = logging.getLogger("kvsvc.worker")
-
-_FATAL = frozenset(
-    {
-        grpc.StatusCode.INVALID_ARGUMENT,
-        grpc.StatusCode.UNAUTHENTICATED,
-        grpc.StatusCode.PERMISSION_DENIED,
-        grpc.StatusCode.UNIMPLEMENTED,
-    }
-)
-_STALE_SESSION = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION})
-
-
-@dataclass(slots=True)
-class WorkerAgentConfig:
-    """Where the agent registers, for which rank, and how it behaves.
-
-    Attributes:
-        server: ``HOST:PORT`` of the kvsvc server.
-        pool: the pool this rank belongs to (configured on the server).
-        rank / world_size: this rank and the number of ranks in the pool.
-        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
-        kv_cache_memory: fixed KV cache budget in bytes (required on CPU).
-        gpu_memory_utilization: CUDA: fraction of the device the engine may use.
-        tensor_parallel_size / pipeline_parallel_size: the rank's parallel layout.
-        max_model_len: the model's context length (0: not given; the pool decides).
-        max_num_encoder_input_tokens: encoder input length of cross-attention models.
-        model: the model's name (informational: the server shows it).
-        heartbeat_interval: seconds between heartbeats.
-        rpc_timeout: deadline of every unary call, seconds.
-        auth_token: sent as ``authorization: Bearer <token>`` when set.
-        connect_timeout: give up after this many seconds without reaching the server
-            (``None``: retry forever).
-        backoff_initial / backoff_max: reconnect delays, doubled per failed attempt up to
-            the cap, each jittered down by up to half.
-        heartbeat_failures_before_reconnect: consecutive failed heartbeats after which the
-            agent drops its session and reconnects (a server that hangs without closing the
-            plan stream).
-        allow_replan: a different plan after tensors exist reallocates them (a standalone
-            process) instead of stopping with ``REPLANNED`` (an engine that bound them).
-        hostname: reported at registration.
-        tls_ca / tls_cert / tls_key / tls_server_name: TLS of the channel to the server,
-            as :class:`kvsvc_client.ClientOptions` takes them (None: the ``KVSVC_TLS_*``
-            variable; ""; off); a CA or a client certificate makes the channel TLS.
-    """
-
-    server: str
-    pool: str
-    rank: int
-    world_size: int
-    device: str = "cpu"
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    max_model_len: int = 0
-    max_num_encoder_input_tokens: int = 0
-    model: str = ""
-    heartbeat_interval: float = 2.0
-    rpc_timeout: float = 10.0
-    auth_token: str | None = None
-    connect_timeout: float | None = None
-    backoff_initial: float = 0.2
-    backoff_max: float = 5.0
-    heartbeat_failures_before_reconnect: int = 3
-    allow_replan: bool = False
-    hostname: str = field(default_factory=socket.gethostname)
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_server_name: str | None = None
-
-    def client_tls(self) -> ClientTls | None:
-        """The channel's TLS settings, environment fallbacks applied (None: plaintext).
-
-        Raises:
-            TlsError: a certificate without its key, or a server name without TLS.
-        """
-        return client_tls(self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)
-
-    def validate(self) -> None:
-        """Raises InvalidArgument naming the first bad field."""
-        if not self.server or ":" not in self.server:
-            raise InvalidArgument("server", f"expected HOST:PORT or unix:PATH, got {self.server!r}")
-        if self.server.startswith("frames:"):
-            raise InvalidArgument(
-                "server",
-                f"{self.server!r} is the server's framed transport, which serves engine calls "
-                "only; an agent registers and follows its plan over gRPC: give the server's "
-                "--listen address (HOST:PORT or unix:PATH)",
-            )
-        if not self.pool:
-            raise InvalidArgument("pool", "must not be empty")
-        if self.world_size < 1:
-            raise InvalidArgument("world_size", f"must be >= 1, got {self.world_size}")
-        if not 0 <= self.rank < self.world_size:
-            raise InvalidArgument(
-                "rank", f"must be in [0, {self.world_size}) for world size {self.world_size}"
-            )
-        parse_device(self.device)
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            if getattr(self, name) < 1:
-                raise InvalidArgument(name, f"must be >= 1, got {getattr(self, name)}")
-        for name in ("max_model_len", "max_num_encoder_input_tokens"):
-            if getattr(self, name) < 0:
-                raise InvalidArgument(name, f"must be >= 0, got {getattr(self, name)}")
-        for name in ("heartbeat_interval", "rpc_timeout", "backoff_initial", "backoff_max"):
-            if getattr(self, name) <= 0:
-                raise InvalidArgument(name, f"must be positive, got {getattr(self, name)}")
-        if self.connect_timeout is not None and self.connect_timeout <= 0:
-            raise InvalidArgument("connect_timeout", "must be positive")
-        try:
-            tls = self.client_tls()
-            if tls is not None:
-                tls.check()  # a wrong path fails here, not in the reconnect loop
-        except TlsError as exc:
-            raise InvalidArgument(exc.setting, exc.message) from None
-        if self.heartbeat_failures_before_reconnect < 1:
-            raise InvalidArgument("heartbeat_failures_before_reconnect", "must be >= 1")
-
-
-def backoff_delay(
-    attempt: int, initial: float, maximum: float, rng: random.Random | None = None
-) -> float:
-    """Seconds to wait before retry ``attempt`` (0-based): ``initial * 2**attempt`` capped at
-    ``maximum``, scaled by a random factor in [0.5, 1] so many agents do not retry in step."""
-    base = min(maximum, initial * (2 ** min(attempt, 62)))
-    return base * (0.5 + 0.5 * (rng or random).random())
-
-
-class _Retry(Exception):
-    """The session ended for a reason worth retrying (the message says which).
-
-    ``resumable``: the server may still hold the session (a broken connection), so the
-    next attempt reopens its plan stream before registering anew. ``immediate``: the server
-    is up and said the session is gone: register at once instead of backing off.
-    """
-
-    def __init__(self, reason: str, *, resumable: bool = True, immediate: bool = False) -> None:
-        super().__init__(reason)
-        self.resumable = resumable
-        self.immediate = immediate
-
-
-def _rpc_summary(err: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
-    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
-    details = err.details() if hasattr(err, "details") else str(err)
-    return code, details or code.name
-
-
-def _state_name(state: int) -> str:
-    try:
-        return pools_pb2.PoolState.Name(state).removeprefix("POOL_STATE_")  # type: ignore[arg-type]
-    except ValueError:
-        return str(state)
 
 
 class WorkerAgent:
     """One rank's agent. See the module docstring for the protocol and error handling.
+
+    The tensors come from its allocator (:mod:`kvsvc.worker.allocators`): a
+    :class:`~kvsvc.worker.allocators.DeviceAllocator` built from the layout arguments, or
+    an engine's own, which :meth:`wait_plan` tells what to allocate.
 
     Thread-safe: properties may be read from any thread while the agent runs.
     """
@@ -249,6 +103,7 @@ class WorkerAgent:
         memory_baseline: CudaMemorySnapshot | None = None,
         memory_profile: MemoryProfile | None = None,
         setting_names: SettingNames = PYTHON_NAMES,
+        allocator: KVCacheAllocator | None = None,
     ) -> None:
         """Validate everything that can be checked before talking to the server.
 
@@ -261,11 +116,15 @@ class WorkerAgent:
             shared_layers: ``{layer: target}`` for KV-sharing layers; they get the target's
                 view.
             kernel_block_sizes: per layer, a kernel block size smaller than the plan's.
+                These four lay out the default allocator's views, and only its.
             metrics: series to update (default: a fresh registry).
             memory_baseline: CUDA: the snapshot taken before the engine loaded weights.
             memory_profile: skip profiling and offer these figures.
             setting_names: how memory errors name the settings to change (default the
                 ``WorkerAgentConfig`` fields; ``kvsvc worker`` passes its flags).
+            allocator: turns each plan into the tensors reported (default: a
+                :class:`~kvsvc.worker.allocators.DeviceAllocator` on ``config.device``); an
+                engine that allocates its own KV cache passes one that hands them over.
 
         Raises:
             InvalidArgument: naming the bad field.
@@ -273,22 +132,31 @@ class WorkerAgent:
         config.validate()
         if not layer_specs:
             raise InvalidArgument("layer_specs", "a rank must hold at least one layer")
-        resolve_layouts(layer_specs, attn_layouts, default_attn_layout)
-        shared = dict(shared_layers or {})
-        for name, target in shared.items():
-            if name in layer_specs:
-                raise InvalidArgument(f"shared_layers[{name}]", "the layer also has its own spec")
-            if target not in layer_specs:
-                raise InvalidArgument(
-                    f"shared_layers[{name}]", f"target {target!r} is not a layer of this rank"
-                )
-        self._cfg = config
         self._device = str(parse_device(config.device))
+        if allocator is None:
+            allocator = DeviceAllocator(
+                self._device,
+                layer_specs,
+                attn_layouts=attn_layouts,
+                default_attn_layout=default_attn_layout,
+                shared_layers=shared_layers,
+                kernel_block_sizes=kernel_block_sizes,
+            )
+        elif (
+            attn_layouts
+            or shared_layers
+            or kernel_block_sizes
+            or default_attn_layout != DEFAULT_LAYOUT
+        ):
+            raise InvalidArgument(
+                "allocator",
+                "an allocator of its own lays out its views: attn_layouts, "
+                "default_attn_layout, shared_layers and kernel_block_sizes are the default "
+                "allocator's",
+            )
+        self._cfg = config
+        self._allocator = allocator
         self._layer_specs = dict(layer_specs)
-        self._layouts = dict(attn_layouts or {})
-        self._default_layout = default_attn_layout
-        self._shared = shared
-        self._kernel_block_sizes = dict(kernel_block_sizes or {})
         self.metrics = metrics or AgentMetrics(config.pool, config.rank, self._device)
         self._baseline = memory_baseline
         self._profile = memory_profile
@@ -321,14 +189,9 @@ class WorkerAgent:
         self._state = pools_pb2.POOL_STATE_UNSPECIFIED
         self._num_registered = 0
         self._max_model_len = 0
-        self._config: KVCacheConfig | None = None
-        self._raw: dict[str, Any] | None = None
-        self._views: dict[str, KVCacheView] | None = None
-        self._allocated = 0
-        # Identifies the tensors this process allocated (new with every allocation, the
-        # same across sessions): a server that kept its state tells by it whether this
-        # rank's KV data survived (a reconnect, a server restart) or is gone (a new agent).
-        self._allocation_id = ""
+        self._plan: KVCacheConfig | None = None  # the latest handed to the allocator
+        self._config: KVCacheConfig | None = None  # the plan of the tensors held
+        self._allocation: KVCacheAllocation | None = None
 
     # ------------------------------------------------------------------ public API
 
@@ -424,18 +287,38 @@ class WorkerAgent:
         """
         with self._changed:
             self._changed.wait_for(lambda: self._ever_ready or self._done, timeout)
-            if self._ever_ready and self._views is not None:
-                return dict(self._views)
-            if self._error is not None:
-                raise self._error
-            if self._done:
-                raise WorkerAgentError("STOPPED", "the agent was stopped before its plan arrived")
-            raise WorkerAgentError(
-                "TIMEOUT",
-                f"no plan for pool {self._cfg.pool!r} after {timeout} s (pool state "
-                f"{_state_name(self._state)}, {self._num_registered}/{self._cfg.world_size} "
-                "ranks registered)",
-            )
+            if self._ever_ready and self._allocation is not None:
+                return dict(self._allocation.views)
+            raise self._why_no_plan(timeout)
+
+    def wait_plan(self, timeout: float | None = None) -> KVCacheConfig:
+        """Block until the agent handed this rank's plan to its allocator; return the plan.
+
+        An engine that allocates its own KV cache learns here what to allocate, while its
+        allocator waits for the tensors (:mod:`kvsvc.worker.allocators`).
+
+        Raises:
+            WorkerAgentError: the agent stopped (``error`` says why: the server refused it,
+                planning failed) or ``timeout`` passed (``code == "TIMEOUT"``).
+        """
+        with self._changed:
+            self._changed.wait_for(lambda: self._plan is not None or self._done, timeout)
+            if self._plan is not None:
+                return self._plan
+            raise self._why_no_plan(timeout)
+
+    def _why_no_plan(self, timeout: float | None) -> WorkerAgentError:
+        """Why a wait for the plan ended without one (called holding the lock)."""
+        if self._error is not None:
+            return self._error
+        if self._done:
+            return WorkerAgentError("STOPPED", "the agent was stopped before its plan arrived")
+        return WorkerAgentError(
+            "TIMEOUT",
+            f"no plan for pool {self._cfg.pool!r} after {timeout} s (pool state "
+            f"{pool_state_name(self._state)}, {self._num_registered}/{self._cfg.world_size} "
+            "ranks registered)",
+        )
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the agent stops (fatal error or :meth:`stop`); True if it did."""
@@ -449,6 +332,7 @@ class WorkerAgent:
         server marks the rank gone after its timeout.
         """
         self._stop.set()
+        self._allocator.cancel()  # an allocator waiting for the engine's tensors gives up
         with self._lock:
             calls = list(self._calls)
         for call in calls:
@@ -478,15 +362,25 @@ class WorkerAgent:
     @property
     def kv_caches(self) -> dict[str, KVCacheView] | None:
         with self._lock:
-            return dict(self._views) if self._views is not None else None
+            return dict(self._allocation.views) if self._allocation is not None else None
 
     @property
     def raw_tensors(self) -> dict[str, Any] | None:
         with self._lock:
-            return dict(self._raw) if self._raw is not None else None
+            allocation = self._allocation
+            if allocation is None or allocation.raw_tensors is None:
+                return None
+            return dict(allocation.raw_tensors)
+
+    @property
+    def plan(self) -> KVCacheConfig | None:
+        """The plan last handed to the allocator (``None`` until one arrived)."""
+        with self._lock:
+            return self._plan
 
     @property
     def kv_cache_config(self) -> KVCacheConfig | None:
+        """The plan of the tensors held (``None`` until the allocator returned them)."""
         with self._lock:
             return self._config
 
@@ -503,7 +397,7 @@ class WorkerAgent:
     def state(self) -> str:
         """The pool state last heard (``READY``, ``DEGRADED``, ...)."""
         with self._lock:
-            return _state_name(self._state)
+            return pool_state_name(self._state)
 
     @property
     def ready(self) -> bool:
@@ -520,7 +414,7 @@ class WorkerAgent:
     @property
     def allocated_bytes(self) -> int:
         with self._lock:
-            return self._allocated
+            return self._allocation.allocated_bytes if self._allocation is not None else 0
 
     # ------------------------------------------------------------------ calls
 
@@ -534,7 +428,7 @@ class WorkerAgent:
                 future.cancel()
             return future.result()
         except grpc.FutureCancelledError:
-            raise _Retry("call cancelled") from None
+            raise RetrySession("call cancelled") from None
         finally:
             with self._lock:
                 self._calls.discard(future)
@@ -556,7 +450,7 @@ class WorkerAgent:
                 try:
                     self._session()
                     reason, resumable, immediate = "the server closed the plan stream", True, False
-                except _Retry as exc:
+                except RetrySession as exc:
                     reason, resumable, immediate = str(exc), exc.resumable, exc.immediate
                 self._end_session(resumable)
                 if self._stop.is_set():
@@ -646,24 +540,24 @@ class WorkerAgent:
                 self._progress = True
                 self._on_plan_message(message, session_id)
         except grpc.RpcError as err:
-            code, details = _rpc_summary(err)
+            code, details = rpc_summary(err)
             if code == grpc.StatusCode.CANCELLED:
                 with self._lock:
                     reason, resumable = self._reregister_reason, self._reregister_resumable
-                raise _Retry(
+                raise RetrySession(
                     reason or "plan stream cancelled",
                     resumable=resumable,
                     immediate=reason is not None and not resumable,
                 ) from None
-            if code in _STALE_SESSION:
-                raise _Retry(
+            if code in STALE_SESSION_CODES:
+                raise RetrySession(
                     f"session {session_id} is stale ({code.name}: {details})",
                     resumable=False,
                     immediate=resumed,  # only a resumed session: no register/stale loop
                 ) from None
-            if code in _FATAL:
+            if code in FATAL_CODES:
                 raise WorkerAgentError(code.name, f"WatchPlan: {details}") from None
-            raise _Retry(f"plan stream broke ({code.name}: {details})") from None
+            raise RetrySession(f"plan stream broke ({code.name}: {details})") from None
         finally:
             call.cancel()
             with self._lock:
@@ -671,34 +565,23 @@ class WorkerAgent:
                 self._watch_call = None
 
     def _register(self) -> str:
-        request = worker_pb2.RegisterRequest(
-            pool=self._cfg.pool,
-            rank=self._cfg.rank,
-            world_size=self._cfg.world_size,
-            device=self._device,
-            hostname=self._cfg.hostname,
-            layers=layer_specs_to_pb(self._layer_specs),
-            memory=worker_pb2.MemoryProfile(**_profile_fields(self._profile)),
-            tensor_parallel_size=self._cfg.tensor_parallel_size,
-            pipeline_parallel_size=self._cfg.pipeline_parallel_size,
-            max_model_len=self._cfg.max_model_len,
-            max_num_encoder_input_tokens=self._cfg.max_num_encoder_input_tokens,
-            model=self._cfg.model,
-        )
+        assert self._profile is not None, "launch() profiles before registering"
+        request = register_request(self._cfg, self._device, self._layer_specs, self._profile)
         with self._lock:
             self._reregister_reason = None
-            request.allocation_id = self._allocation_id
+            if self._allocation is not None:
+                request.allocation_id = self._allocation.allocation_id
         try:
             response = self._unary(self._stub.Register, request)
         except grpc.RpcError as err:
-            code, details = _rpc_summary(err)
-            fatal = code in _FATAL or (
+            code, details = rpc_summary(err)
+            fatal = code in FATAL_CODES or (
                 not self._had_session
                 and code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS)
             )
             if fatal:
                 raise WorkerAgentError(code.name, f"Register: {details}") from None
-            raise _Retry(f"Register failed ({code.name}: {details})") from None
+            raise RetrySession(f"Register failed ({code.name}: {details})") from None
         with self._changed:
             self._session_id = response.session_id
             self._resume_session = None
@@ -717,14 +600,14 @@ class WorkerAgent:
             response.session_id,
             response.num_registered,
             self._cfg.world_size,
-            _state_name(response.state),
+            pool_state_name(response.state),
         )
         return str(response.session_id)
 
     def _on_plan_message(self, message: Any, session_id: str) -> None:
         with self._changed:
             if message.state != self._state:
-                logger.info("pool %s is %s", self._cfg.pool, _state_name(message.state))
+                logger.info("pool %s is %s", self._cfg.pool, pool_state_name(message.state))
             self._state = message.state
             if message.max_model_len:
                 self._max_model_len = message.max_model_len
@@ -759,100 +642,46 @@ class WorkerAgent:
             )
 
     def _apply_plan(self, config: KVCacheConfig) -> None:
+        """Keep the tensors of the same plan; hand a new plan to the allocator."""
         with self._lock:
-            held, current = self._views is not None, self._config
+            held, current = self._allocation is not None, self._config
         if held and config == current:
             logger.info("the plan is unchanged: keeping the %d-block tensors", config.num_blocks)
             return
         if held and not self._cfg.allow_replan:
-            raise WorkerAgentError(
-                "REPLANNED",
-                "the server sent a different plan after the tensors were handed out; the "
-                "engine must restart to bind new tensors",
-            )
+            raise WorkerAgentError("REPLANNED", self._allocator.replan_refusal)
         self._check_plan_layers(config)
-        # Every layer-outer tensor is its own allocation; all packed entries share one.
-        needed = sum(t.size for t in config.kv_cache_tensors if not t.is_packed) + max(
-            (t.size for t in config.kv_cache_tensors if t.is_packed), default=0
-        )
-        assert self._profile is not None
-        if needed > self._profile.kv_cache_bytes:
-            raise WorkerAgentError(
-                "INVALID_PLAN",
-                f"the plan needs {needed} bytes but this rank offered "
-                f"{self._profile.kv_cache_bytes}",
-            )
-        with self._lock:  # let the old tensors go before allocating new ones
-            self._raw = self._views = None
-        started = time.perf_counter()
-        try:
-            raw = allocate_kv_cache(config, self._device)
-            views = reshape_kv_cache(
-                config,
-                raw,
-                layouts=self._layouts,
-                default_layout=self._default_layout,
-                shared_layers=self._shared,
-                kernel_block_sizes=self._kernel_block_sizes,
-            )
-        except (AllocationError, InvalidArgument) as exc:
-            raise WorkerAgentError("ALLOCATION", f"cannot lay out the plan: {exc}") from None
-        except RuntimeError as exc:  # torch.OutOfMemoryError and allocator failures
-            raise WorkerAgentError(
-                "ALLOCATION", f"allocating {needed} bytes on {self._device} failed: {exc}"
-            ) from None
-        total = allocated_bytes(raw)
+        assert self._profile is not None, "launch() profiles before registering"
+        with self._changed:  # let the old tensors go before allocating new ones
+            self._allocation = None
+            self._plan = config
+            self._changed.notify_all()
+        allocation = self._allocator.allocate(config, self._profile)
+        if allocation is None:  # stop() cancelled the wait: end the session quietly
+            raise RetrySession("stopped before the tensors were allocated", resumable=False)
         with self._lock:
-            self._config, self._raw, self._views, self._allocated = config, raw, views, total
-            self._allocation_id = uuid.uuid4().hex
-        self.metrics.tensor_bytes.set(total)
+            self._config, self._allocation = config, allocation
+        self.metrics.tensor_bytes.set(allocation.allocated_bytes)
         self.metrics.num_blocks.set(config.num_blocks)
-        logger.info(
-            "allocated %d blocks x %d layers in %d tensors: %s GiB on %s in %.2f s%s",
-            config.num_blocks,
-            len(config.layer_names),
-            len(config.kv_cache_tensors),
-            format_gib(total),
-            self._device,
-            time.perf_counter() - started,
-            " (zeroed)" if config.needs_kv_cache_zeroing else "",
-        )
 
     def _report(self, session_id: str) -> None:
         with self._lock:
-            config, views, total = self._config, self._views, self._allocated
-            allocation_id = self._allocation_id
-        assert config is not None and views is not None
+            config, allocation = self._config, self._allocation
+        assert config is not None and allocation is not None
+        total = allocation.allocated_bytes
         free = self._free_bytes()
-        request = worker_pb2.ReportAllocationRequest(
-            pool=self._cfg.pool,
-            rank=self._cfg.rank,
-            session_id=session_id,
-            num_blocks=config.num_blocks,
-            allocated_bytes=total,
-            memory_free_bytes=free,
-            allocation_id=allocation_id,
-            views=[
-                worker_pb2.AllocatedView(
-                    layer_name=info.layer_name,
-                    shape=info.shape,
-                    stride=info.stride,
-                    dtype=info.dtype,
-                )
-                for info in describe_views(views, config.layer_names)
-            ],
-        )
+        request = report_request(self._cfg, session_id, config, allocation, free)
         try:
             response = self._unary(self._stub.ReportAllocation, request)
         except grpc.RpcError as err:
-            code, details = _rpc_summary(err)
-            if code in _FATAL:
+            code, details = rpc_summary(err)
+            if code in FATAL_CODES:
                 raise WorkerAgentError(code.name, f"ReportAllocation: {details}") from None
-            if code in _STALE_SESSION:
-                raise _Retry(
+            if code in STALE_SESSION_CODES:
+                raise RetrySession(
                     f"session {session_id} is stale ({code.name}: {details})", resumable=False
                 ) from None
-            raise _Retry(f"ReportAllocation failed ({code.name}: {details})") from None
+            raise RetrySession(f"ReportAllocation failed ({code.name}: {details})") from None
         with self._changed:
             self._reported_session = session_id
             self._state = response.state
@@ -867,7 +696,7 @@ class WorkerAgent:
             self._cfg.pool,
             format_gib(free),
             self._device,
-            _state_name(response.state),
+            pool_state_name(response.state),
         )
 
     # ------------------------------------------------------------------ heartbeat thread
@@ -906,14 +735,14 @@ class WorkerAgent:
             )
             try:
                 response = self._unary(self._stub.Heartbeat, request)
-            except _Retry:
+            except RetrySession:
                 continue  # cancelled by stop()
             except grpc.RpcError as err:
-                code, details = _rpc_summary(err)
+                code, details = rpc_summary(err)
                 self.metrics.heartbeat_failures.inc()
                 failures += 1
                 logger.debug("heartbeat failed (%s: %s)", code.name, details)
-                if code in _STALE_SESSION:
+                if code in STALE_SESSION_CODES:
                     self._request_reregister(
                         session_id, f"heartbeat: session stale ({details})", resumable=False
                     )
@@ -935,18 +764,4 @@ class WorkerAgent:
                 )
 
 
-def _profile_fields(profile: MemoryProfile | None) -> dict[str, int]:
-    assert profile is not None, "launch() profiles before registering"
-    return {
-        "total_bytes": profile.total_bytes,
-        "free_bytes": profile.free_bytes,
-        "non_kv_bytes": profile.non_kv_bytes,
-        "kv_cache_bytes": profile.kv_cache_bytes,
-    }
-
-
-__all__ = [
-    "WorkerAgent",
-    "WorkerAgentConfig",
-    "backoff_delay",
-]
+__all__ = ["WorkerAgent"]

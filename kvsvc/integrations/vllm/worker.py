@@ -52,8 +52,10 @@ from kvsvc.integrations.vllm.specs import kvsvc_specs_from_vllm
 from kvsvc.planner import allocated_bytes as planned_bytes
 from kvsvc.planner import pool_bytes_per_block
 from kvsvc.specs import KVCacheConfig, KVCacheSpec
-from kvsvc.worker.agent import WorkerAgent, WorkerAgentConfig, _Retry
+from kvsvc.worker.agent import WorkerAgent
+from kvsvc.worker.agent_config import WorkerAgentConfig
 from kvsvc.worker.allocation import KVCacheView
+from kvsvc.worker.allocators import EngineTensors
 from kvsvc.worker.errors import WorkerAgentError
 from kvsvc.worker.profiling import MemoryProfile, process_rss_bytes, read_meminfo
 
@@ -84,13 +86,13 @@ class EngineTensorsAgent(WorkerAgent):
     """kvsvc's worker agent for a rank whose KV cache tensors the engine allocates.
 
     :class:`WorkerAgent` allocates the plan's tensors itself when the plan arrives; vLLM
-    instead allocates after its own sizing step, so here the plan is *published*
-    (:meth:`wait_plan`) and the agent's control thread waits until the engine hands over
-    what it allocated (:meth:`bind`). The inherited machinery then reports the allocation
-    (the pool goes READY when every rank did) and, after a server restart or a lost
-    session, registers again and re-reports the same tensors; a *different* plan after
-    binding stops the agent with ``REPLANNED``, since the engine cannot swap its cache.
-    Heartbeats run from :meth:`launch` until :meth:`stop`.
+    instead allocates after its own sizing step, so this agent's allocator is
+    :class:`~kvsvc.worker.allocators.EngineTensors`: the worker reads the plan
+    (:meth:`wait_plan`) and, once vLLM allocated, hands over what it bound (:meth:`bind`).
+    The agent then reports the allocation (the pool goes READY when every rank did) and,
+    after a server restart or a lost session, registers again and re-reports the same
+    tensors; a *different* plan after binding stops the agent with ``REPLANNED``, since the
+    engine cannot swap its cache. Heartbeats run from :meth:`launch` until :meth:`stop`.
     """
 
     def __init__(
@@ -100,30 +102,11 @@ class EngineTensorsAgent(WorkerAgent):
         *,
         memory_profile: MemoryProfile,
     ) -> None:
-        super().__init__(config, layer_specs, memory_profile=memory_profile)
-        self._plan: KVCacheConfig | None = None
-        self._binding: tuple[dict[str, KVCacheView], int] | None = None
-
-    def wait_plan(self, timeout: float | None) -> KVCacheConfig:
-        """Block until the server sent this rank's plan; return it.
-
-        Raises:
-            WorkerAgentError: the agent stopped (the server refused it, planning failed)
-                or ``timeout`` passed (``code == "TIMEOUT"``).
-        """
-        with self._changed:
-            self._changed.wait_for(lambda: self._plan is not None or self._done, timeout)
-            if self._plan is not None:
-                return self._plan
-            if self._error is not None:
-                raise self._error
-            if self._done:
-                raise WorkerAgentError("STOPPED", "the agent was stopped before its plan arrived")
-        raise WorkerAgentError(
-            "TIMEOUT",
-            f"no plan for pool {self._cfg.pool!r} after {timeout} s (pool state "
-            f"{self.state}, {self._num_registered}/{self._cfg.world_size} ranks registered)",
+        engine_tensors = EngineTensors("vLLM")
+        super().__init__(
+            config, layer_specs, memory_profile=memory_profile, allocator=engine_tensors
         )
+        self._engine_tensors = engine_tensors
 
     def bind(self, views: Mapping[str, KVCacheView], allocated: int, timeout: float | None) -> None:
         """Hand over the engine's tensors for the published plan and wait for the report.
@@ -136,48 +119,10 @@ class EngineTensorsAgent(WorkerAgent):
         Raises:
             WorkerAgentError: the report was refused or not accepted within ``timeout``.
         """
-        with self._changed:
-            if self._plan is None:
-                raise RuntimeError("bind() before the plan arrived")
-            self._binding = (dict(views), allocated)
-            self._changed.notify_all()
+        if self.plan is None:
+            raise RuntimeError("bind() before the plan arrived")
+        self._engine_tensors.hand_over(views, allocated)
         self.wait_ready(timeout)
-
-    def stop(self, timeout: float = 10.0) -> None:
-        # Wake the control thread if it waits for bind(), so stopping never waits for it.
-        self._stop.set()
-        with self._changed:
-            self._changed.notify_all()
-        super().stop(timeout)
-
-    def _apply_plan(self, config: KVCacheConfig) -> None:
-        """Called by the control thread for every plan message until it was reported."""
-        with self._changed:
-            if self._views is not None:  # bound: only the same plan can be re-reported
-                if config == self._config:
-                    return
-                raise WorkerAgentError(
-                    "REPLANNED",
-                    "the server sent a different plan after vLLM allocated its KV cache; "
-                    "restart the engine to allocate the new one",
-                )
-            if self._plan is not None and config != self._plan:
-                raise WorkerAgentError(
-                    "REPLANNED",
-                    "the server sent a different plan while vLLM was sizing its KV cache "
-                    "from the first one; restart the engine",
-                )
-            self._check_plan_layers(config)
-            self._plan = config
-            self._changed.notify_all()
-            self._changed.wait_for(lambda: self._binding is not None or self._stop.is_set())
-            if self._binding is None:
-                # Stopping: end the session the way a cancelled call does (not an error).
-                raise _Retry("stopped before the engine allocated", resumable=False)
-            views, allocated = self._binding
-            self._config, self._views, self._allocated = config, views, allocated
-        self.metrics.tensor_bytes.set(allocated)
-        self.metrics.num_blocks.set(config.num_blocks)
 
 
 def _kv_cache_views(worker: Any, layers: list[str]) -> tuple[dict[str, KVCacheView], int]:
