@@ -27,7 +27,7 @@ Persistence: with a state directory the pool owns a
 :class:`~kvsvc.server.persistence.writer.PoolPersistence` once planned (or restored): each
 change is journaled under the lock and acknowledged once durable; snapshots, checkpoints
 and the files are the writer's. A saved state is loaded and replayed by
-:mod:`kvsvc.server.persistence.replay` and taken over here (:meth:`Pool.restore`).
+:mod:`kvsvc.server.pool_replay` and taken over here (:meth:`Pool.restore`).
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ from kvsvc.server.calls import CallLog
 from kvsvc.server.config import PoolConfig
 from kvsvc.server.engine_stats import EngineCounters
 from kvsvc.server.events import EventLog
-from kvsvc.server.persistence.identity import new_identity
 from kvsvc.server.persistence.journal_store import PoolStore
 from kvsvc.server.persistence.records import (
     JournalKind,
@@ -68,10 +67,11 @@ from kvsvc.server.persistence.records import (
     SnapshotCapture,
     StateError,
 )
-from kvsvc.server.persistence.replay import load_saved_state
 from kvsvc.server.persistence.snapshot_file import write_snapshot
 from kvsvc.server.persistence.writer import PoolPersistence, StateSettings
+from kvsvc.server.pool_identity import new_identity
 from kvsvc.server.pool_planning import build_pool_cache, check_plan_size, planner_options
+from kvsvc.server.pool_replay import load_saved_state
 from kvsvc.server.rank_slot import RankMemory, RankSlot, same_secret
 from kvsvc.server.registration import (
     Registration,
@@ -715,7 +715,7 @@ class Pool:
     ) -> int:
         """Become the pool a saved state describes: its plan, its core state, its event
         epoch and sequence, and its journal replayed on top (loaded by
-        :func:`~kvsvc.server.persistence.replay.load_saved_state`). The pool is then
+        :func:`~kvsvc.server.pool_replay.load_saved_state`). The pool is then
         PLANNED and restored: engine calls wait (UNAVAILABLE) until every rank is back.
 
         Nothing is taken over before everything loaded and replayed: a failure leaves

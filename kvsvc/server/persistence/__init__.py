@@ -45,7 +45,10 @@ Modules, from the bottom::
     snapshot_file  writing and reading a snapshot file
     journal_store  PoolStore: one pool's journal database
     writer         PoolPersistence: group commit, checkpoints and snapshots of one pool
-    identity       what a saved state was made for (the pool, its settings, its plan)
-    replay         a saved state loaded and its journal replayed, for a pool to take over
     dirlock        one server per state directory
+
+Above this package, beside the pool they serve (they need its calls, registrations and
+planning, which in turn journal through this package): :mod:`kvsvc.server.pool_identity`
+(what a saved state was made for) and :mod:`kvsvc.server.pool_replay` (a saved state
+loaded and its journal replayed, for a pool to take over).
 """

@@ -17,7 +17,6 @@ from typing import Any
 from kvsvc.errors import KvsvcError, PlanningError, quoted
 from kvsvc.server.calls import CallLog, parse_journaled, replay_call
 from kvsvc.server.config import PoolConfig
-from kvsvc.server.persistence.identity import check_made_for, check_plan
 from kvsvc.server.persistence.records import (
     JournalKind,
     JournalRecord,
@@ -25,6 +24,7 @@ from kvsvc.server.persistence.records import (
     StateError,
     reply_digest,
 )
+from kvsvc.server.pool_identity import check_made_for, check_plan
 from kvsvc.server.pool_planning import max_pool_tokens, max_unscheduled_tokens, planner_options
 from kvsvc.server.registration import registration_from_dict
 
