@@ -57,11 +57,10 @@ from kvsvc.core.managers import (
     make_manager,
     manager_class_for,
 )
-from kvsvc.core.pool import (
-    DEFAULT_RECENTLY_FREED,
+from kvsvc.core.pool import DEFAULT_RECENTLY_FREED, PoolKVCache
+from kvsvc.core.pool_types import (
     AllocateOutcome,
     BlockTableView,
-    PoolKVCache,
     PreparedLookup,
     RequestStart,
     RunningColumns,

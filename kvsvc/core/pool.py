@@ -31,8 +31,7 @@ import struct
 import sys
 from collections import OrderedDict
 from collections.abc import Iterable, MutableSequence, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar, cast
+from typing import Any, cast
 
 import xxhash
 
@@ -40,14 +39,21 @@ from kvsvc.core.events import MEDIUM_GPU, KVEventBatch
 from kvsvc.core.hashing import (
     MAX_TOKEN_ID_EXCLUSIVE,
     BlockExtraKeys,
-    BlockHash,
     HashingContext,
     check_hashing_context,
     pack_token_ids,
     validate_token_ids,
 )
 from kvsvc.core.manager import KVCacheManager
-from kvsvc.core.request import RequestState
+from kvsvc.core.pool_types import (
+    AdmissionRecord,
+    AllocateOutcome,
+    BlockTableView,
+    PreparedLookup,
+    RequestStart,
+    RunningColumns,
+)
+from kvsvc.core.request import RequestState, num_unscheduled_tokens
 from kvsvc.core.stats import UsageSnapshot
 from kvsvc.errors import (
     AlreadyExists,
@@ -59,95 +65,11 @@ from kvsvc.errors import (
 )
 from kvsvc.specs import KVCacheConfig
 
-
-@dataclass(frozen=True, slots=True)
-class RequestStart:
-    """What only a request's first ``allocate`` (admission or resumption) carries.
-
-    Attributes:
-        hashing: extra-key context of the prompt's block hashes.
-        skip_prefix_cache_read: do not read the cache (prompt logprobs, all-token pooling);
-            the request's blocks are still cached for others.
-        resumed: re-admission after preemption (prefix stats count it apart).
-        num_encoder_tokens: encoder input length, for cross-attention groups.
-        num_prompt_tokens: of a resumed request's tokens, how many were its prompt (0:
-            all of them); sparse window retention keeps the blocks before the prompt's
-            end, where a resend of it can hit.
-    """
-
-    hashing: HashingContext | None = None
-    skip_prefix_cache_read: bool = False
-    resumed: bool = False
-    num_encoder_tokens: int = 0
-    num_prompt_tokens: int = 0
-
-
 # Freed request ids remembered per pool, so a retried Free succeeds (see PoolKVCache.free).
 DEFAULT_RECENTLY_FREED = 65536
 # The layout of PoolKVCache.to_state (bump the version when it changes).
 STATE_FORMAT = "kvsvc.core.PoolKVCache"
 STATE_VERSION = 1
-
-
-@dataclass(frozen=True, slots=True)
-class _Admission:
-    """What a live request's admission was called with and answered, kept until its next
-    successful call so an identical retry (its reply was lost) can be answered again."""
-
-    start: RequestStart
-    num_new_tokens: int
-    num_lookahead_tokens: int
-    num_cached_tokens: int
-    num_scheduled_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class PreparedLookup:
-    """A prompt's block hashes and hit cap (:meth:`PoolKVCache.prepare_lookup`).
-
-    Attributes:
-        block_hashes: the prompt's full-block hashes at the pool's hash block size.
-        max_hit_tokens: the admission cap (one token is always computed).
-        enabled: False when nothing can hit (caching off, or a prompt under 2 tokens).
-    """
-
-    block_hashes: list[BlockHash]
-    max_hit_tokens: int
-    enabled: bool
-
-
-@dataclass(slots=True)
-class AllocateOutcome:
-    """Result of one ``allocate``.
-
-    Attributes:
-        ok: False means NO_SPACE: nothing changed (the engine preempts or waits).
-        new_block_ids: per group, the entries appended to the table by this call. On the
-            first call that is the whole table: prefix hits, null padding (window groups),
-            then new blocks. Later entries may hold the null id 0 (Mamba groups).
-        num_null_blocks: per group, how many leading entries of the table are now the null
-            block (sliding window, chunked local and Mamba groups drop blocks).
-        num_cached_tokens: first call: tokens served from the prefix cache; otherwise 0.
-        num_scheduled_tokens: tokens scheduled (would have been, when not ok).
-        num_computed_tokens: the request's computed tokens after the call.
-        recompute: the request's KV data is gone (:meth:`PoolKVCache.invalidate`):
-            nothing changed (``ok`` is False); the engine frees it as preempted and
-            admits it again.
-    """
-
-    ok: bool
-    new_block_ids: tuple[list[int], ...]
-    num_null_blocks: tuple[int, ...]
-    num_cached_tokens: int
-    num_scheduled_tokens: int
-    num_computed_tokens: int
-    recompute: bool = False
-
-
-def _unscheduled(request: RequestState) -> int:
-    """A request's tokens not computed yet (0 when speculative ones run ahead)."""
-    unscheduled = request.num_tokens - request.num_computed_tokens
-    return unscheduled if unscheduled > 0 else 0
 
 
 def _token_error(token: object) -> InvalidArgument:
@@ -157,38 +79,6 @@ def _token_error(token: object) -> InvalidArgument:
     except InvalidArgument as exc:
         return exc
     raise AssertionError(f"{token!r} passed validation")
-
-
-class RunningColumns:
-    """Where :meth:`PoolKVCache.allocate_running` appends its per-operation results.
-
-    ``new_block_ids`` holds, per operation, the blocks appended to its (single group's)
-    table, or the shared ``EMPTY`` list; ``errors`` maps an operation index to the error
-    that rejected it (its other entries are then placeholders); ``recompute`` lists the
-    operations refused because their request must be recomputed (``ok`` False).
-    """
-
-    __slots__ = ("errors", "new_block_ids", "num_computed_tokens", "ok", "recompute")
-
-    EMPTY: ClassVar[list[int]] = []  # shared; never mutated
-
-    def __init__(self) -> None:
-        self.ok: list[bool] = []
-        self.num_computed_tokens: list[int] = []
-        self.new_block_ids: list[list[int]] = []
-        self.errors: dict[int, KvsvcError] = {}
-        self.recompute: list[int] = []
-
-
-@dataclass(frozen=True, slots=True)
-class BlockTableView:
-    """A copy of one request's tables (null id 0 where blocks were dropped);
-    ``needs_recompute``: its KV data is gone (see :meth:`PoolKVCache.invalidate`)."""
-
-    groups: tuple[list[int], ...]
-    num_computed_tokens: int
-    num_tokens: int
-    needs_recompute: bool = False
 
 
 class PoolKVCache:
@@ -287,7 +177,7 @@ class PoolKVCache:
         self.num_tokens_unscheduled = 0
         self._requests: dict[str, RequestState] = {}
         # Live requests whose admission may still be retried (no successful call since).
-        self._admissions: dict[str, _Admission] = {}
+        self._admissions: dict[str, AdmissionRecord] = {}
         # Freed ids, oldest first (values unused): a retried free of one is not an error.
         self._freed: OrderedDict[str, None] = OrderedDict()
         # Live requests whose KV data is gone (invalidate): every call but a free answers
@@ -441,7 +331,7 @@ class PoolKVCache:
                 f"{computed} computed + {num_new_tokens} new tokens exceed max_model_len="
                 f"{self.max_model_len}",
             )
-        unscheduled_before = _unscheduled(request)
+        unscheduled_before = num_unscheduled_tokens(request)
         unscheduled = max(0, num_tokens_before + len(new_token_ids) - computed - num_new_tokens)
         if unscheduled > unscheduled_before:
             self._check_unscheduled(request_id, unscheduled - unscheduled_before)
@@ -569,7 +459,7 @@ class PoolKVCache:
         self._requests[request_id] = request
         self.num_tokens_held += request.num_tokens
         self.num_tokens_unscheduled += unscheduled
-        self._admissions[request_id] = _Admission(
+        self._admissions[request_id] = AdmissionRecord(
             start, budget, num_lookahead_tokens, num_cached, num_scheduled
         )
         if self._freed:
@@ -958,7 +848,7 @@ class PoolKVCache:
             self.manager.free(request_id)
             request = requests.pop(request_id)
             self.num_tokens_held -= request.num_tokens
-            self.num_tokens_unscheduled -= _unscheduled(request)
+            self.num_tokens_unscheduled -= num_unscheduled_tokens(request)
             if admissions:
                 admissions.pop(request_id, None)
             if flagged:
@@ -1348,7 +1238,7 @@ class PoolKVCache:
         for request_id, (request, entries) in requests.items():
             self._requests[request_id] = request
             self.num_tokens_held += request.num_tokens
-            self.num_tokens_unscheduled += _unscheduled(request)
+            self.num_tokens_unscheduled += num_unscheduled_tokens(request)
             for m, entry in zip(managers, entries, strict=True):
                 m.load_request_state(request_id, entry)
         self._admissions.clear()
@@ -1372,7 +1262,7 @@ class PoolKVCache:
                 # Absent from states saved before it was kept.
                 num_prompt_tokens=newer[0] if newer else 0,
             )
-            self._admissions[request_id] = _Admission(
+            self._admissions[request_id] = AdmissionRecord(
                 start, num_new, num_lookahead, num_cached, num_scheduled
             )
         self._freed.clear()
