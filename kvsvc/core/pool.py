@@ -31,13 +31,10 @@ import struct
 import sys
 from collections import OrderedDict
 from collections.abc import Iterable, MutableSequence, Sequence
-from typing import Any, cast
-
-import xxhash
+from typing import Any
 
 from kvsvc.core.events import MEDIUM_GPU, KVEventBatch
 from kvsvc.core.hashing import (
-    MAX_TOKEN_ID_EXCLUSIVE,
     BlockExtraKeys,
     HashingContext,
     check_hashing_context,
@@ -45,6 +42,7 @@ from kvsvc.core.hashing import (
     validate_token_ids,
 )
 from kvsvc.core.manager import KVCacheManager
+from kvsvc.core.pool_running import allocate_running_batch
 from kvsvc.core.pool_types import (
     AdmissionRecord,
     AllocateOutcome,
@@ -58,7 +56,6 @@ from kvsvc.core.stats import UsageSnapshot
 from kvsvc.errors import (
     AlreadyExists,
     InvalidArgument,
-    KvsvcError,
     NotFound,
     ResourceExhausted,
     quoted,
@@ -70,15 +67,6 @@ DEFAULT_RECENTLY_FREED = 65536
 # The layout of PoolKVCache.to_state (bump the version when it changes).
 STATE_FORMAT = "kvsvc.core.PoolKVCache"
 STATE_VERSION = 1
-
-
-def _token_error(token: object) -> InvalidArgument:
-    """The error ``allocate`` raises for this bad token id (same words on both paths)."""
-    try:
-        validate_token_ids((token,), "new_token_ids")  # type: ignore[arg-type]
-    except InvalidArgument as exc:
-        return exc
-    raise AssertionError(f"{token!r} passed validation")
 
 
 class PoolKVCache:
@@ -611,201 +599,9 @@ class PoolKVCache:
         Returns:
             The token position after operation ``end - 1``.
         """
-        requests = self._requests
-        manager = self.manager
-        plain = manager._plain_group
-        max_model_len = self.max_model_len
-        ok_out = out.ok
-        computed_out = out.num_computed_tokens
-        blocks_out = out.new_block_ids
-        errors = out.errors
-        empty = out.EMPTY
-        admissions = self._admissions
-        if plain is None:
-            raise TypeError("allocate_running needs a pool with one full-attention group")
-        tables = plain.req_to_blocks
-        cached_counts = plain.num_cached_block
-        block_size = plain.block_size
-        pool = manager.block_pool
-        free_queue = pool.free_queue
-        caching = manager.enable_caching
-        hasher = manager.hasher
-        hash_block_size = hasher.block_size if hasher is not None else 0
-        same_hash_size = hash_block_size == block_size
-        # xxh3 hashes the ids' little-endian int32 bytes: an array's own bytes here.
-        plain_xxh3 = hasher is not None and hasher.algo == "xxh3_128" and sys.byteorder == "little"
-        none_hash = hasher.none_hash if hasher is not None else b""
-        xxh3_digest = xxhash.xxh3_128_digest
-        group_id = plain.group_id
-        flagged = self._recompute
-        # Tokens held, kept in a local across the loop (written back around the general
-        # path, which counts its own, and at the end).
-        held = self.num_tokens_held
-        max_held = self.max_tokens if self.max_tokens is not None else sys.maxsize
-        unscheduled_sum = self.num_tokens_unscheduled
-        max_unscheduled = (
-            self.max_unscheduled_tokens if self.max_unscheduled_tokens is not None else sys.maxsize
+        return allocate_running_batch(
+            self, request_ids, token_ids, token_counts, num_new_tokens, begin, end, token_pos, out
         )
-        pos = token_pos
-        # As objects: compiled, a declared int would fail before the check below.
-        unchecked_ids: Sequence[object] = token_ids
-        for i in range(begin, end):
-            count = token_counts[i]
-            num_new = num_new_tokens[i]
-            request_id = request_ids[i]
-            request = requests.get(request_id)
-            if count > 1 or request is None or num_new < 0 or (flagged and request_id in flagged):
-                # General path: error reporting, multi-token appends.
-                tokens = token_ids[pos : pos + count]
-                pos += count
-                self.num_tokens_held = held
-                self.num_tokens_unscheduled = unscheduled_sum
-                failure: KvsvcError | None = None
-                try:
-                    outcome = self.allocate(request_id, tokens, num_new)
-                except KvsvcError as exc:
-                    failure = exc
-                # The general path counts its own tokens: take its totals back.
-                held = self.num_tokens_held
-                unscheduled_sum = self.num_tokens_unscheduled
-                if failure is not None:
-                    errors[i] = failure
-                    ok_out.append(False)
-                    computed_out.append(0)
-                    blocks_out.append(empty)
-                    continue
-                if outcome.recompute:
-                    out.recompute.append(i)
-                ok_out.append(outcome.ok)
-                computed_out.append(outcome.num_computed_tokens)
-                blocks_out.append(outcome.new_block_ids[0] or empty)
-                continue
-            # One full-attention group, a running request, at most one new token.
-            tokens_list = request.all_token_ids
-            num_tokens_before = len(tokens_list)
-            if count:
-                token = unchecked_ids[pos]
-                pos += 1
-                if type(token) is not int or not 0 <= token < MAX_TOKEN_ID_EXCLUSIVE:
-                    errors[i] = _token_error(token)
-                    ok_out.append(False)
-                    computed_out.append(0)
-                    blocks_out.append(empty)
-                    continue
-                if num_tokens_before + 1 > max_model_len:
-                    errors[i] = InvalidArgument(
-                        "new_token_ids",
-                        f"request {quoted(request_id)} would reach {num_tokens_before + 1} tokens, "
-                        f"past max_model_len={max_model_len}",
-                    )
-                    ok_out.append(False)
-                    computed_out.append(0)
-                    blocks_out.append(empty)
-                    continue
-                if held >= max_held:
-                    self.num_tokens_held = held
-                    errors[i] = self._too_many_tokens(request_id, 1)
-                    ok_out.append(False)
-                    computed_out.append(0)
-                    blocks_out.append(empty)
-                    continue
-            computed = request.num_computed_tokens
-            num_main = computed + num_new
-            if num_main > max_model_len:
-                errors[i] = InvalidArgument(
-                    "num_new_tokens",
-                    f"{computed} computed + {num_new} new tokens exceed max_model_len="
-                    f"{max_model_len}",
-                )
-                ok_out.append(False)
-                computed_out.append(0)
-                blocks_out.append(empty)
-                continue
-            unscheduled_before = num_tokens_before - computed
-            unscheduled_after = num_tokens_before + count - num_main
-            unscheduled_delta = (unscheduled_after if unscheduled_after > 0 else 0) - (
-                unscheduled_before if unscheduled_before > 0 else 0
-            )
-            if unscheduled_delta > 0 and unscheduled_sum + unscheduled_delta > max_unscheduled:
-                self.num_tokens_unscheduled = unscheduled_sum
-                errors[i] = self._too_many_unscheduled(request_id, unscheduled_delta)
-                ok_out.append(False)
-                computed_out.append(0)
-                blocks_out.append(empty)
-                continue
-            table = tables[request_id]
-            needed = -(-num_main // block_size) - len(table)
-            if needed > 0 and needed > free_queue.num_free_blocks:
-                # NO_SPACE: nothing was changed yet.
-                ok_out.append(False)
-                computed_out.append(computed)
-                blocks_out.append(empty)
-                continue
-            # The request's length after this operation (len() per use cost ~5% of a Step).
-            num_tokens = num_tokens_before + 1 if count else num_tokens_before
-            if count:
-                tokens_list.append(cast(int, token))  # an int, checked above
-                held += 1
-                if hasher is not None:
-                    block_hashes = request.block_hashes
-                    if num_tokens >= (len(block_hashes) + 1) * hash_block_size:
-                        if (
-                            plain_xxh3
-                            and request.extra_keys is None
-                            and num_tokens == (len(block_hashes) + 1) * hash_block_size
-                            and type(tokens_list) is array.array
-                        ):
-                            # The token completed exactly one block: hash just it (the
-                            # hasher's xxh3 path, for one block without extra keys).
-                            block_hashes.append(
-                                xxh3_digest(
-                                    (block_hashes[-1] if block_hashes else none_hash)
-                                    + tokens_list[num_tokens - hash_block_size :].tobytes()
-                                )
-                            )
-                        else:
-                            request.update_block_hashes()
-            if needed == 1:
-                block_id = pool.get_new_block()
-                table.append(block_id)
-                new_blocks = [block_id]
-            elif needed > 0:
-                new_blocks = pool.get_new_blocks(needed)
-                table.extend(new_blocks)
-            else:
-                new_blocks = empty
-            if caching:
-                num_to_cache = num_main if num_main < num_tokens else num_tokens
-                num_full = num_to_cache // block_size
-                num_cached = cached_counts[request_id]
-                if num_full > num_cached:
-                    if same_hash_size:
-                        # The manager's cache_blocks, minus its layers (one group, hashes
-                        # already at the block size).
-                        pool.cache_full_blocks(
-                            table,
-                            request.block_hashes,
-                            num_cached,
-                            num_full,
-                            group_id,
-                            block_size,
-                            tokens_list,
-                            request.lora_name,
-                            extra_keys=request.extra_keys,
-                        )
-                        cached_counts[request_id] = num_full
-                    else:
-                        plain.cache_blocks(request, num_to_cache)
-            request.num_computed_tokens = num_main
-            unscheduled_sum += unscheduled_delta
-            if admissions:
-                admissions.pop(request_id, None)  # as in allocate: no retry after this
-            ok_out.append(True)
-            computed_out.append(num_main)
-            blocks_out.append(new_blocks)
-        self.num_tokens_held = held
-        self.num_tokens_unscheduled = unscheduled_sum
-        return pos
 
     def free(self, request_ids: Sequence[str], *, preempted: bool = False) -> int:
         """Release requests; their full blocks stay cached for reuse.
