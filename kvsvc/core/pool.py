@@ -25,12 +25,10 @@ request's current state, and a ``free`` of a recently freed id succeeds with not
 
 from __future__ import annotations
 
-import array
 import itertools
 import struct
-import sys
 from collections import OrderedDict
-from collections.abc import Iterable, MutableSequence, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvsvc.core.events import MEDIUM_GPU, KVEventBatch
@@ -42,6 +40,7 @@ from kvsvc.core.hashing import (
     validate_token_ids,
 )
 from kvsvc.core.manager import KVCacheManager
+from kvsvc.core.pool_admission import admit
 from kvsvc.core.pool_running import allocate_running_batch
 from kvsvc.core.pool_types import (
     AdmissionRecord,
@@ -54,7 +53,6 @@ from kvsvc.core.pool_types import (
 from kvsvc.core.request import RequestState, num_unscheduled_tokens
 from kvsvc.core.stats import UsageSnapshot
 from kvsvc.errors import (
-    AlreadyExists,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -276,7 +274,8 @@ class PoolKVCache:
                 "num_lookahead_tokens", f"must be >= 0, got {num_lookahead_tokens}"
             )
         if start is not None:
-            return self._admit(
+            return admit(
+                self,
                 request_id,
                 new_token_ids,
                 num_new_tokens,
@@ -362,110 +361,6 @@ class PoolKVCache:
             request.num_computed_tokens,
         )
 
-    def _admit(
-        self,
-        request_id: str,
-        prompt: Sequence[int],
-        budget: int,
-        num_lookahead_tokens: int,
-        start: RequestStart,
-        packed: bytes | None = None,
-    ) -> AllocateOutcome:
-        live = self._requests.get(request_id)
-        if live is not None:
-            if self._recompute and request_id in self._recompute:
-                return self._recompute_outcome(live)
-            return self._repeat_admission(live, prompt, budget, num_lookahead_tokens, start, packed)
-        if not prompt:
-            raise InvalidArgument("new_token_ids", "the first call must carry the prompt")
-        if len(prompt) > self.max_model_len:
-            raise InvalidArgument(
-                "new_token_ids",
-                f"{len(prompt)} tokens exceed max_model_len={self.max_model_len}",
-            )
-        # Token lists that come with their packed form were decoded for this call (the
-        # wire path): take them over instead of copying.
-        tokens: MutableSequence[int] = (
-            prompt
-            if packed is not None and isinstance(prompt, (list, array.array))
-            else list(prompt)
-        )
-        if packed is None:
-            packed = pack_token_ids(prompt, "new_token_ids")
-        if start.num_encoder_tokens < 0:
-            raise InvalidArgument(
-                "start.num_encoder_tokens", f"must be >= 0, got {start.num_encoder_tokens}"
-            )
-        if not 0 <= start.num_prompt_tokens <= len(prompt):
-            raise InvalidArgument(
-                "start.num_prompt_tokens",
-                f"must be in [0, {len(prompt)}] (the tokens sent), got {start.num_prompt_tokens}",
-            )
-        check_hashing_context(start.hashing, len(prompt), "start.hashing")
-        if self.max_requests is not None and len(self._requests) >= self.max_requests:
-            raise ResourceExhausted(
-                f"request {quoted(request_id)} not admitted: the pool holds {len(self._requests)} "
-                f"live requests, its limit (max_requests={self.max_requests}); free finished "
-                "requests or raise the pool's max_requests"
-            )
-        self._check_tokens_held(request_id, len(prompt))
-        manager = self.manager
-        try:
-            request = manager.new_request(
-                request_id,
-                tokens,
-                hashing=start.hashing,
-                skip_reading_prefix_cache=start.skip_prefix_cache_read,
-                resumed=start.resumed,
-                num_encoder_tokens=start.num_encoder_tokens,
-                packed_token_ids=packed,
-            )
-        except (TypeError, struct.error) as exc:
-            raise InvalidArgument("new_token_ids", f"token ids must be integers ({exc})") from None
-        if start.num_prompt_tokens:
-            request.num_prompt_tokens = start.num_prompt_tokens
-        hits, num_cached = manager.get_computed_blocks(request, record_stats=False)
-        num_scheduled = min(budget, request.num_tokens - num_cached)
-        unscheduled = request.num_tokens - num_cached - num_scheduled
-        if unscheduled:
-            self._check_unscheduled(request_id, unscheduled)
-        block_ids = manager.allocate_block_ids(
-            request,
-            num_scheduled,
-            num_cached,
-            hits,
-            num_lookahead_tokens,
-            num_encoder_tokens=start.num_encoder_tokens,
-        )
-        if block_ids is None:
-            return AllocateOutcome(
-                False, self._no_new_blocks(), self._zeros, num_cached, num_scheduled, 0
-            )
-        if manager.enable_caching and not start.skip_prefix_cache_read:
-            manager.record_prefix_lookup(request, num_cached)
-        request.num_computed_tokens = num_cached + num_scheduled
-        self._requests[request_id] = request
-        self.num_tokens_held += request.num_tokens
-        self.num_tokens_unscheduled += unscheduled
-        self._admissions[request_id] = AdmissionRecord(
-            start, budget, num_lookahead_tokens, num_cached, num_scheduled
-        )
-        if self._freed:
-            self._freed.pop(request_id, None)
-        null_counts = self._null_counts
-        if num_cached or manager.coordinator.may_drop_blocks:
-            # The table started empty: all of it (hits, null padding, new blocks) was
-            # appended by this call, and the engine needs all of it.
-            block_ids = tuple(list(t) for t in manager.coordinator.get_blocks(request_id))
-        return AllocateOutcome(
-            True,
-            block_ids,
-            self._zeros if null_counts is None else null_counts(request_id),
-            num_cached,
-            num_scheduled,
-            request.num_computed_tokens,
-        )
-
     def _check_tokens_held(self, request_id: str, num_new: int) -> None:
         """Refuse ``num_new`` more tokens past ``max_tokens`` (nothing changed yet)."""
         if self.max_tokens is not None and self.num_tokens_held + num_new > self.max_tokens:
@@ -493,67 +388,6 @@ class PoolKVCache:
             f"(max_pool_tokens={self.max_tokens}); free finished requests, or raise the "
             "pool's max_pool_tokens"
         )
-
-    def _repeat_admission(
-        self,
-        request: RequestState,
-        prompt: Sequence[int],
-        budget: int,
-        num_lookahead_tokens: int,
-        start: RequestStart,
-        packed: bytes | None,
-    ) -> AllocateOutcome:
-        """Answer a first call for a live request: a retried admission, or AlreadyExists.
-
-        An engine whose admission reply was lost (deadline, broken connection) cannot
-        know whether it was applied; it sends it again. When the request is exactly as
-        that admission left it (no successful call since) and the call is the same, the
-        reply the engine missed is rebuilt from the state: nothing changes, nothing is
-        counted twice. Anything else is a genuine duplicate id.
-        """
-        request_id = request.request_id
-        record = self._admissions.get(request_id)
-        if (
-            record is None
-            or record.start != start
-            or record.num_new_tokens != budget
-            or record.num_lookahead_tokens != num_lookahead_tokens
-            or not self._same_tokens(request, prompt, packed)
-        ):
-            reason = (
-                "it has been called since its admission"
-                if record is None
-                else "this call differs from its admission (prompt, start or counts)"
-            )
-            raise AlreadyExists(
-                f"request {quoted(request_id)} is already live and {reason}; only a request's "
-                "first call carries start (free it first to admit it anew)"
-            )
-        null_counts = self._null_counts
-        return AllocateOutcome(
-            True,
-            tuple(list(t) for t in self.manager.coordinator.get_blocks(request_id)),
-            self._zeros if null_counts is None else null_counts(request_id),
-            record.num_cached_tokens,
-            record.num_scheduled_tokens,
-            request.num_computed_tokens,
-        )
-
-    @staticmethod
-    def _same_tokens(request: RequestState, prompt: Sequence[int], packed: bytes | None) -> bool:
-        """Whether ``prompt`` is the request's token sequence (compared as packed bytes, as
-        a list and an ``array('I')`` of the same ids do not compare equal)."""
-        tokens = request.all_token_ids
-        if len(prompt) != len(tokens):
-            return False
-        if packed is None:
-            try:
-                packed = pack_token_ids(prompt, "new_token_ids")
-            except InvalidArgument:
-                return False
-        if isinstance(tokens, array.array) and sys.byteorder == "little":
-            return tokens.tobytes() == packed
-        return pack_token_ids(tokens, "new_token_ids") == packed
 
     def _no_new_blocks(self) -> tuple[list[int], ...]:
         # Fresh lists: callers own what an outcome holds.
