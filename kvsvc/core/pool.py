@@ -42,6 +42,12 @@ from kvsvc.core.hashing import (
 from kvsvc.core.manager import KVCacheManager
 from kvsvc.core.pool_admission import admit
 from kvsvc.core.pool_running import allocate_running_batch
+from kvsvc.core.pool_state import (
+    load_pool_state,
+    pool_config_state,
+    pool_from_state,
+    pool_to_state,
+)
 from kvsvc.core.pool_types import (
     AdmissionRecord,
     AllocateOutcome,
@@ -62,9 +68,6 @@ from kvsvc.specs import KVCacheConfig
 
 # Freed request ids remembered per pool, so a retried Free succeeds (see PoolKVCache.free).
 DEFAULT_RECENTLY_FREED = 65536
-# The layout of PoolKVCache.to_state (bump the version when it changes).
-STATE_FORMAT = "kvsvc.core.PoolKVCache"
-STATE_VERSION = 1
 
 
 class PoolKVCache:
@@ -747,161 +750,19 @@ class PoolKVCache:
     # -- state (persistence) -------------------------------------------------------------
 
     def config_state(self) -> dict[str, Any]:
-        """What a saved state must have been made under to be loaded into this pool: the
-        shape of the pool and its groups, the hashing settings (seed included: a secret
-        for xxh3) and the length bound."""
-        managers = self.manager.coordinator.managers
-        config: dict[str, Any] = {
-            "num_blocks": self.manager.block_pool.num_blocks,
-            "groups": [[type(m).__name__, m.block_size] for m in managers],
-            "hash_algo": self.hash_algo,
-            "hash_seed": self.hash_seed,
-            "hash_block_size": self.hash_block_size,
-            "enable_caching": self.enable_caching,
-            "max_model_len": self.max_model_len,
-        }
-        interval = self.manager.prefix_cache_retention_interval
-        if interval is not None:
-            # Absent for dense retention, so states saved before the setting existed load.
-            config["prefix_cache_retention_interval"] = interval
-        return config
+        """What a saved state must have been made under to be loaded into this pool
+        (:func:`~kvsvc.core.pool_state.pool_config_state`)."""
+        return pool_config_state(self)
 
     def to_state(self) -> dict[str, Any]:
-        """Everything that decides what this pool answers next, as plain values.
-
-        Deterministic: two pools built from the same config and seed that were given the
-        same calls have equal states, and a pool loaded from a state (:meth:`load_state`)
-        answers every later call exactly as the original would (same block ids, eviction
-        order, events and sequence numbers). Lists and arrays are copies, so the state
-        can be encoded (:mod:`kvsvc.core.state`) while the pool goes on serving.
-
-        Raises:
-            ValueError: events are pending (take them first), or a group tracks requests
-                the facade does not know (a bug: the state would not load).
-        """
-        managers = self.manager.coordinator.managers
-        requests = self._requests
-        for manager in managers:
-            if manager.num_tracked_requests() != len(requests):
-                raise ValueError(
-                    f"group {manager.group_id} tracks {manager.num_tracked_requests()} "
-                    f"requests, the pool {len(requests)}"
-                )
-        records = []
-        for request_id, request in requests.items():
-            record = request.to_state()
-            record.append([m.request_state(request_id) for m in managers])
-            # After the groups, so states without it (older ones) still load.
-            record.append(request.shared_prefix_boundary)
-            records.append(record)
-        admissions = [
-            [
-                request_id,
-                None if a.start.hashing is None else a.start.hashing.to_state(),
-                a.start.skip_prefix_cache_read,
-                a.start.resumed,
-                a.start.num_encoder_tokens,
-                a.num_new_tokens,
-                a.num_lookahead_tokens,
-                a.num_cached_tokens,
-                a.num_scheduled_tokens,
-                a.start.num_prompt_tokens,
-            ]
-            for request_id, a in self._admissions.items()
-        ]
-        return {
-            "format": STATE_FORMAT,
-            "version": STATE_VERSION,
-            "config": self.config_state(),
-            "limits": {
-                "max_requests": self.max_requests,
-                "recently_freed": self.recently_freed,
-                "max_num_batched_tokens": self.max_num_batched_tokens,
-            },
-            "manager": self.manager.to_state(),
-            "requests": records,
-            "admissions": admissions,
-            "freed": list(self._freed),
-            "recompute": sorted(self._recompute),
-            "num_preemptions": self._num_preemptions,
-            "num_invalidations": self.num_invalidations,
-        }
+        """Everything that decides what this pool answers next, as plain values
+        (:func:`~kvsvc.core.pool_state.pool_to_state`)."""
+        return pool_to_state(self)
 
     def load_state(self, state: dict[str, Any]) -> None:
-        """Become the pool :meth:`to_state` described (this pool must be fresh, built from
-        the same config; its limits stay its own).
-
-        Raises:
-            ValueError: a state of another format, version or config (the message names
-                the first difference); nothing is loaded then.
-        """
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a pool state (format {state.get('format')!r})")
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(
-                f"pool state version {state.get('version')!r}; this kvsvc reads {STATE_VERSION}"
-            )
-        mine = self.config_state()
-        for key, value in mine.items():
-            theirs = state["config"].get(key)
-            if theirs != value:
-                shown = (
-                    "(the secret seeds differ)"
-                    if key == "hash_seed"
-                    else (f"{theirs!r}, this pool {value!r}")
-                )
-                raise ValueError(f"the state was made for another pool: {key} {shown}")
-        manager = self.manager
-        managers = manager.coordinator.managers
-        hasher = manager.hasher
-        requests = {}
-        for record in state["requests"]:
-            request = RequestState.from_state(record[:9], hasher)
-            if len(record) > 10:
-                request.shared_prefix_boundary = record[10]
-            if len(record[9]) != len(managers):
-                raise ValueError(f"request {request.request_id!r} has entries for other groups")
-            requests[request.request_id] = (request, record[9])
-        manager.load_state(state["manager"])
-        self._requests.clear()
-        self.num_tokens_held = self.num_tokens_unscheduled = 0
-        for request_id, (request, entries) in requests.items():
-            self._requests[request_id] = request
-            self.num_tokens_held += request.num_tokens
-            self.num_tokens_unscheduled += num_unscheduled_tokens(request)
-            for m, entry in zip(managers, entries, strict=True):
-                m.load_request_state(request_id, entry)
-        self._admissions.clear()
-        for (
-            request_id,
-            hashing,
-            skip,
-            resumed,
-            num_encoder_tokens,
-            num_new,
-            num_lookahead,
-            num_cached,
-            num_scheduled,
-            *newer,
-        ) in state["admissions"]:
-            start = RequestStart(
-                hashing=None if hashing is None else HashingContext.from_state(hashing),
-                skip_prefix_cache_read=skip,
-                resumed=resumed,
-                num_encoder_tokens=num_encoder_tokens,
-                # Absent from states saved before it was kept.
-                num_prompt_tokens=newer[0] if newer else 0,
-            )
-            self._admissions[request_id] = AdmissionRecord(
-                start, num_new, num_lookahead, num_cached, num_scheduled
-            )
-        self._freed.clear()
-        self._freed.update(dict.fromkeys(state["freed"]))
-        self._recompute.clear()
-        self._recompute.update(state["recompute"])
-        self._num_preemptions = state["num_preemptions"]
-        self.num_invalidations = state["num_invalidations"]
-        self._trim_freed()
+        """Become the pool :meth:`to_state` described, this pool being fresh and of the
+        same config (:func:`~kvsvc.core.pool_state.load_pool_state`)."""
+        load_pool_state(self, state)
 
     def _trim_freed(self) -> None:
         """Forget the oldest freed ids beyond :attr:`recently_freed` (after it shrank)."""
@@ -939,26 +800,6 @@ class PoolKVCache:
 
     @classmethod
     def from_state(cls, config: KVCacheConfig, state: dict[str, Any], **kwargs: Any) -> PoolKVCache:
-        """A pool built from ``config`` with the state's hashing settings and limits, then
-        loaded with ``state``. ``kwargs`` go to the constructor (``enable_events``, ...).
-
-        Raises:
-            ValueError: as :meth:`load_state`.
-        """
-        saved = state["config"]
-        limits = state["limits"]
-        pool = cls(
-            config,
-            max_model_len=saved["max_model_len"],
-            enable_caching=saved["enable_caching"],
-            hash_algo=saved["hash_algo"],
-            hash_seed=saved["hash_seed"],
-            hash_block_size=saved["hash_block_size"],
-            max_num_batched_tokens=limits["max_num_batched_tokens"],
-            max_requests=limits["max_requests"],
-            recently_freed=limits["recently_freed"],
-            prefix_cache_retention_interval=saved.get("prefix_cache_retention_interval"),
-            **kwargs,
-        )
-        pool.load_state(state)
-        return pool
+        """A pool built from ``config`` with the state's settings, then loaded with
+        ``state`` (:func:`~kvsvc.core.pool_state.pool_from_state`)."""
+        return pool_from_state(cls, config, state, **kwargs)
