@@ -41,6 +41,7 @@ from kvsvc.core.hashing import (
 )
 from kvsvc.core.manager import KVCacheManager
 from kvsvc.core.pool_admission import admit
+from kvsvc.core.pool_limits import check_tokens_held, check_unscheduled
 from kvsvc.core.pool_running import allocate_running_batch
 from kvsvc.core.pool_state import (
     load_pool_state,
@@ -61,7 +62,6 @@ from kvsvc.core.stats import UsageSnapshot
 from kvsvc.errors import (
     InvalidArgument,
     NotFound,
-    ResourceExhausted,
     quoted,
 )
 from kvsvc.specs import KVCacheConfig
@@ -307,7 +307,7 @@ class PoolKVCache:
                     f"{num_tokens_before + len(new_token_ids)} tokens, past max_model_len="
                     f"{self.max_model_len}",
                 )
-            self._check_tokens_held(request_id, len(new_token_ids))
+            check_tokens_held(self, request_id, len(new_token_ids))
         computed_before = request.num_computed_tokens
         if num_rejected_tokens and not 0 <= num_rejected_tokens <= computed_before:
             raise InvalidArgument(
@@ -324,7 +324,7 @@ class PoolKVCache:
         unscheduled_before = num_unscheduled_tokens(request)
         unscheduled = max(0, num_tokens_before + len(new_token_ids) - computed - num_new_tokens)
         if unscheduled > unscheduled_before:
-            self._check_unscheduled(request_id, unscheduled - unscheduled_before)
+            check_unscheduled(self, request_id, unscheduled - unscheduled_before)
         if new_token_ids:
             try:
                 request.append_token_ids(new_token_ids)
@@ -362,34 +362,6 @@ class PoolKVCache:
             0,
             num_new_tokens,
             request.num_computed_tokens,
-        )
-
-    def _check_tokens_held(self, request_id: str, num_new: int) -> None:
-        """Refuse ``num_new`` more tokens past ``max_tokens`` (nothing changed yet)."""
-        if self.max_tokens is not None and self.num_tokens_held + num_new > self.max_tokens:
-            raise self._too_many_tokens(request_id, num_new)
-
-    def _check_unscheduled(self, request_id: str, num_new: int) -> None:
-        """Refuse ``num_new`` more unscheduled tokens past ``max_unscheduled_tokens``."""
-        limit = self.max_unscheduled_tokens
-        if limit is not None and self.num_tokens_unscheduled + num_new > limit:
-            raise self._too_many_unscheduled(request_id, num_new)
-
-    def _too_many_unscheduled(self, request_id: str, num_new: int) -> ResourceExhausted:
-        return ResourceExhausted(
-            f"request {quoted(request_id)}: {num_new} more tokens not scheduled would take "
-            f"the pool's to {self.num_tokens_unscheduled + num_new}, past its limit "
-            f"(max_unscheduled_tokens={self.max_unscheduled_tokens}); schedule what is "
-            "admitted (num_new_tokens), free requests, or raise the pool's "
-            "max_unscheduled_tokens"
-        )
-
-    def _too_many_tokens(self, request_id: str, num_new: int) -> ResourceExhausted:
-        return ResourceExhausted(
-            f"request {quoted(request_id)}: {num_new} more tokens would take the pool's live "
-            f"requests to {self.num_tokens_held + num_new} tokens, past its limit "
-            f"(max_pool_tokens={self.max_tokens}); free finished requests, or raise the "
-            "pool's max_pool_tokens"
         )
 
     def _no_new_blocks(self) -> tuple[list[int], ...]:

@@ -17,6 +17,7 @@ from collections.abc import MutableSequence, Sequence
 from typing import TYPE_CHECKING
 
 from kvsvc.core.hashing import check_hashing_context, pack_token_ids
+from kvsvc.core.pool_limits import check_tokens_held, check_unscheduled
 from kvsvc.core.pool_types import AdmissionRecord, AllocateOutcome, RequestStart
 from kvsvc.core.request import RequestState
 from kvsvc.errors import AlreadyExists, InvalidArgument, ResourceExhausted, quoted
@@ -75,7 +76,7 @@ def admit(
             f"live requests, its limit (max_requests={cache.max_requests}); free finished "
             "requests or raise the pool's max_requests"
         )
-    cache._check_tokens_held(request_id, len(prompt))
+    check_tokens_held(cache, request_id, len(prompt))
     manager = cache.manager
     try:
         request = manager.new_request(
@@ -95,7 +96,7 @@ def admit(
     num_scheduled = min(budget, request.num_tokens - num_cached)
     unscheduled = request.num_tokens - num_cached - num_scheduled
     if unscheduled:
-        cache._check_unscheduled(request_id, unscheduled)
+        check_unscheduled(cache, request_id, unscheduled)
     block_ids = manager.allocate_block_ids(
         request,
         num_scheduled,

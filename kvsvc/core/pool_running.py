@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, cast
 import xxhash
 
 from kvsvc.core.hashing import MAX_TOKEN_ID_EXCLUSIVE, validate_token_ids
+from kvsvc.core.pool_limits import too_many_tokens, too_many_unscheduled
 from kvsvc.core.pool_types import RunningColumns
 from kvsvc.errors import InvalidArgument, KvsvcError, quoted
 
@@ -144,7 +145,7 @@ def allocate_running_batch(
                 continue
             if held >= max_held:
                 cache.num_tokens_held = held
-                errors[i] = cache._too_many_tokens(request_id, 1)
+                errors[i] = too_many_tokens(cache, request_id, 1)
                 ok_out.append(False)
                 computed_out.append(0)
                 blocks_out.append(empty)
@@ -167,7 +168,7 @@ def allocate_running_batch(
         )
         if unscheduled_delta > 0 and unscheduled_sum + unscheduled_delta > max_unscheduled:
             cache.num_tokens_unscheduled = unscheduled_sum
-            errors[i] = cache._too_many_unscheduled(request_id, unscheduled_delta)
+            errors[i] = too_many_unscheduled(cache, request_id, unscheduled_delta)
             ok_out.append(False)
             computed_out.append(0)
             blocks_out.append(empty)
