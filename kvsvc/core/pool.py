@@ -21,6 +21,11 @@ calls per pool (only :meth:`PoolKVCache.prepare_lookup` may run beside them).
 Retries are safe where a lost reply would otherwise make them fail: an admission repeated
 exactly (same id, prompt, start and counts) before the request's next call answers the
 request's current state, and a ``free`` of a recently freed id succeeds with nothing freed.
+
+The facade's parts live beside it, a module each: :mod:`~kvsvc.core.pool_types` (what it
+takes and answers), :mod:`~kvsvc.core.pool_admission` (a request's first call),
+:mod:`~kvsvc.core.pool_running` (the running-batch loop), :mod:`~kvsvc.core.pool_limits`
+(the token bounds) and :mod:`~kvsvc.core.pool_state` (its state as plain values).
 """
 
 from __future__ import annotations
