@@ -36,33 +36,6 @@ class RequestStart:
     num_prompt_tokens: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class AdmissionRecord:
-    """What a live request's admission was called with and answered, kept until its next
-    successful call so an identical retry (its reply was lost) can be answered again."""
-
-    start: RequestStart
-    num_new_tokens: int
-    num_lookahead_tokens: int
-    num_cached_tokens: int
-    num_scheduled_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class PreparedLookup:
-    """A prompt's block hashes and hit cap (:meth:`PoolKVCache.prepare_lookup`).
-
-    Attributes:
-        block_hashes: the prompt's full-block hashes at the pool's hash block size.
-        max_hit_tokens: the admission cap (one token is always computed).
-        enabled: False when nothing can hit (caching off, or a prompt under 2 tokens).
-    """
-
-    block_hashes: list[BlockHash]
-    max_hit_tokens: int
-    enabled: bool
-
-
 @dataclass(slots=True)
 class AllocateOutcome:
     """Result of one ``allocate``.
@@ -113,6 +86,21 @@ class RunningColumns:
 
 
 @dataclass(frozen=True, slots=True)
+class PreparedLookup:
+    """A prompt's block hashes and hit cap (:meth:`PoolKVCache.prepare_lookup`).
+
+    Attributes:
+        block_hashes: the prompt's full-block hashes at the pool's hash block size.
+        max_hit_tokens: the admission cap (one token is always computed).
+        enabled: False when nothing can hit (caching off, or a prompt under 2 tokens).
+    """
+
+    block_hashes: list[BlockHash]
+    max_hit_tokens: int
+    enabled: bool
+
+
+@dataclass(frozen=True, slots=True)
 class BlockTableView:
     """A copy of one request's tables (null id 0 where blocks were dropped);
     ``needs_recompute``: its KV data is gone (see :meth:`PoolKVCache.invalidate`)."""
@@ -121,3 +109,15 @@ class BlockTableView:
     num_computed_tokens: int
     num_tokens: int
     needs_recompute: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionRecord:
+    """What a live request's admission was called with and answered, kept until its next
+    successful call so an identical retry (its reply was lost) can be answered again."""
+
+    start: RequestStart
+    num_new_tokens: int
+    num_lookahead_tokens: int
+    num_cached_tokens: int
+    num_scheduled_tokens: int

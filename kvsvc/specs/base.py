@@ -33,21 +33,6 @@ class SpecMergeError(ValueError):
     """Layers that must share one block table disagree on their spec."""
 
 
-class KVCacheSpecKind(StrEnum):
-    """The attention kind of a spec, as reported to users and routers."""
-
-    FULL_ATTENTION = "full_attention"
-    MLA_ATTENTION = "mla_attention"
-    SLIDING_WINDOW = "sliding_window"
-    SLIDING_WINDOW_MLA = "sliding_window_mla"
-    MAMBA = "mamba"
-    CHUNKED_LOCAL_ATTENTION = "chunked_local_attention"
-    SINK_FULL_ATTENTION = "sink_full_attention"
-    ENCODER_ONLY_ATTENTION = "encoder_only_attention"
-    CROSS_ATTENTION = "cross_attention"
-    UNKNOWN = "unknown"
-
-
 @dataclass(frozen=True, slots=True)
 class SizingContext:
     """Engine limits that decide how many blocks one request may hold.
@@ -67,6 +52,21 @@ class SizingContext:
 
     def with_max_model_len(self, max_model_len: int) -> SizingContext:
         return replace(self, max_model_len=max_model_len)
+
+
+class KVCacheSpecKind(StrEnum):
+    """The attention kind of a spec, as reported to users and routers."""
+
+    FULL_ATTENTION = "full_attention"
+    MLA_ATTENTION = "mla_attention"
+    SLIDING_WINDOW = "sliding_window"
+    SLIDING_WINDOW_MLA = "sliding_window_mla"
+    MAMBA = "mamba"
+    CHUNKED_LOCAL_ATTENTION = "chunked_local_attention"
+    SINK_FULL_ATTENTION = "sink_full_attention"
+    ENCODER_ONLY_ATTENTION = "encoder_only_attention"
+    CROSS_ATTENTION = "cross_attention"
+    UNKNOWN = "unknown"
 
 
 def mismatch_error(

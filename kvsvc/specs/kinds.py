@@ -14,17 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from kvsvc.specs.attention import (
-    ChunkedLocalAttentionSpec,
-    CrossAttentionSpec,
-    EncoderOnlyAttentionSpec,
-    FullAttentionSpec,
-    HiddenStateCacheSpec,
-    MLAAttentionSpec,
-    SinkFullAttentionSpec,
-    SlidingWindowMLASpec,
-    SlidingWindowSpec,
-)
+from kvsvc.specs import attention
 from kvsvc.specs.base import KVCacheSpec, KVCacheSpecKind, SizingContext, cdiv
 from kvsvc.specs.mamba import MambaSpec
 
@@ -58,7 +48,7 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
         kinds = {spec.kind for spec in self.kv_cache_specs.values()}
         if len(kinds) == 1:
             return next(iter(kinds))
-        if all(isinstance(s, FullAttentionSpec) for s in self.kv_cache_specs.values()):
+        if all(isinstance(s, attention.FullAttentionSpec) for s in self.kv_cache_specs.values()):
             return KVCacheSpecKind.FULL_ATTENTION
         return KVCacheSpecKind.UNKNOWN
 
@@ -132,7 +122,7 @@ def sliding_window_of(spec: KVCacheSpec) -> int | None:
     if isinstance(spec, UniformTypeKVCacheSpecs):
         windows = {sliding_window_of(s) for s in spec.kv_cache_specs.values()}
         return next(iter(windows)) if len(windows) == 1 else None
-    if isinstance(spec, SlidingWindowSpec):
+    if isinstance(spec, attention.SlidingWindowSpec):
         return spec.sliding_window
     return None
 
@@ -153,16 +143,16 @@ def merge_layer_specs(named_specs: dict[str, KVCacheSpec]) -> KVCacheSpec:
 SPEC_TYPES: dict[str, type[KVCacheSpec]] = {
     cls.type_name: cls
     for cls in (
-        FullAttentionSpec,
-        MLAAttentionSpec,
-        HiddenStateCacheSpec,
-        SinkFullAttentionSpec,
-        SlidingWindowSpec,
-        SlidingWindowMLASpec,
-        ChunkedLocalAttentionSpec,
+        attention.FullAttentionSpec,
+        attention.MLAAttentionSpec,
+        attention.HiddenStateCacheSpec,
+        attention.SinkFullAttentionSpec,
+        attention.SlidingWindowSpec,
+        attention.SlidingWindowMLASpec,
+        attention.ChunkedLocalAttentionSpec,
         MambaSpec,
-        EncoderOnlyAttentionSpec,
-        CrossAttentionSpec,
+        attention.EncoderOnlyAttentionSpec,
+        attention.CrossAttentionSpec,
         UniformTypeKVCacheSpecs,
     )
 }
