@@ -46,29 +46,26 @@ from kvsvc.core.hashing import (
     hashes_at_block_size,
     validate_token_ids,
 )
+from kvsvc.core.mamba_manager import MambaManager
 from kvsvc.core.manager import KVCacheBlocks, KVCacheManager, resolve_block_sizes
-from kvsvc.core.managers import (
-    ChunkedLocalAttentionManager,
-    CrossAttentionManager,
-    FullAttentionManager,
-    MambaManager,
-    SingleTypeKVCacheManager,
-    SinkFullAttentionManager,
-    SlidingWindowManager,
-    make_manager,
-    manager_class_for,
-)
-from kvsvc.core.pool import (
-    DEFAULT_RECENTLY_FREED,
+from kvsvc.core.managers import make_manager, manager_class_for
+from kvsvc.core.pool import DEFAULT_RECENTLY_FREED, PoolKVCache
+from kvsvc.core.pool_types import (
     AllocateOutcome,
     BlockTableView,
-    PoolKVCache,
     PreparedLookup,
     RequestStart,
     RunningColumns,
 )
 from kvsvc.core.request import RequestState
+from kvsvc.core.single_type_manager import (
+    CrossAttentionManager,
+    FullAttentionManager,
+    SingleTypeKVCacheManager,
+    SinkFullAttentionManager,
+)
 from kvsvc.core.stats import PrefixCacheStats, UsageSnapshot
+from kvsvc.core.window_managers import ChunkedLocalAttentionManager, SlidingWindowManager
 
 __all__ = [
     "DEFAULT_RECENTLY_FREED",

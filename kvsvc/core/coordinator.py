@@ -16,12 +16,9 @@ from math import lcm
 
 from kvsvc.core.block_pool import BlockPool
 from kvsvc.core.hashing import BlockHash, hashes_at_block_size
-from kvsvc.core.managers import (
-    CrossAttentionManager,
-    SingleTypeKVCacheManager,
-    make_manager,
-)
+from kvsvc.core.managers import make_manager
 from kvsvc.core.request import RequestState
+from kvsvc.core.single_type_manager import CrossAttentionManager, SingleTypeKVCacheManager
 from kvsvc.specs import FullAttentionSpec, KVCacheSpec
 
 

@@ -17,16 +17,15 @@ from kvsvc.core.block_pool import NULL_BLOCK_ID, BlockPool
 from kvsvc.core.coordinator import KVCacheCoordinator, make_coordinator
 from kvsvc.core.events import MEDIUM_GPU, KVEventBatch, KVEventQueue
 from kvsvc.core.hashing import BlockHash, BlockHasher, HashingContext
-from kvsvc.core.managers import (
-    ChunkedLocalAttentionManager,
+from kvsvc.core.managers import representative_spec
+from kvsvc.core.request import RequestState
+from kvsvc.core.single_type_manager import (
     FullAttentionManager,
     SingleTypeKVCacheManager,
     SinkFullAttentionManager,
-    SlidingWindowManager,
-    representative_spec,
 )
-from kvsvc.core.request import RequestState
 from kvsvc.core.stats import PrefixCacheStats
+from kvsvc.core.window_managers import ChunkedLocalAttentionManager, SlidingWindowManager
 from kvsvc.specs import CrossAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec
 
 

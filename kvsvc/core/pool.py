@@ -21,174 +21,58 @@ calls per pool (only :meth:`PoolKVCache.prepare_lookup` may run beside them).
 Retries are safe where a lost reply would otherwise make them fail: an admission repeated
 exactly (same id, prompt, start and counts) before the request's next call answers the
 request's current state, and a ``free`` of a recently freed id succeeds with nothing freed.
+
+The facade's parts live beside it, a module each: :mod:`~kvsvc.core.pool_types` (what it
+takes and answers), :mod:`~kvsvc.core.pool_admission` (a request's first call),
+:mod:`~kvsvc.core.pool_running` (the running-batch loop), :mod:`~kvsvc.core.pool_limits`
+(the token bounds) and :mod:`~kvsvc.core.pool_state` (its state as plain values).
 """
 
 from __future__ import annotations
 
-import array
 import itertools
 import struct
-import sys
 from collections import OrderedDict
-from collections.abc import Iterable, MutableSequence, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar, cast
-
-import xxhash
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from kvsvc.core.events import MEDIUM_GPU, KVEventBatch
 from kvsvc.core.hashing import (
-    MAX_TOKEN_ID_EXCLUSIVE,
     BlockExtraKeys,
-    BlockHash,
     HashingContext,
     check_hashing_context,
     pack_token_ids,
     validate_token_ids,
 )
 from kvsvc.core.manager import KVCacheManager
-from kvsvc.core.request import RequestState
+from kvsvc.core.pool_admission import admit
+from kvsvc.core.pool_limits import check_tokens_held, check_unscheduled
+from kvsvc.core.pool_running import allocate_running_batch
+from kvsvc.core.pool_state import (
+    load_pool_state,
+    pool_config_state,
+    pool_from_state,
+    pool_to_state,
+)
+from kvsvc.core.pool_types import (
+    AdmissionRecord,
+    AllocateOutcome,
+    BlockTableView,
+    PreparedLookup,
+    RequestStart,
+    RunningColumns,
+)
+from kvsvc.core.request import RequestState, num_unscheduled_tokens
 from kvsvc.core.stats import UsageSnapshot
 from kvsvc.errors import (
-    AlreadyExists,
     InvalidArgument,
-    KvsvcError,
     NotFound,
-    ResourceExhausted,
     quoted,
 )
 from kvsvc.specs import KVCacheConfig
 
-
-@dataclass(frozen=True, slots=True)
-class RequestStart:
-    """What only a request's first ``allocate`` (admission or resumption) carries.
-
-    Attributes:
-        hashing: extra-key context of the prompt's block hashes.
-        skip_prefix_cache_read: do not read the cache (prompt logprobs, all-token pooling);
-            the request's blocks are still cached for others.
-        resumed: re-admission after preemption (prefix stats count it apart).
-        num_encoder_tokens: encoder input length, for cross-attention groups.
-        num_prompt_tokens: of a resumed request's tokens, how many were its prompt (0:
-            all of them); sparse window retention keeps the blocks before the prompt's
-            end, where a resend of it can hit.
-    """
-
-    hashing: HashingContext | None = None
-    skip_prefix_cache_read: bool = False
-    resumed: bool = False
-    num_encoder_tokens: int = 0
-    num_prompt_tokens: int = 0
-
-
 # Freed request ids remembered per pool, so a retried Free succeeds (see PoolKVCache.free).
 DEFAULT_RECENTLY_FREED = 65536
-# The layout of PoolKVCache.to_state (bump the version when it changes).
-STATE_FORMAT = "kvsvc.core.PoolKVCache"
-STATE_VERSION = 1
-
-
-@dataclass(frozen=True, slots=True)
-class _Admission:
-    """What a live request's admission was called with and answered, kept until its next
-    successful call so an identical retry (its reply was lost) can be answered again."""
-
-    start: RequestStart
-    num_new_tokens: int
-    num_lookahead_tokens: int
-    num_cached_tokens: int
-    num_scheduled_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class PreparedLookup:
-    """A prompt's block hashes and hit cap (:meth:`PoolKVCache.prepare_lookup`).
-
-    Attributes:
-        block_hashes: the prompt's full-block hashes at the pool's hash block size.
-        max_hit_tokens: the admission cap (one token is always computed).
-        enabled: False when nothing can hit (caching off, or a prompt under 2 tokens).
-    """
-
-    block_hashes: list[BlockHash]
-    max_hit_tokens: int
-    enabled: bool
-
-
-@dataclass(slots=True)
-class AllocateOutcome:
-    """Result of one ``allocate``.
-
-    Attributes:
-        ok: False means NO_SPACE: nothing changed (the engine preempts or waits).
-        new_block_ids: per group, the entries appended to the table by this call. On the
-            first call that is the whole table: prefix hits, null padding (window groups),
-            then new blocks. Later entries may hold the null id 0 (Mamba groups).
-        num_null_blocks: per group, how many leading entries of the table are now the null
-            block (sliding window, chunked local and Mamba groups drop blocks).
-        num_cached_tokens: first call: tokens served from the prefix cache; otherwise 0.
-        num_scheduled_tokens: tokens scheduled (would have been, when not ok).
-        num_computed_tokens: the request's computed tokens after the call.
-        recompute: the request's KV data is gone (:meth:`PoolKVCache.invalidate`):
-            nothing changed (``ok`` is False); the engine frees it as preempted and
-            admits it again.
-    """
-
-    ok: bool
-    new_block_ids: tuple[list[int], ...]
-    num_null_blocks: tuple[int, ...]
-    num_cached_tokens: int
-    num_scheduled_tokens: int
-    num_computed_tokens: int
-    recompute: bool = False
-
-
-def _unscheduled(request: RequestState) -> int:
-    """A request's tokens not computed yet (0 when speculative ones run ahead)."""
-    unscheduled = request.num_tokens - request.num_computed_tokens
-    return unscheduled if unscheduled > 0 else 0
-
-
-def _token_error(token: object) -> InvalidArgument:
-    """The error ``allocate`` raises for this bad token id (same words on both paths)."""
-    try:
-        validate_token_ids((token,), "new_token_ids")  # type: ignore[arg-type]
-    except InvalidArgument as exc:
-        return exc
-    raise AssertionError(f"{token!r} passed validation")
-
-
-class RunningColumns:
-    """Where :meth:`PoolKVCache.allocate_running` appends its per-operation results.
-
-    ``new_block_ids`` holds, per operation, the blocks appended to its (single group's)
-    table, or the shared ``EMPTY`` list; ``errors`` maps an operation index to the error
-    that rejected it (its other entries are then placeholders); ``recompute`` lists the
-    operations refused because their request must be recomputed (``ok`` False).
-    """
-
-    __slots__ = ("errors", "new_block_ids", "num_computed_tokens", "ok", "recompute")
-
-    EMPTY: ClassVar[list[int]] = []  # shared; never mutated
-
-    def __init__(self) -> None:
-        self.ok: list[bool] = []
-        self.num_computed_tokens: list[int] = []
-        self.new_block_ids: list[list[int]] = []
-        self.errors: dict[int, KvsvcError] = {}
-        self.recompute: list[int] = []
-
-
-@dataclass(frozen=True, slots=True)
-class BlockTableView:
-    """A copy of one request's tables (null id 0 where blocks were dropped);
-    ``needs_recompute``: its KV data is gone (see :meth:`PoolKVCache.invalidate`)."""
-
-    groups: tuple[list[int], ...]
-    num_computed_tokens: int
-    num_tokens: int
-    needs_recompute: bool = False
 
 
 class PoolKVCache:
@@ -287,7 +171,7 @@ class PoolKVCache:
         self.num_tokens_unscheduled = 0
         self._requests: dict[str, RequestState] = {}
         # Live requests whose admission may still be retried (no successful call since).
-        self._admissions: dict[str, _Admission] = {}
+        self._admissions: dict[str, AdmissionRecord] = {}
         # Freed ids, oldest first (values unused): a retried free of one is not an error.
         self._freed: OrderedDict[str, None] = OrderedDict()
         # Live requests whose KV data is gone (invalidate): every call but a free answers
@@ -398,7 +282,8 @@ class PoolKVCache:
                 "num_lookahead_tokens", f"must be >= 0, got {num_lookahead_tokens}"
             )
         if start is not None:
-            return self._admit(
+            return admit(
+                self,
                 request_id,
                 new_token_ids,
                 num_new_tokens,
@@ -427,7 +312,7 @@ class PoolKVCache:
                     f"{num_tokens_before + len(new_token_ids)} tokens, past max_model_len="
                     f"{self.max_model_len}",
                 )
-            self._check_tokens_held(request_id, len(new_token_ids))
+            check_tokens_held(self, request_id, len(new_token_ids))
         computed_before = request.num_computed_tokens
         if num_rejected_tokens and not 0 <= num_rejected_tokens <= computed_before:
             raise InvalidArgument(
@@ -441,10 +326,10 @@ class PoolKVCache:
                 f"{computed} computed + {num_new_tokens} new tokens exceed max_model_len="
                 f"{self.max_model_len}",
             )
-        unscheduled_before = _unscheduled(request)
+        unscheduled_before = num_unscheduled_tokens(request)
         unscheduled = max(0, num_tokens_before + len(new_token_ids) - computed - num_new_tokens)
         if unscheduled > unscheduled_before:
-            self._check_unscheduled(request_id, unscheduled - unscheduled_before)
+            check_unscheduled(self, request_id, unscheduled - unscheduled_before)
         if new_token_ids:
             try:
                 request.append_token_ids(new_token_ids)
@@ -483,199 +368,6 @@ class PoolKVCache:
             num_new_tokens,
             request.num_computed_tokens,
         )
-
-    def _admit(
-        self,
-        request_id: str,
-        prompt: Sequence[int],
-        budget: int,
-        num_lookahead_tokens: int,
-        start: RequestStart,
-        packed: bytes | None = None,
-    ) -> AllocateOutcome:
-        live = self._requests.get(request_id)
-        if live is not None:
-            if self._recompute and request_id in self._recompute:
-                return self._recompute_outcome(live)
-            return self._repeat_admission(live, prompt, budget, num_lookahead_tokens, start, packed)
-        if not prompt:
-            raise InvalidArgument("new_token_ids", "the first call must carry the prompt")
-        if len(prompt) > self.max_model_len:
-            raise InvalidArgument(
-                "new_token_ids",
-                f"{len(prompt)} tokens exceed max_model_len={self.max_model_len}",
-            )
-        # Token lists that come with their packed form were decoded for this call (the
-        # wire path): take them over instead of copying.
-        tokens: MutableSequence[int] = (
-            prompt
-            if packed is not None and isinstance(prompt, (list, array.array))
-            else list(prompt)
-        )
-        if packed is None:
-            packed = pack_token_ids(prompt, "new_token_ids")
-        if start.num_encoder_tokens < 0:
-            raise InvalidArgument(
-                "start.num_encoder_tokens", f"must be >= 0, got {start.num_encoder_tokens}"
-            )
-        if not 0 <= start.num_prompt_tokens <= len(prompt):
-            raise InvalidArgument(
-                "start.num_prompt_tokens",
-                f"must be in [0, {len(prompt)}] (the tokens sent), got {start.num_prompt_tokens}",
-            )
-        check_hashing_context(start.hashing, len(prompt), "start.hashing")
-        if self.max_requests is not None and len(self._requests) >= self.max_requests:
-            raise ResourceExhausted(
-                f"request {quoted(request_id)} not admitted: the pool holds {len(self._requests)} "
-                f"live requests, its limit (max_requests={self.max_requests}); free finished "
-                "requests or raise the pool's max_requests"
-            )
-        self._check_tokens_held(request_id, len(prompt))
-        manager = self.manager
-        try:
-            request = manager.new_request(
-                request_id,
-                tokens,
-                hashing=start.hashing,
-                skip_reading_prefix_cache=start.skip_prefix_cache_read,
-                resumed=start.resumed,
-                num_encoder_tokens=start.num_encoder_tokens,
-                packed_token_ids=packed,
-            )
-        except (TypeError, struct.error) as exc:
-            raise InvalidArgument("new_token_ids", f"token ids must be integers ({exc})") from None
-        if start.num_prompt_tokens:
-            request.num_prompt_tokens = start.num_prompt_tokens
-        hits, num_cached = manager.get_computed_blocks(request, record_stats=False)
-        num_scheduled = min(budget, request.num_tokens - num_cached)
-        unscheduled = request.num_tokens - num_cached - num_scheduled
-        if unscheduled:
-            self._check_unscheduled(request_id, unscheduled)
-        block_ids = manager.allocate_block_ids(
-            request,
-            num_scheduled,
-            num_cached,
-            hits,
-            num_lookahead_tokens,
-            num_encoder_tokens=start.num_encoder_tokens,
-        )
-        if block_ids is None:
-            return AllocateOutcome(
-                False, self._no_new_blocks(), self._zeros, num_cached, num_scheduled, 0
-            )
-        if manager.enable_caching and not start.skip_prefix_cache_read:
-            manager.record_prefix_lookup(request, num_cached)
-        request.num_computed_tokens = num_cached + num_scheduled
-        self._requests[request_id] = request
-        self.num_tokens_held += request.num_tokens
-        self.num_tokens_unscheduled += unscheduled
-        self._admissions[request_id] = _Admission(
-            start, budget, num_lookahead_tokens, num_cached, num_scheduled
-        )
-        if self._freed:
-            self._freed.pop(request_id, None)
-        null_counts = self._null_counts
-        if num_cached or manager.coordinator.may_drop_blocks:
-            # The table started empty: all of it (hits, null padding, new blocks) was
-            # appended by this call, and the engine needs all of it.
-            block_ids = tuple(list(t) for t in manager.coordinator.get_blocks(request_id))
-        return AllocateOutcome(
-            True,
-            block_ids,
-            self._zeros if null_counts is None else null_counts(request_id),
-            num_cached,
-            num_scheduled,
-            request.num_computed_tokens,
-        )
-
-    def _check_tokens_held(self, request_id: str, num_new: int) -> None:
-        """Refuse ``num_new`` more tokens past ``max_tokens`` (nothing changed yet)."""
-        if self.max_tokens is not None and self.num_tokens_held + num_new > self.max_tokens:
-            raise self._too_many_tokens(request_id, num_new)
-
-    def _check_unscheduled(self, request_id: str, num_new: int) -> None:
-        """Refuse ``num_new`` more unscheduled tokens past ``max_unscheduled_tokens``."""
-        limit = self.max_unscheduled_tokens
-        if limit is not None and self.num_tokens_unscheduled + num_new > limit:
-            raise self._too_many_unscheduled(request_id, num_new)
-
-    def _too_many_unscheduled(self, request_id: str, num_new: int) -> ResourceExhausted:
-        return ResourceExhausted(
-            f"request {quoted(request_id)}: {num_new} more tokens not scheduled would take "
-            f"the pool's to {self.num_tokens_unscheduled + num_new}, past its limit "
-            f"(max_unscheduled_tokens={self.max_unscheduled_tokens}); schedule what is "
-            "admitted (num_new_tokens), free requests, or raise the pool's "
-            "max_unscheduled_tokens"
-        )
-
-    def _too_many_tokens(self, request_id: str, num_new: int) -> ResourceExhausted:
-        return ResourceExhausted(
-            f"request {quoted(request_id)}: {num_new} more tokens would take the pool's live "
-            f"requests to {self.num_tokens_held + num_new} tokens, past its limit "
-            f"(max_pool_tokens={self.max_tokens}); free finished requests, or raise the "
-            "pool's max_pool_tokens"
-        )
-
-    def _repeat_admission(
-        self,
-        request: RequestState,
-        prompt: Sequence[int],
-        budget: int,
-        num_lookahead_tokens: int,
-        start: RequestStart,
-        packed: bytes | None,
-    ) -> AllocateOutcome:
-        """Answer a first call for a live request: a retried admission, or AlreadyExists.
-
-        An engine whose admission reply was lost (deadline, broken connection) cannot
-        know whether it was applied; it sends it again. When the request is exactly as
-        that admission left it (no successful call since) and the call is the same, the
-        reply the engine missed is rebuilt from the state: nothing changes, nothing is
-        counted twice. Anything else is a genuine duplicate id.
-        """
-        request_id = request.request_id
-        record = self._admissions.get(request_id)
-        if (
-            record is None
-            or record.start != start
-            or record.num_new_tokens != budget
-            or record.num_lookahead_tokens != num_lookahead_tokens
-            or not self._same_tokens(request, prompt, packed)
-        ):
-            reason = (
-                "it has been called since its admission"
-                if record is None
-                else "this call differs from its admission (prompt, start or counts)"
-            )
-            raise AlreadyExists(
-                f"request {quoted(request_id)} is already live and {reason}; only a request's "
-                "first call carries start (free it first to admit it anew)"
-            )
-        null_counts = self._null_counts
-        return AllocateOutcome(
-            True,
-            tuple(list(t) for t in self.manager.coordinator.get_blocks(request_id)),
-            self._zeros if null_counts is None else null_counts(request_id),
-            record.num_cached_tokens,
-            record.num_scheduled_tokens,
-            request.num_computed_tokens,
-        )
-
-    @staticmethod
-    def _same_tokens(request: RequestState, prompt: Sequence[int], packed: bytes | None) -> bool:
-        """Whether ``prompt`` is the request's token sequence (compared as packed bytes, as
-        a list and an ``array('I')`` of the same ids do not compare equal)."""
-        tokens = request.all_token_ids
-        if len(prompt) != len(tokens):
-            return False
-        if packed is None:
-            try:
-                packed = pack_token_ids(prompt, "new_token_ids")
-            except InvalidArgument:
-                return False
-        if isinstance(tokens, array.array) and sys.byteorder == "little":
-            return tokens.tobytes() == packed
-        return pack_token_ids(tokens, "new_token_ids") == packed
 
     def _no_new_blocks(self) -> tuple[list[int], ...]:
         # Fresh lists: callers own what an outcome holds.
@@ -721,201 +413,9 @@ class PoolKVCache:
         Returns:
             The token position after operation ``end - 1``.
         """
-        requests = self._requests
-        manager = self.manager
-        plain = manager._plain_group
-        max_model_len = self.max_model_len
-        ok_out = out.ok
-        computed_out = out.num_computed_tokens
-        blocks_out = out.new_block_ids
-        errors = out.errors
-        empty = out.EMPTY
-        admissions = self._admissions
-        if plain is None:
-            raise TypeError("allocate_running needs a pool with one full-attention group")
-        tables = plain.req_to_blocks
-        cached_counts = plain.num_cached_block
-        block_size = plain.block_size
-        pool = manager.block_pool
-        free_queue = pool.free_queue
-        caching = manager.enable_caching
-        hasher = manager.hasher
-        hash_block_size = hasher.block_size if hasher is not None else 0
-        same_hash_size = hash_block_size == block_size
-        # xxh3 hashes the ids' little-endian int32 bytes: an array's own bytes here.
-        plain_xxh3 = hasher is not None and hasher.algo == "xxh3_128" and sys.byteorder == "little"
-        none_hash = hasher.none_hash if hasher is not None else b""
-        xxh3_digest = xxhash.xxh3_128_digest
-        group_id = plain.group_id
-        flagged = self._recompute
-        # Tokens held, kept in a local across the loop (written back around the general
-        # path, which counts its own, and at the end).
-        held = self.num_tokens_held
-        max_held = self.max_tokens if self.max_tokens is not None else sys.maxsize
-        unscheduled_sum = self.num_tokens_unscheduled
-        max_unscheduled = (
-            self.max_unscheduled_tokens if self.max_unscheduled_tokens is not None else sys.maxsize
+        return allocate_running_batch(
+            self, request_ids, token_ids, token_counts, num_new_tokens, begin, end, token_pos, out
         )
-        pos = token_pos
-        # As objects: compiled, a declared int would fail before the check below.
-        unchecked_ids: Sequence[object] = token_ids
-        for i in range(begin, end):
-            count = token_counts[i]
-            num_new = num_new_tokens[i]
-            request_id = request_ids[i]
-            request = requests.get(request_id)
-            if count > 1 or request is None or num_new < 0 or (flagged and request_id in flagged):
-                # General path: error reporting, multi-token appends.
-                tokens = token_ids[pos : pos + count]
-                pos += count
-                self.num_tokens_held = held
-                self.num_tokens_unscheduled = unscheduled_sum
-                failure: KvsvcError | None = None
-                try:
-                    outcome = self.allocate(request_id, tokens, num_new)
-                except KvsvcError as exc:
-                    failure = exc
-                # The general path counts its own tokens: take its totals back.
-                held = self.num_tokens_held
-                unscheduled_sum = self.num_tokens_unscheduled
-                if failure is not None:
-                    errors[i] = failure
-                    ok_out.append(False)
-                    computed_out.append(0)
-                    blocks_out.append(empty)
-                    continue
-                if outcome.recompute:
-                    out.recompute.append(i)
-                ok_out.append(outcome.ok)
-                computed_out.append(outcome.num_computed_tokens)
-                blocks_out.append(outcome.new_block_ids[0] or empty)
-                continue
-            # One full-attention group, a running request, at most one new token.
-            tokens_list = request.all_token_ids
-            num_tokens_before = len(tokens_list)
-            if count:
-                token = unchecked_ids[pos]
-                pos += 1
-                if type(token) is not int or not 0 <= token < MAX_TOKEN_ID_EXCLUSIVE:
-                    errors[i] = _token_error(token)
-                    ok_out.append(False)
-                    computed_out.append(0)
-                    blocks_out.append(empty)
-                    continue
-                if num_tokens_before + 1 > max_model_len:
-                    errors[i] = InvalidArgument(
-                        "new_token_ids",
-                        f"request {quoted(request_id)} would reach {num_tokens_before + 1} tokens, "
-                        f"past max_model_len={max_model_len}",
-                    )
-                    ok_out.append(False)
-                    computed_out.append(0)
-                    blocks_out.append(empty)
-                    continue
-                if held >= max_held:
-                    self.num_tokens_held = held
-                    errors[i] = self._too_many_tokens(request_id, 1)
-                    ok_out.append(False)
-                    computed_out.append(0)
-                    blocks_out.append(empty)
-                    continue
-            computed = request.num_computed_tokens
-            num_main = computed + num_new
-            if num_main > max_model_len:
-                errors[i] = InvalidArgument(
-                    "num_new_tokens",
-                    f"{computed} computed + {num_new} new tokens exceed max_model_len="
-                    f"{max_model_len}",
-                )
-                ok_out.append(False)
-                computed_out.append(0)
-                blocks_out.append(empty)
-                continue
-            unscheduled_before = num_tokens_before - computed
-            unscheduled_after = num_tokens_before + count - num_main
-            unscheduled_delta = (unscheduled_after if unscheduled_after > 0 else 0) - (
-                unscheduled_before if unscheduled_before > 0 else 0
-            )
-            if unscheduled_delta > 0 and unscheduled_sum + unscheduled_delta > max_unscheduled:
-                self.num_tokens_unscheduled = unscheduled_sum
-                errors[i] = self._too_many_unscheduled(request_id, unscheduled_delta)
-                ok_out.append(False)
-                computed_out.append(0)
-                blocks_out.append(empty)
-                continue
-            table = tables[request_id]
-            needed = -(-num_main // block_size) - len(table)
-            if needed > 0 and needed > free_queue.num_free_blocks:
-                # NO_SPACE: nothing was changed yet.
-                ok_out.append(False)
-                computed_out.append(computed)
-                blocks_out.append(empty)
-                continue
-            # The request's length after this operation (len() per use cost ~5% of a Step).
-            num_tokens = num_tokens_before + 1 if count else num_tokens_before
-            if count:
-                tokens_list.append(cast(int, token))  # an int, checked above
-                held += 1
-                if hasher is not None:
-                    block_hashes = request.block_hashes
-                    if num_tokens >= (len(block_hashes) + 1) * hash_block_size:
-                        if (
-                            plain_xxh3
-                            and request.extra_keys is None
-                            and num_tokens == (len(block_hashes) + 1) * hash_block_size
-                            and type(tokens_list) is array.array
-                        ):
-                            # The token completed exactly one block: hash just it (the
-                            # hasher's xxh3 path, for one block without extra keys).
-                            block_hashes.append(
-                                xxh3_digest(
-                                    (block_hashes[-1] if block_hashes else none_hash)
-                                    + tokens_list[num_tokens - hash_block_size :].tobytes()
-                                )
-                            )
-                        else:
-                            request.update_block_hashes()
-            if needed == 1:
-                block_id = pool.get_new_block()
-                table.append(block_id)
-                new_blocks = [block_id]
-            elif needed > 0:
-                new_blocks = pool.get_new_blocks(needed)
-                table.extend(new_blocks)
-            else:
-                new_blocks = empty
-            if caching:
-                num_to_cache = num_main if num_main < num_tokens else num_tokens
-                num_full = num_to_cache // block_size
-                num_cached = cached_counts[request_id]
-                if num_full > num_cached:
-                    if same_hash_size:
-                        # The manager's cache_blocks, minus its layers (one group, hashes
-                        # already at the block size).
-                        pool.cache_full_blocks(
-                            table,
-                            request.block_hashes,
-                            num_cached,
-                            num_full,
-                            group_id,
-                            block_size,
-                            tokens_list,
-                            request.lora_name,
-                            extra_keys=request.extra_keys,
-                        )
-                        cached_counts[request_id] = num_full
-                    else:
-                        plain.cache_blocks(request, num_to_cache)
-            request.num_computed_tokens = num_main
-            unscheduled_sum += unscheduled_delta
-            if admissions:
-                admissions.pop(request_id, None)  # as in allocate: no retry after this
-            ok_out.append(True)
-            computed_out.append(num_main)
-            blocks_out.append(new_blocks)
-        self.num_tokens_held = held
-        self.num_tokens_unscheduled = unscheduled_sum
-        return pos
 
     def free(self, request_ids: Sequence[str], *, preempted: bool = False) -> int:
         """Release requests; their full blocks stay cached for reuse.
@@ -958,7 +458,7 @@ class PoolKVCache:
             self.manager.free(request_id)
             request = requests.pop(request_id)
             self.num_tokens_held -= request.num_tokens
-            self.num_tokens_unscheduled -= _unscheduled(request)
+            self.num_tokens_unscheduled -= num_unscheduled_tokens(request)
             if admissions:
                 admissions.pop(request_id, None)
             if flagged:
@@ -1227,161 +727,19 @@ class PoolKVCache:
     # -- state (persistence) -------------------------------------------------------------
 
     def config_state(self) -> dict[str, Any]:
-        """What a saved state must have been made under to be loaded into this pool: the
-        shape of the pool and its groups, the hashing settings (seed included: a secret
-        for xxh3) and the length bound."""
-        managers = self.manager.coordinator.managers
-        config: dict[str, Any] = {
-            "num_blocks": self.manager.block_pool.num_blocks,
-            "groups": [[type(m).__name__, m.block_size] for m in managers],
-            "hash_algo": self.hash_algo,
-            "hash_seed": self.hash_seed,
-            "hash_block_size": self.hash_block_size,
-            "enable_caching": self.enable_caching,
-            "max_model_len": self.max_model_len,
-        }
-        interval = self.manager.prefix_cache_retention_interval
-        if interval is not None:
-            # Absent for dense retention, so states saved before the setting existed load.
-            config["prefix_cache_retention_interval"] = interval
-        return config
+        """What a saved state must have been made under to be loaded into this pool
+        (:func:`~kvsvc.core.pool_state.pool_config_state`)."""
+        return pool_config_state(self)
 
     def to_state(self) -> dict[str, Any]:
-        """Everything that decides what this pool answers next, as plain values.
-
-        Deterministic: two pools built from the same config and seed that were given the
-        same calls have equal states, and a pool loaded from a state (:meth:`load_state`)
-        answers every later call exactly as the original would (same block ids, eviction
-        order, events and sequence numbers). Lists and arrays are copies, so the state
-        can be encoded (:mod:`kvsvc.core.state`) while the pool goes on serving.
-
-        Raises:
-            ValueError: events are pending (take them first), or a group tracks requests
-                the facade does not know (a bug: the state would not load).
-        """
-        managers = self.manager.coordinator.managers
-        requests = self._requests
-        for manager in managers:
-            if manager.num_tracked_requests() != len(requests):
-                raise ValueError(
-                    f"group {manager.group_id} tracks {manager.num_tracked_requests()} "
-                    f"requests, the pool {len(requests)}"
-                )
-        records = []
-        for request_id, request in requests.items():
-            record = request.to_state()
-            record.append([m.request_state(request_id) for m in managers])
-            # After the groups, so states without it (older ones) still load.
-            record.append(request.shared_prefix_boundary)
-            records.append(record)
-        admissions = [
-            [
-                request_id,
-                None if a.start.hashing is None else a.start.hashing.to_state(),
-                a.start.skip_prefix_cache_read,
-                a.start.resumed,
-                a.start.num_encoder_tokens,
-                a.num_new_tokens,
-                a.num_lookahead_tokens,
-                a.num_cached_tokens,
-                a.num_scheduled_tokens,
-                a.start.num_prompt_tokens,
-            ]
-            for request_id, a in self._admissions.items()
-        ]
-        return {
-            "format": STATE_FORMAT,
-            "version": STATE_VERSION,
-            "config": self.config_state(),
-            "limits": {
-                "max_requests": self.max_requests,
-                "recently_freed": self.recently_freed,
-                "max_num_batched_tokens": self.max_num_batched_tokens,
-            },
-            "manager": self.manager.to_state(),
-            "requests": records,
-            "admissions": admissions,
-            "freed": list(self._freed),
-            "recompute": sorted(self._recompute),
-            "num_preemptions": self._num_preemptions,
-            "num_invalidations": self.num_invalidations,
-        }
+        """Everything that decides what this pool answers next, as plain values
+        (:func:`~kvsvc.core.pool_state.pool_to_state`)."""
+        return pool_to_state(self)
 
     def load_state(self, state: dict[str, Any]) -> None:
-        """Become the pool :meth:`to_state` described (this pool must be fresh, built from
-        the same config; its limits stay its own).
-
-        Raises:
-            ValueError: a state of another format, version or config (the message names
-                the first difference); nothing is loaded then.
-        """
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a pool state (format {state.get('format')!r})")
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(
-                f"pool state version {state.get('version')!r}; this kvsvc reads {STATE_VERSION}"
-            )
-        mine = self.config_state()
-        for key, value in mine.items():
-            theirs = state["config"].get(key)
-            if theirs != value:
-                shown = (
-                    "(the secret seeds differ)"
-                    if key == "hash_seed"
-                    else (f"{theirs!r}, this pool {value!r}")
-                )
-                raise ValueError(f"the state was made for another pool: {key} {shown}")
-        manager = self.manager
-        managers = manager.coordinator.managers
-        hasher = manager.hasher
-        requests = {}
-        for record in state["requests"]:
-            request = RequestState.from_state(record[:9], hasher)
-            if len(record) > 10:
-                request.shared_prefix_boundary = record[10]
-            if len(record[9]) != len(managers):
-                raise ValueError(f"request {request.request_id!r} has entries for other groups")
-            requests[request.request_id] = (request, record[9])
-        manager.load_state(state["manager"])
-        self._requests.clear()
-        self.num_tokens_held = self.num_tokens_unscheduled = 0
-        for request_id, (request, entries) in requests.items():
-            self._requests[request_id] = request
-            self.num_tokens_held += request.num_tokens
-            self.num_tokens_unscheduled += _unscheduled(request)
-            for m, entry in zip(managers, entries, strict=True):
-                m.load_request_state(request_id, entry)
-        self._admissions.clear()
-        for (
-            request_id,
-            hashing,
-            skip,
-            resumed,
-            num_encoder_tokens,
-            num_new,
-            num_lookahead,
-            num_cached,
-            num_scheduled,
-            *newer,
-        ) in state["admissions"]:
-            start = RequestStart(
-                hashing=None if hashing is None else HashingContext.from_state(hashing),
-                skip_prefix_cache_read=skip,
-                resumed=resumed,
-                num_encoder_tokens=num_encoder_tokens,
-                # Absent from states saved before it was kept.
-                num_prompt_tokens=newer[0] if newer else 0,
-            )
-            self._admissions[request_id] = _Admission(
-                start, num_new, num_lookahead, num_cached, num_scheduled
-            )
-        self._freed.clear()
-        self._freed.update(dict.fromkeys(state["freed"]))
-        self._recompute.clear()
-        self._recompute.update(state["recompute"])
-        self._num_preemptions = state["num_preemptions"]
-        self.num_invalidations = state["num_invalidations"]
-        self._trim_freed()
+        """Become the pool :meth:`to_state` described, this pool being fresh and of the
+        same config (:func:`~kvsvc.core.pool_state.load_pool_state`)."""
+        load_pool_state(self, state)
 
     def _trim_freed(self) -> None:
         """Forget the oldest freed ids beyond :attr:`recently_freed` (after it shrank)."""
@@ -1419,26 +777,6 @@ class PoolKVCache:
 
     @classmethod
     def from_state(cls, config: KVCacheConfig, state: dict[str, Any], **kwargs: Any) -> PoolKVCache:
-        """A pool built from ``config`` with the state's hashing settings and limits, then
-        loaded with ``state``. ``kwargs`` go to the constructor (``enable_events``, ...).
-
-        Raises:
-            ValueError: as :meth:`load_state`.
-        """
-        saved = state["config"]
-        limits = state["limits"]
-        pool = cls(
-            config,
-            max_model_len=saved["max_model_len"],
-            enable_caching=saved["enable_caching"],
-            hash_algo=saved["hash_algo"],
-            hash_seed=saved["hash_seed"],
-            hash_block_size=saved["hash_block_size"],
-            max_num_batched_tokens=limits["max_num_batched_tokens"],
-            max_requests=limits["max_requests"],
-            recently_freed=limits["recently_freed"],
-            prefix_cache_retention_interval=saved.get("prefix_cache_retention_interval"),
-            **kwargs,
-        )
-        pool.load_state(state)
-        return pool
+        """A pool built from ``config`` with the state's settings, then loaded with
+        ``state`` (:func:`~kvsvc.core.pool_state.pool_from_state`)."""
+        return pool_from_state(cls, config, state, **kwargs)

@@ -186,3 +186,9 @@ class RequestState:
             f"RequestState({self.request_id!r}, num_tokens={self.num_tokens}, "
             f"num_computed_tokens={self.num_computed_tokens})"
         )
+
+
+def num_unscheduled_tokens(request: RequestState) -> int:
+    """A request's tokens not computed yet (0 when speculative ones run ahead)."""
+    unscheduled = request.num_tokens - request.num_computed_tokens
+    return unscheduled if unscheduled > 0 else 0

@@ -4,6 +4,28 @@ Pure Python: no torch, no gRPC. The worker maps dtype names to torch; the server
 these types to protobuf in :mod:`kvsvc.convert`.
 """
 
+from kvsvc.specs.attention import (
+    FP8_DS_MLA_ROW_BYTES_V4,
+    FP8_DS_MLA_ROW_BYTES_V32,
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    FullAttentionSpec,
+    HiddenStateCacheSpec,
+    MLAAttentionSpec,
+    SinkFullAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+)
+from kvsvc.specs.base import (
+    KVCacheSpec,
+    KVCacheSpecKind,
+    SizingContext,
+    SpecMergeError,
+    cdiv,
+    round_up,
+)
 from kvsvc.specs.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from kvsvc.specs.dtypes import (
     DTYPE_SIZES,
@@ -15,32 +37,13 @@ from kvsvc.specs.dtypes import (
     resolve_kv_cache_dtype,
 )
 from kvsvc.specs.kinds import (
-    FP8_DS_MLA_ROW_BYTES_V4,
-    FP8_DS_MLA_ROW_BYTES_V32,
-    MAMBA_CACHE_MODES,
     SPEC_TYPES,
-    AttentionSpec,
-    ChunkedLocalAttentionSpec,
-    CrossAttentionSpec,
-    EncoderOnlyAttentionSpec,
-    FullAttentionSpec,
-    HiddenStateCacheSpec,
-    KVCacheSpec,
-    KVCacheSpecKind,
-    MambaSpec,
-    MLAAttentionSpec,
-    SinkFullAttentionSpec,
-    SizingContext,
-    SlidingWindowMLASpec,
-    SlidingWindowSpec,
-    SpecMergeError,
     UniformTypeKVCacheSpecs,
-    cdiv,
     iter_layer_specs,
     merge_layer_specs,
-    round_up,
     sliding_window_of,
 )
+from kvsvc.specs.mamba import MAMBA_CACHE_MODES, MambaSpec
 from kvsvc.specs.serde import config_from_dict, config_to_dict, spec_from_dict, spec_to_dict
 
 __all__ = [

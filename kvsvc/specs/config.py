@@ -14,13 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvsvc.specs.kinds import (
-    AttentionSpec,
-    KVCacheSpec,
-    MambaSpec,
-    UniformTypeKVCacheSpecs,
-    iter_layer_specs,
-)
+from kvsvc.specs.attention import AttentionSpec
+from kvsvc.specs.base import KVCacheSpec
+from kvsvc.specs.kinds import UniformTypeKVCacheSpecs, iter_layer_specs
+from kvsvc.specs.mamba import MambaSpec
 
 
 @dataclass(slots=True)

@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from kvsvc.specs.base import KVCacheSpec
 from kvsvc.specs.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from kvsvc.specs.dtypes import KVQuantMode, canonical_dtype
-from kvsvc.specs.kinds import SPEC_TYPES, KVCacheSpec, UniformTypeKVCacheSpecs
+from kvsvc.specs.kinds import SPEC_TYPES, UniformTypeKVCacheSpecs
 
 
 def spec_to_dict(spec: KVCacheSpec) -> dict[str, Any]:

@@ -22,7 +22,8 @@ from kvsvc.cluster.score import Scorer, _window_ands
 from kvsvc.cluster.store import SourceStore, Tracking, connect
 from kvsvc.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvsvc.core.managers import representative_spec
-from kvsvc.core.pool import PoolKVCache, RequestStart
+from kvsvc.core.pool import PoolKVCache
+from kvsvc.core.pool_types import RequestStart
 from kvsvc.specs import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,

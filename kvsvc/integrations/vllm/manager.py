@@ -61,9 +61,9 @@ from kvsvc_client import (
 
 from kvsvc.core.hashing import HashingContext as CoreHashingContext
 from kvsvc.core.hashing import MultiModalItem as CoreMultiModalItem
-from kvsvc.core.managers import CrossAttentionManager
 from kvsvc.core.pool import PoolKVCache
-from kvsvc.core.pool import RequestStart as CoreRequestStart
+from kvsvc.core.pool_types import RequestStart as CoreRequestStart
+from kvsvc.core.single_type_manager import CrossAttentionManager
 from kvsvc.errors import KvsvcError as CoreError
 from kvsvc.integrations.vllm.config import KvsvcSettings
 from kvsvc.specs import KVCacheConfig, SlidingWindowSpec

@@ -1,0 +1,123 @@
+"""The values PoolKVCache's calls take and answer, and its record of an admission.
+
+Plain data, apart from the facade so that its callers (the server's wire codecs and Step
+batching, the vLLM adapter) and the facade's own parts (admission, the running-batch loop,
+persistence) share one definition of each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kvsvc.core.hashing import BlockHash, HashingContext
+from kvsvc.errors import KvsvcError
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStart:
+    """What only a request's first ``allocate`` (admission or resumption) carries.
+
+    Attributes:
+        hashing: extra-key context of the prompt's block hashes.
+        skip_prefix_cache_read: do not read the cache (prompt logprobs, all-token pooling);
+            the request's blocks are still cached for others.
+        resumed: re-admission after preemption (prefix stats count it apart).
+        num_encoder_tokens: encoder input length, for cross-attention groups.
+        num_prompt_tokens: of a resumed request's tokens, how many were its prompt (0:
+            all of them); sparse window retention keeps the blocks before the prompt's
+            end, where a resend of it can hit.
+    """
+
+    hashing: HashingContext | None = None
+    skip_prefix_cache_read: bool = False
+    resumed: bool = False
+    num_encoder_tokens: int = 0
+    num_prompt_tokens: int = 0
+
+
+@dataclass(slots=True)
+class AllocateOutcome:
+    """Result of one ``allocate``.
+
+    Attributes:
+        ok: False means NO_SPACE: nothing changed (the engine preempts or waits).
+        new_block_ids: per group, the entries appended to the table by this call. On the
+            first call that is the whole table: prefix hits, null padding (window groups),
+            then new blocks. Later entries may hold the null id 0 (Mamba groups).
+        num_null_blocks: per group, how many leading entries of the table are now the null
+            block (sliding window, chunked local and Mamba groups drop blocks).
+        num_cached_tokens: first call: tokens served from the prefix cache; otherwise 0.
+        num_scheduled_tokens: tokens scheduled (would have been, when not ok).
+        num_computed_tokens: the request's computed tokens after the call.
+        recompute: the request's KV data is gone (:meth:`PoolKVCache.invalidate`):
+            nothing changed (``ok`` is False); the engine frees it as preempted and
+            admits it again.
+    """
+
+    ok: bool
+    new_block_ids: tuple[list[int], ...]
+    num_null_blocks: tuple[int, ...]
+    num_cached_tokens: int
+    num_scheduled_tokens: int
+    num_computed_tokens: int
+    recompute: bool = False
+
+
+class RunningColumns:
+    """Where :meth:`PoolKVCache.allocate_running` appends its per-operation results.
+
+    ``new_block_ids`` holds, per operation, the blocks appended to its (single group's)
+    table, or the shared ``EMPTY`` list; ``errors`` maps an operation index to the error
+    that rejected it (its other entries are then placeholders); ``recompute`` lists the
+    operations refused because their request must be recomputed (``ok`` False).
+    """
+
+    __slots__ = ("errors", "new_block_ids", "num_computed_tokens", "ok", "recompute")
+
+    EMPTY: ClassVar[list[int]] = []  # shared; never mutated
+
+    def __init__(self) -> None:
+        self.ok: list[bool] = []
+        self.num_computed_tokens: list[int] = []
+        self.new_block_ids: list[list[int]] = []
+        self.errors: dict[int, KvsvcError] = {}
+        self.recompute: list[int] = []
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedLookup:
+    """A prompt's block hashes and hit cap (:meth:`PoolKVCache.prepare_lookup`).
+
+    Attributes:
+        block_hashes: the prompt's full-block hashes at the pool's hash block size.
+        max_hit_tokens: the admission cap (one token is always computed).
+        enabled: False when nothing can hit (caching off, or a prompt under 2 tokens).
+    """
+
+    block_hashes: list[BlockHash]
+    max_hit_tokens: int
+    enabled: bool
+
+
+@dataclass(frozen=True, slots=True)
+class BlockTableView:
+    """A copy of one request's tables (null id 0 where blocks were dropped);
+    ``needs_recompute``: its KV data is gone (see :meth:`PoolKVCache.invalidate`)."""
+
+    groups: tuple[list[int], ...]
+    num_computed_tokens: int
+    num_tokens: int
+    needs_recompute: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionRecord:
+    """What a live request's admission was called with and answered, kept until its next
+    successful call so an identical retry (its reply was lost) can be answered again."""
+
+    start: RequestStart
+    num_new_tokens: int
+    num_lookahead_tokens: int
+    num_cached_tokens: int
+    num_scheduled_tokens: int
