@@ -49,7 +49,8 @@ from kvsvc.core.hashing import (
 from kvsvc.core.mamba_manager import MambaManager
 from kvsvc.core.manager import KVCacheBlocks, KVCacheManager, resolve_block_sizes
 from kvsvc.core.managers import make_manager, manager_class_for
-from kvsvc.core.pool import DEFAULT_RECENTLY_FREED, PoolKVCache
+from kvsvc.core.pool import PoolKVCache
+from kvsvc.core.pool_base import DEFAULT_RECENTLY_FREED
 from kvsvc.core.pool_types import (
     AllocateOutcome,
     BlockTableView,

@@ -14,20 +14,17 @@ import array
 import struct
 import sys
 from collections.abc import MutableSequence, Sequence
-from typing import TYPE_CHECKING
 
 from kvsvc.core.hashing import check_hashing_context, pack_token_ids
+from kvsvc.core.pool_base import PoolKVCacheBase
 from kvsvc.core.pool_limits import check_tokens_held, check_unscheduled
 from kvsvc.core.pool_types import AdmissionRecord, AllocateOutcome, RequestStart
 from kvsvc.core.request import RequestState
 from kvsvc.errors import AlreadyExists, InvalidArgument, ResourceExhausted, quoted
 
-if TYPE_CHECKING:
-    from kvsvc.core.pool import PoolKVCache
-
 
 def admit(
-    cache: PoolKVCache,
+    cache: PoolKVCacheBase,
     request_id: str,
     prompt: Sequence[int],
     budget: int,
@@ -136,7 +133,7 @@ def admit(
 
 
 def _repeat_admission(
-    cache: PoolKVCache,
+    cache: PoolKVCacheBase,
     request: RequestState,
     prompt: Sequence[int],
     budget: int,

@@ -8,28 +8,24 @@ same words, before it changes anything.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from kvsvc.core.pool_base import PoolKVCacheBase
 from kvsvc.errors import ResourceExhausted, quoted
 
-if TYPE_CHECKING:
-    from kvsvc.core.pool import PoolKVCache
 
-
-def check_tokens_held(cache: PoolKVCache, request_id: str, num_new: int) -> None:
+def check_tokens_held(cache: PoolKVCacheBase, request_id: str, num_new: int) -> None:
     """Refuse ``num_new`` more tokens past ``max_tokens`` (nothing changed yet)."""
     if cache.max_tokens is not None and cache.num_tokens_held + num_new > cache.max_tokens:
         raise too_many_tokens(cache, request_id, num_new)
 
 
-def check_unscheduled(cache: PoolKVCache, request_id: str, num_new: int) -> None:
+def check_unscheduled(cache: PoolKVCacheBase, request_id: str, num_new: int) -> None:
     """Refuse ``num_new`` more unscheduled tokens past ``max_unscheduled_tokens``."""
     limit = cache.max_unscheduled_tokens
     if limit is not None and cache.num_tokens_unscheduled + num_new > limit:
         raise too_many_unscheduled(cache, request_id, num_new)
 
 
-def too_many_tokens(cache: PoolKVCache, request_id: str, num_new: int) -> ResourceExhausted:
+def too_many_tokens(cache: PoolKVCacheBase, request_id: str, num_new: int) -> ResourceExhausted:
     """The error for ``num_new`` more tokens past ``max_tokens``."""
     return ResourceExhausted(
         f"request {quoted(request_id)}: {num_new} more tokens would take the pool's live "
@@ -39,7 +35,9 @@ def too_many_tokens(cache: PoolKVCache, request_id: str, num_new: int) -> Resour
     )
 
 
-def too_many_unscheduled(cache: PoolKVCache, request_id: str, num_new: int) -> ResourceExhausted:
+def too_many_unscheduled(
+    cache: PoolKVCacheBase, request_id: str, num_new: int
+) -> ResourceExhausted:
     """The error for ``num_new`` more unscheduled tokens past ``max_unscheduled_tokens``."""
     return ResourceExhausted(
         f"request {quoted(request_id)}: {num_new} more tokens not scheduled would take "

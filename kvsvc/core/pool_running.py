@@ -13,17 +13,15 @@ from __future__ import annotations
 import array
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import xxhash
 
 from kvsvc.core.hashing import MAX_TOKEN_ID_EXCLUSIVE, validate_token_ids
+from kvsvc.core.pool_base import PoolKVCacheBase
 from kvsvc.core.pool_limits import too_many_tokens, too_many_unscheduled
 from kvsvc.core.pool_types import RunningColumns
 from kvsvc.errors import InvalidArgument, KvsvcError, quoted
-
-if TYPE_CHECKING:
-    from kvsvc.core.pool import PoolKVCache
 
 
 def _token_error(token: object) -> InvalidArgument:
@@ -36,7 +34,7 @@ def _token_error(token: object) -> InvalidArgument:
 
 
 def allocate_running_batch(
-    cache: PoolKVCache,
+    cache: PoolKVCacheBase,
     request_ids: Sequence[str],
     token_ids: Sequence[int],
     token_counts: Sequence[int],

@@ -9,22 +9,23 @@ Encoding the values as bytes is :mod:`kvsvc.core.state`'s business. The facade's
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 from kvsvc.core.hashing import HashingContext
+from kvsvc.core.pool_base import PoolKVCacheBase
 from kvsvc.core.pool_types import AdmissionRecord, RequestStart
 from kvsvc.core.request import RequestState, num_unscheduled_tokens
 from kvsvc.specs import KVCacheConfig
 
-if TYPE_CHECKING:
-    from kvsvc.core.pool import PoolKVCache
+PoolT = TypeVar("PoolT", bound=PoolKVCacheBase)
+
 
 # The layout of PoolKVCache.to_state (bump the version when it changes).
 STATE_FORMAT = "kvsvc.core.PoolKVCache"
 STATE_VERSION = 1
 
 
-def pool_config_state(cache: PoolKVCache) -> dict[str, Any]:
+def pool_config_state(cache: PoolKVCacheBase) -> dict[str, Any]:
     """What a saved state must have been made under to be loaded into ``cache``: the
     shape of the pool and its groups, the hashing settings (seed included: a secret
     for xxh3) and the length bound."""
@@ -45,7 +46,7 @@ def pool_config_state(cache: PoolKVCache) -> dict[str, Any]:
     return config
 
 
-def pool_to_state(cache: PoolKVCache) -> dict[str, Any]:
+def pool_to_state(cache: PoolKVCacheBase) -> dict[str, Any]:
     """Everything that decides what ``cache`` answers next, as plain values.
 
     Deterministic: two pools built from the same config and seed that were given the
@@ -107,7 +108,7 @@ def pool_to_state(cache: PoolKVCache) -> dict[str, Any]:
     }
 
 
-def load_pool_state(cache: PoolKVCache, state: dict[str, Any]) -> None:
+def load_pool_state(cache: PoolKVCacheBase, state: dict[str, Any]) -> None:
     """Make ``cache`` the pool :func:`pool_to_state` described (``cache`` must be fresh,
     built from the same config; its limits stay its own).
 
@@ -185,8 +186,8 @@ def load_pool_state(cache: PoolKVCache, state: dict[str, Any]) -> None:
 
 
 def pool_from_state(
-    pool_class: type[PoolKVCache], config: KVCacheConfig, state: dict[str, Any], **kwargs: Any
-) -> PoolKVCache:
+    pool_class: type[PoolT], config: KVCacheConfig, state: dict[str, Any], **kwargs: Any
+) -> PoolT:
     """A ``pool_class`` built from ``config`` with the state's hashing settings and
     limits, then loaded with ``state``. ``kwargs`` go to the constructor
     (``enable_events``, ...).
