@@ -25,7 +25,7 @@ request's current state, and a ``free`` of a recently freed id succeeds with not
 The facade's parts live beside it, a module each: :mod:`~kvsvc.core.pool_base` (the fields
 they all share: the parts take it, so none imports the facade), :mod:`~kvsvc.core.pool_types`
 (what it takes and answers), :mod:`~kvsvc.core.pool_admission` (a request's first call),
-:mod:`~kvsvc.core.pool_running` (the running-batch loop), :mod:`~kvsvc.core.pool_limits`
+:mod:`~kvsvc.core.pool_running` (the running-batch loop, inherited), :mod:`~kvsvc.core.pool_limits`
 (the token bounds) and :mod:`~kvsvc.core.pool_state` (its state as plain values).
 """
 
@@ -45,9 +45,8 @@ from kvsvc.core.hashing import (
     validate_token_ids,
 )
 from kvsvc.core.pool_admission import admit
-from kvsvc.core.pool_base import PoolKVCacheBase
 from kvsvc.core.pool_limits import check_tokens_held, check_unscheduled
-from kvsvc.core.pool_running import allocate_running_batch
+from kvsvc.core.pool_running import RunningBatchPool
 from kvsvc.core.pool_state import (
     load_pool_state,
     pool_config_state,
@@ -59,7 +58,6 @@ from kvsvc.core.pool_types import (
     BlockTableView,
     PreparedLookup,
     RequestStart,
-    RunningColumns,
 )
 from kvsvc.core.request import RequestState, num_unscheduled_tokens
 from kvsvc.core.stats import UsageSnapshot
@@ -71,7 +69,7 @@ from kvsvc.errors import (
 from kvsvc.specs import KVCacheConfig
 
 
-class PoolKVCache(PoolKVCacheBase):
+class PoolKVCache(RunningBatchPool):
     """One pool's KV cache manager with the engine-facing semantics of DESIGN.md's table.
 
     Single-threaded: the server serialises calls per pool.
@@ -254,35 +252,10 @@ class PoolKVCache(PoolKVCacheBase):
             request.num_computed_tokens,
         )
 
-    def allocate_running(
-        self,
-        request_ids: Sequence[str],
-        token_ids: Sequence[int],
-        token_counts: Sequence[int],
-        num_new_tokens: Sequence[int],
-        begin: int,
-        end: int,
-        token_pos: int,
-        out: RunningColumns,
-    ) -> int:
-        """``allocate`` for operations ``begin..end`` of a batch of running requests.
-
-        The engine's decode step is a few hundred calls like ``allocate(rid, [token], 1)``;
-        made one by one they cost more in call overhead than in work. This applies them in
-        order with the same semantics as ``allocate(rid, tokens, n)`` (each atomic, an
-        invalid one rejected alone) and appends their results to ``out``'s columns instead
-        of building an outcome object per call. Operation ``i`` owns ``token_counts[i]``
-        ids of ``token_ids``, starting at ``token_pos`` for ``begin``.
-
-        Only for pools where :attr:`has_plain_tables` (one full-attention group: no null
-        blocks to report); operations with more than one token take the general path.
-
-        Returns:
-            The token position after operation ``end - 1``.
-        """
-        return allocate_running_batch(
-            self, request_ids, token_ids, token_counts, num_new_tokens, begin, end, token_pos, out
-        )
+    def _allocate_general(
+        self, request_id: str, token_ids: Sequence[int], num_new_tokens: int
+    ) -> AllocateOutcome:
+        return self.allocate(request_id, token_ids, num_new_tokens)
 
     def free(self, request_ids: Sequence[str], *, preempted: bool = False) -> int:
         """Release requests; their full blocks stay cached for reuse.

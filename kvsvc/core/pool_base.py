@@ -11,11 +11,10 @@ access native either way (mypyc compiles the class hierarchy as one).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
 
 from kvsvc.core.events import MEDIUM_GPU
 from kvsvc.core.manager import KVCacheManager
-from kvsvc.core.pool_types import AdmissionRecord, AllocateOutcome, RequestStart
+from kvsvc.core.pool_types import AdmissionRecord, AllocateOutcome
 from kvsvc.core.request import RequestState
 from kvsvc.specs import KVCacheConfig
 
@@ -163,18 +162,3 @@ class PoolKVCacheBase:
         """Forget the oldest freed ids beyond :attr:`recently_freed` (after it shrank)."""
         while len(self._freed) > self.recently_freed:
             self._freed.popitem(last=False)
-
-    def allocate(
-        self,
-        request_id: str,
-        new_token_ids: Sequence[int],
-        num_new_tokens: int,
-        num_lookahead_tokens: int = 0,
-        start: RequestStart | None = None,
-        *,
-        num_rejected_tokens: int = 0,
-        packed_token_ids: bytes | None = None,
-    ) -> AllocateOutcome:
-        """The general path (:meth:`kvsvc.core.pool.PoolKVCache.allocate`), which the
-        running-batch loop falls back to for an operation it does not take itself."""
-        raise NotImplementedError("PoolKVCache.allocate")

@@ -20,7 +20,7 @@ import xxhash
 from kvsvc.core.hashing import MAX_TOKEN_ID_EXCLUSIVE, validate_token_ids
 from kvsvc.core.pool_base import PoolKVCacheBase
 from kvsvc.core.pool_limits import too_many_tokens, too_many_unscheduled
-from kvsvc.core.pool_types import RunningColumns
+from kvsvc.core.pool_types import AllocateOutcome, RunningColumns
 from kvsvc.errors import InvalidArgument, KvsvcError, quoted
 
 
@@ -33,214 +33,236 @@ def _token_error(token: object) -> InvalidArgument:
     raise AssertionError(f"{token!r} passed validation")
 
 
-def allocate_running_batch(
-    cache: PoolKVCacheBase,
-    request_ids: Sequence[str],
-    token_ids: Sequence[int],
-    token_counts: Sequence[int],
-    num_new_tokens: Sequence[int],
-    begin: int,
-    end: int,
-    token_pos: int,
-    out: RunningColumns,
-) -> int:
-    """:meth:`~kvsvc.core.pool.PoolKVCache.allocate_running` on ``cache`` (see there):
-    operations ``begin..end``, their results appended to ``out``.
+class RunningBatchPool(PoolKVCacheBase):
+    """The running-batch loop of :class:`~kvsvc.core.pool.PoolKVCache`, which inherits it:
+    a class of its own so that the hot path reads apart from the facade's other calls,
+    with its fields' accesses native in the compiled core."""
 
-    Returns:
-        The token position after operation ``end - 1``.
-    """
-    requests = cache._requests
-    manager = cache.manager
-    plain = manager._plain_group
-    max_model_len = cache.max_model_len
-    ok_out = out.ok
-    computed_out = out.num_computed_tokens
-    blocks_out = out.new_block_ids
-    errors = out.errors
-    empty = out.EMPTY
-    admissions = cache._admissions
-    if plain is None:
-        raise TypeError("allocate_running needs a pool with one full-attention group")
-    tables = plain.req_to_blocks
-    cached_counts = plain.num_cached_block
-    block_size = plain.block_size
-    pool = manager.block_pool
-    free_queue = pool.free_queue
-    caching = manager.enable_caching
-    hasher = manager.hasher
-    hash_block_size = hasher.block_size if hasher is not None else 0
-    same_hash_size = hash_block_size == block_size
-    # xxh3 hashes the ids' little-endian int32 bytes: an array's own bytes here.
-    plain_xxh3 = hasher is not None and hasher.algo == "xxh3_128" and sys.byteorder == "little"
-    none_hash = hasher.none_hash if hasher is not None else b""
-    xxh3_digest = xxhash.xxh3_128_digest
-    group_id = plain.group_id
-    flagged = cache._recompute
-    # Tokens held, kept in a local across the loop (written back around the general
-    # path, which counts its own, and at the end).
-    held = cache.num_tokens_held
-    max_held = cache.max_tokens if cache.max_tokens is not None else sys.maxsize
-    unscheduled_sum = cache.num_tokens_unscheduled
-    max_unscheduled = (
-        cache.max_unscheduled_tokens if cache.max_unscheduled_tokens is not None else sys.maxsize
-    )
-    pos = token_pos
-    # As objects: compiled, a declared int would fail before the check below.
-    unchecked_ids: Sequence[object] = token_ids
-    for i in range(begin, end):
-        count = token_counts[i]
-        num_new = num_new_tokens[i]
-        request_id = request_ids[i]
-        request = requests.get(request_id)
-        if count > 1 or request is None or num_new < 0 or (flagged and request_id in flagged):
-            # General path: error reporting, multi-token appends.
-            tokens = token_ids[pos : pos + count]
-            pos += count
-            cache.num_tokens_held = held
-            cache.num_tokens_unscheduled = unscheduled_sum
-            failure: KvsvcError | None = None
-            try:
-                outcome = cache.allocate(request_id, tokens, num_new)
-            except KvsvcError as exc:
-                failure = exc
-            # The general path counts its own tokens: take its totals back.
-            held = cache.num_tokens_held
-            unscheduled_sum = cache.num_tokens_unscheduled
-            if failure is not None:
-                errors[i] = failure
-                ok_out.append(False)
-                computed_out.append(0)
-                blocks_out.append(empty)
+    def allocate_running(
+        self,
+        request_ids: Sequence[str],
+        token_ids: Sequence[int],
+        token_counts: Sequence[int],
+        num_new_tokens: Sequence[int],
+        begin: int,
+        end: int,
+        token_pos: int,
+        out: RunningColumns,
+    ) -> int:
+        """``allocate`` for operations ``begin..end`` of a batch of running requests.
+
+        The engine's decode step is a few hundred calls like ``allocate(rid, [token], 1)``;
+        made one by one they cost more in call overhead than in work. This applies them in
+        order with the same semantics as ``allocate(rid, tokens, n)`` (each atomic, an
+        invalid one rejected alone) and appends their results to ``out``'s columns instead
+        of building an outcome object per call. Operation ``i`` owns ``token_counts[i]``
+        ids of ``token_ids``, starting at ``token_pos`` for ``begin``.
+
+        Only for pools where :attr:`has_plain_tables` (one full-attention group: no null
+        blocks to report); operations with more than one token take the general path.
+
+        Returns:
+            The token position after operation ``end - 1``.
+        """
+        requests = self._requests
+        manager = self.manager
+        plain = manager._plain_group
+        max_model_len = self.max_model_len
+        ok_out = out.ok
+        computed_out = out.num_computed_tokens
+        blocks_out = out.new_block_ids
+        errors = out.errors
+        empty = out.EMPTY
+        admissions = self._admissions
+        if plain is None:
+            raise TypeError("allocate_running needs a pool with one full-attention group")
+        tables = plain.req_to_blocks
+        cached_counts = plain.num_cached_block
+        block_size = plain.block_size
+        pool = manager.block_pool
+        free_queue = pool.free_queue
+        caching = manager.enable_caching
+        hasher = manager.hasher
+        hash_block_size = hasher.block_size if hasher is not None else 0
+        same_hash_size = hash_block_size == block_size
+        # xxh3 hashes the ids' little-endian int32 bytes: an array's own bytes here.
+        plain_xxh3 = hasher is not None and hasher.algo == "xxh3_128" and sys.byteorder == "little"
+        none_hash = hasher.none_hash if hasher is not None else b""
+        xxh3_digest = xxhash.xxh3_128_digest
+        group_id = plain.group_id
+        flagged = self._recompute
+        # Tokens held, kept in a local across the loop (written back around the general
+        # path, which counts its own, and at the end).
+        held = self.num_tokens_held
+        max_held = self.max_tokens if self.max_tokens is not None else sys.maxsize
+        unscheduled_sum = self.num_tokens_unscheduled
+        max_unscheduled = (
+            self.max_unscheduled_tokens if self.max_unscheduled_tokens is not None else sys.maxsize
+        )
+        pos = token_pos
+        # As objects: compiled, a declared int would fail before the check below.
+        unchecked_ids: Sequence[object] = token_ids
+        for i in range(begin, end):
+            count = token_counts[i]
+            num_new = num_new_tokens[i]
+            request_id = request_ids[i]
+            request = requests.get(request_id)
+            if count > 1 or request is None or num_new < 0 or (flagged and request_id in flagged):
+                # General path: error reporting, multi-token appends.
+                tokens = token_ids[pos : pos + count]
+                pos += count
+                self.num_tokens_held = held
+                self.num_tokens_unscheduled = unscheduled_sum
+                failure: KvsvcError | None = None
+                try:
+                    outcome = self._allocate_general(request_id, tokens, num_new)
+                except KvsvcError as exc:
+                    failure = exc
+                # The general path counts its own tokens: take its totals back.
+                held = self.num_tokens_held
+                unscheduled_sum = self.num_tokens_unscheduled
+                if failure is not None:
+                    errors[i] = failure
+                    ok_out.append(False)
+                    computed_out.append(0)
+                    blocks_out.append(empty)
+                    continue
+                if outcome.recompute:
+                    out.recompute.append(i)
+                ok_out.append(outcome.ok)
+                computed_out.append(outcome.num_computed_tokens)
+                blocks_out.append(outcome.new_block_ids[0] or empty)
                 continue
-            if outcome.recompute:
-                out.recompute.append(i)
-            ok_out.append(outcome.ok)
-            computed_out.append(outcome.num_computed_tokens)
-            blocks_out.append(outcome.new_block_ids[0] or empty)
-            continue
-        # One full-attention group, a running request, at most one new token.
-        tokens_list = request.all_token_ids
-        num_tokens_before = len(tokens_list)
-        if count:
-            token = unchecked_ids[pos]
-            pos += 1
-            if type(token) is not int or not 0 <= token < MAX_TOKEN_ID_EXCLUSIVE:
-                errors[i] = _token_error(token)
-                ok_out.append(False)
-                computed_out.append(0)
-                blocks_out.append(empty)
-                continue
-            if num_tokens_before + 1 > max_model_len:
+            # One full-attention group, a running request, at most one new token.
+            tokens_list = request.all_token_ids
+            num_tokens_before = len(tokens_list)
+            if count:
+                token = unchecked_ids[pos]
+                pos += 1
+                if type(token) is not int or not 0 <= token < MAX_TOKEN_ID_EXCLUSIVE:
+                    errors[i] = _token_error(token)
+                    ok_out.append(False)
+                    computed_out.append(0)
+                    blocks_out.append(empty)
+                    continue
+                if num_tokens_before + 1 > max_model_len:
+                    errors[i] = InvalidArgument(
+                        "new_token_ids",
+                        f"request {quoted(request_id)} would reach {num_tokens_before + 1} tokens, "
+                        f"past max_model_len={max_model_len}",
+                    )
+                    ok_out.append(False)
+                    computed_out.append(0)
+                    blocks_out.append(empty)
+                    continue
+                if held >= max_held:
+                    self.num_tokens_held = held
+                    errors[i] = too_many_tokens(self, request_id, 1)
+                    ok_out.append(False)
+                    computed_out.append(0)
+                    blocks_out.append(empty)
+                    continue
+            computed = request.num_computed_tokens
+            num_main = computed + num_new
+            if num_main > max_model_len:
                 errors[i] = InvalidArgument(
-                    "new_token_ids",
-                    f"request {quoted(request_id)} would reach {num_tokens_before + 1} tokens, "
-                    f"past max_model_len={max_model_len}",
+                    "num_new_tokens",
+                    f"{computed} computed + {num_new} new tokens exceed "
+                    f"max_model_len={max_model_len}",
                 )
                 ok_out.append(False)
                 computed_out.append(0)
                 blocks_out.append(empty)
                 continue
-            if held >= max_held:
-                cache.num_tokens_held = held
-                errors[i] = too_many_tokens(cache, request_id, 1)
+            unscheduled_before = num_tokens_before - computed
+            unscheduled_after = num_tokens_before + count - num_main
+            unscheduled_delta = (unscheduled_after if unscheduled_after > 0 else 0) - (
+                unscheduled_before if unscheduled_before > 0 else 0
+            )
+            if unscheduled_delta > 0 and unscheduled_sum + unscheduled_delta > max_unscheduled:
+                self.num_tokens_unscheduled = unscheduled_sum
+                errors[i] = too_many_unscheduled(self, request_id, unscheduled_delta)
                 ok_out.append(False)
                 computed_out.append(0)
                 blocks_out.append(empty)
                 continue
-        computed = request.num_computed_tokens
-        num_main = computed + num_new
-        if num_main > max_model_len:
-            errors[i] = InvalidArgument(
-                "num_new_tokens",
-                f"{computed} computed + {num_new} new tokens exceed max_model_len={max_model_len}",
-            )
-            ok_out.append(False)
-            computed_out.append(0)
-            blocks_out.append(empty)
-            continue
-        unscheduled_before = num_tokens_before - computed
-        unscheduled_after = num_tokens_before + count - num_main
-        unscheduled_delta = (unscheduled_after if unscheduled_after > 0 else 0) - (
-            unscheduled_before if unscheduled_before > 0 else 0
-        )
-        if unscheduled_delta > 0 and unscheduled_sum + unscheduled_delta > max_unscheduled:
-            cache.num_tokens_unscheduled = unscheduled_sum
-            errors[i] = too_many_unscheduled(cache, request_id, unscheduled_delta)
-            ok_out.append(False)
-            computed_out.append(0)
-            blocks_out.append(empty)
-            continue
-        table = tables[request_id]
-        needed = -(-num_main // block_size) - len(table)
-        if needed > 0 and needed > free_queue.num_free_blocks:
-            # NO_SPACE: nothing was changed yet.
-            ok_out.append(False)
-            computed_out.append(computed)
-            blocks_out.append(empty)
-            continue
-        # The request's length after this operation (len() per use cost ~5% of a Step).
-        num_tokens = num_tokens_before + 1 if count else num_tokens_before
-        if count:
-            tokens_list.append(cast(int, token))  # an int, checked above
-            held += 1
-            if hasher is not None:
-                block_hashes = request.block_hashes
-                if num_tokens >= (len(block_hashes) + 1) * hash_block_size:
-                    if (
-                        plain_xxh3
-                        and request.extra_keys is None
-                        and num_tokens == (len(block_hashes) + 1) * hash_block_size
-                        and type(tokens_list) is array.array
-                    ):
-                        # The token completed exactly one block: hash just it (the
-                        # hasher's xxh3 path, for one block without extra keys).
-                        block_hashes.append(
-                            xxh3_digest(
-                                (block_hashes[-1] if block_hashes else none_hash)
-                                + tokens_list[num_tokens - hash_block_size :].tobytes()
+            table = tables[request_id]
+            needed = -(-num_main // block_size) - len(table)
+            if needed > 0 and needed > free_queue.num_free_blocks:
+                # NO_SPACE: nothing was changed yet.
+                ok_out.append(False)
+                computed_out.append(computed)
+                blocks_out.append(empty)
+                continue
+            # The request's length after this operation (len() per use cost ~5% of a Step).
+            num_tokens = num_tokens_before + 1 if count else num_tokens_before
+            if count:
+                tokens_list.append(cast(int, token))  # an int, checked above
+                held += 1
+                if hasher is not None:
+                    block_hashes = request.block_hashes
+                    if num_tokens >= (len(block_hashes) + 1) * hash_block_size:
+                        if (
+                            plain_xxh3
+                            and request.extra_keys is None
+                            and num_tokens == (len(block_hashes) + 1) * hash_block_size
+                            and type(tokens_list) is array.array
+                        ):
+                            # The token completed exactly one block: hash just it (the
+                            # hasher's xxh3 path, for one block without extra keys).
+                            block_hashes.append(
+                                xxh3_digest(
+                                    (block_hashes[-1] if block_hashes else none_hash)
+                                    + tokens_list[num_tokens - hash_block_size :].tobytes()
+                                )
                             )
+                        else:
+                            request.update_block_hashes()
+            if needed == 1:
+                block_id = pool.get_new_block()
+                table.append(block_id)
+                new_blocks = [block_id]
+            elif needed > 0:
+                new_blocks = pool.get_new_blocks(needed)
+                table.extend(new_blocks)
+            else:
+                new_blocks = empty
+            if caching:
+                num_to_cache = num_main if num_main < num_tokens else num_tokens
+                num_full = num_to_cache // block_size
+                num_cached = cached_counts[request_id]
+                if num_full > num_cached:
+                    if same_hash_size:
+                        # The manager's cache_blocks, minus its layers (one group, hashes
+                        # already at the block size).
+                        pool.cache_full_blocks(
+                            table,
+                            request.block_hashes,
+                            num_cached,
+                            num_full,
+                            group_id,
+                            block_size,
+                            tokens_list,
+                            request.lora_name,
+                            extra_keys=request.extra_keys,
                         )
+                        cached_counts[request_id] = num_full
                     else:
-                        request.update_block_hashes()
-        if needed == 1:
-            block_id = pool.get_new_block()
-            table.append(block_id)
-            new_blocks = [block_id]
-        elif needed > 0:
-            new_blocks = pool.get_new_blocks(needed)
-            table.extend(new_blocks)
-        else:
-            new_blocks = empty
-        if caching:
-            num_to_cache = num_main if num_main < num_tokens else num_tokens
-            num_full = num_to_cache // block_size
-            num_cached = cached_counts[request_id]
-            if num_full > num_cached:
-                if same_hash_size:
-                    # The manager's cache_blocks, minus its layers (one group, hashes
-                    # already at the block size).
-                    pool.cache_full_blocks(
-                        table,
-                        request.block_hashes,
-                        num_cached,
-                        num_full,
-                        group_id,
-                        block_size,
-                        tokens_list,
-                        request.lora_name,
-                        extra_keys=request.extra_keys,
-                    )
-                    cached_counts[request_id] = num_full
-                else:
-                    plain.cache_blocks(request, num_to_cache)
-        request.num_computed_tokens = num_main
-        unscheduled_sum += unscheduled_delta
-        if admissions:
-            admissions.pop(request_id, None)  # as in allocate: no retry after this
-        ok_out.append(True)
-        computed_out.append(num_main)
-        blocks_out.append(new_blocks)
-    cache.num_tokens_held = held
-    cache.num_tokens_unscheduled = unscheduled_sum
-    return pos
+                        plain.cache_blocks(request, num_to_cache)
+            request.num_computed_tokens = num_main
+            unscheduled_sum += unscheduled_delta
+            if admissions:
+                admissions.pop(request_id, None)  # as in allocate: no retry after this
+            ok_out.append(True)
+            computed_out.append(num_main)
+            blocks_out.append(new_blocks)
+        self.num_tokens_held = held
+        self.num_tokens_unscheduled = unscheduled_sum
+        return pos
+
+    def _allocate_general(
+        self, request_id: str, token_ids: Sequence[int], num_new_tokens: int
+    ) -> AllocateOutcome:
+        """``allocate(request_id, token_ids, num_new_tokens)``: the general path, for an
+        operation this loop does not take itself (the facade overrides it)."""
+        raise NotImplementedError("PoolKVCache.allocate")
