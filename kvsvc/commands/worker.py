@@ -287,6 +287,10 @@ def run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # torch's own INFO lines are its internals' (an exit hook of its fake tensors logs
+    # cache statistics, even after Ctrl-C during its import): not the agent's to print.
+    if logging.getLogger().level > logging.DEBUG:
+        logging.getLogger("torch").setLevel(logging.WARNING)
     prog = "kvsvc worker"
     metrics_server = None
     try:
