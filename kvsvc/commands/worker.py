@@ -278,6 +278,24 @@ def build_agent(args: argparse.Namespace) -> Any:
     )
 
 
+def import_torch_holding_ctrl_c() -> None:
+    """Import torch with SIGINT held back, then let a Ctrl-C that came meanwhile through.
+
+    torch's import runs C++ initialisers (pybind11) for seconds: a KeyboardInterrupt
+    raised inside one is swallowed there (the agent then runs on as if no Ctrl-C came) or
+    aborts the process ("terminate called after throwing ... KeyboardInterrupt"). Blocked
+    during the import, the signal stays pending and arrives once it is done, as the
+    ``KeyboardInterrupt`` the command line turns into one line (exit 130).
+    """
+    if not hasattr(signal, "pthread_sigmask") or "torch" in sys.modules:
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        import torch  # noqa: F401  (the agent's modules import it next)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the agent until a signal (0) or a fatal error (1); bad flags exit 2."""
     # torch warns at import when NumPy is absent; the agent never hands tensors to NumPy.
@@ -293,6 +311,7 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("torch").setLevel(logging.WARNING)
     prog = "kvsvc worker"
     metrics_server = None
+    import_torch_holding_ctrl_c()
     try:
         agent = build_agent(args)
         if args.metrics_listen:
