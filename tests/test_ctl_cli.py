@@ -16,6 +16,7 @@ from kvsvc_client import KVCacheClient
 
 from kvsvc.server.config import PoolConfig
 from tests.server.harness import FakeRank, ServerThread, bring_up, llama_like_specs, running_server
+from tests.tooling import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN_ENV = ("KVSVC_AUTH_TOKEN", "KVSVC_ADMIN_TOKEN", "KVSVC_AUTH_TOKEN_FILE")
@@ -110,11 +111,7 @@ def test_wait_ready_times_out_naming_the_state_then_succeeds() -> None:
 
 
 def test_wait_ready_waits_for_a_server_that_is_not_up() -> None:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     done = ctl(f"127.0.0.1:{port}", "wait-ready", "p", "--timeout", "1")
     assert done.returncode == 1
     assert "not ready after 1s: the server is unreachable (UNAVAILABLE" in done.stderr

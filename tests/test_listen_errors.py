@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvsvc.ports import ListenError, check_bindable
+from tests.tooling import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 LOOPBACK_ANY_PORTS = ("--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0")
@@ -144,9 +145,7 @@ def test_a_port_taken_after_the_check_is_the_same_error(
 
 def test_check_bindable_passes_free_ports_and_port_zero(busy_port: int) -> None:
     check_bindable("127.0.0.1", 0, address="127.0.0.1:0", what="x", flag="--x")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        free = probe.getsockname()[1]
+    free = free_port()
     check_bindable("127.0.0.1", free, address=f"127.0.0.1:{free}", what="x", flag="--x")
     with pytest.raises(ListenError) as raised:
         check_bindable("127.0.0.1", busy_port, address="here", what="x", flag="--x")

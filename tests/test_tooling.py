@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import socket
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
 
+from tests import tooling
 from tests.tooling import hypothesis_profile, in_ci, require_tool
 
 MISSING = "kvsvc-no-such-tool"
@@ -52,3 +55,31 @@ def test_a_missing_tool_skips_locally_and_fails_in_ci(monkeypatch: pytest.Monkey
 def test_a_present_tool_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CI", "true")
     assert require_tool("sh", "POSIX shell").endswith("sh")
+
+
+def test_free_ports_lie_below_the_ephemeral_range_and_bind() -> None:
+    """A port the kernel may give an outgoing connection could be taken before the test's
+    server binds it; free_port never hands one out, nor the same port twice."""
+    ephemeral = tooling.ephemeral_port_range()
+    ports = [tooling.free_port() for _ in range(50)]
+    assert len(set(ports)) == len(ports)
+    for port in ports:
+        assert port not in ephemeral
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+
+
+def test_a_free_port_with_an_offset_has_both_ports_free() -> None:
+    ephemeral = tooling.ephemeral_port_range()
+    port = tooling.free_port(also_free_at=10000)
+    for wanted in (port, port + 10000):
+        assert wanted not in ephemeral
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", wanted))
+
+
+def test_the_ephemeral_range_is_read_from_the_kernel(tmp_path: Path) -> None:
+    setting = tmp_path / "ip_local_port_range"
+    setting.write_text("40000\t50000\n")
+    assert tooling.ephemeral_port_range(str(setting)) == range(40000, 50001)
+    assert tooling.ephemeral_port_range(str(tmp_path / "missing")) == range(32768, 61000)

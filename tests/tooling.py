@@ -9,9 +9,12 @@ whole part of the suite did not run.
 from __future__ import annotations
 
 import os
+import random
 import shutil
+import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn
 
 import pytest
@@ -72,3 +75,58 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "
             return
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+# Ports handed out by free_port in this process: two calls never return the same one, even
+# before either is bound.
+_handed_out: set[int] = set()
+_port_rng = random.Random(os.getpid())
+# Where free_port looks: the registered-port range, below Linux's default ephemeral range.
+_LOWEST_PORT = 10000
+
+
+def ephemeral_port_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> range:
+    """The ports the kernel gives outgoing connections (Linux's default 32768-60999 where
+    the file cannot be read)."""
+    try:
+        low, high = (int(part) for part in Path(path).read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
+def free_port(also_free_at: int = 0) -> int:
+    """A loopback TCP port nothing listens on, for a process started on a fixed port.
+
+    Asking the kernel for port 0 would hand out a port from the ephemeral range, and any
+    outgoing connection made before the test's server binds it (a redis-cli, a cluster
+    node's gossip, an agent's retries) can take that same port as its local end: the server
+    then fails with "address already in use". So the port is drawn from below that range,
+    where the kernel never picks local ends on its own, and checked by binding it. With
+    ``also_free_at`` the port at that offset (Redis Cluster's bus, port + 10000) is drawn
+    from the same range and checked too.
+    """
+    ephemeral = ephemeral_port_range()
+    top = min(ephemeral.start, 65536) - also_free_at
+    if top - _LOWEST_PORT < 1000:
+        raise RuntimeError(
+            f"no room for test ports below the ephemeral range {ephemeral.start}-"
+            f"{ephemeral.stop - 1} (offset {also_free_at})"
+        )
+    for _ in range(1000):
+        port = _port_rng.randrange(_LOWEST_PORT, top)
+        wanted = [port, port + also_free_at] if also_free_at else [port]
+        if any(p in _handed_out for p in wanted) or not all(_bindable(p) for p in wanted):
+            continue
+        _handed_out.update(wanted)
+        return port
+    raise RuntimeError("no free loopback port found in 1000 tries")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

@@ -6,13 +6,13 @@ Each runs in its own temporary directory without persistence (``--save ''``,
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tests.tooling import free_port as tooling_free_port
 from tests.tooling import missing, require_tool
 
 INSTALL = "apt-get install redis-server (it brings redis-cli; .ci/run installs it)"
@@ -29,20 +29,7 @@ def require_redis_package() -> None:
 def free_port(cluster_bus: bool = False) -> int:
     """A free port; with ``cluster_bus`` one whose cluster bus port (port + 10000, Redis
     Cluster's rule) is a free port too."""
-    while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
-        if not cluster_bus:
-            return port
-        if port + 10000 > 65535:
-            continue
-        with socket.socket() as bus:
-            try:
-                bus.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
-        return port
+    return tooling_free_port(also_free_at=10000 if cluster_bus else 0)
 
 
 class RedisServer:

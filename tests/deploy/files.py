@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,13 +47,6 @@ def load_yaml(path: Path) -> Any:
     docs = load_yaml_documents(path)
     assert len(docs) == 1, f"{path}: expected one YAML document, found {len(docs)}"
     return docs[0]
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on (bound, then released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def require_tool(name: str) -> str:

@@ -14,9 +14,8 @@ import pytest
 from kvsvc.server.app import KVCACHE_SERVICE, pool_health_name
 from kvsvc.server.config import PoolConfig
 from kvsvc.tools.healthcheck import check_agent, check_grpc, main
-from tests.deploy.files import free_port
 from tests.server.harness import ServerThread, bring_up, running_server
-from tests.tooling import missing
+from tests.tooling import free_port, missing
 
 
 @pytest.fixture(scope="module")

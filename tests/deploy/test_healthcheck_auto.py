@@ -26,7 +26,7 @@ from kvsvc.tools.healthcheck import (
     resolve_auto_server,
     serve_address,
 )
-from tests.deploy.files import free_port
+from tests.tooling import free_port
 
 # How an image's `kvsvc serve` shows in /proc: the console script under its interpreter.
 SCRIPT = ["/opt/kvsvc/venv/bin/python", "/opt/kvsvc/venv/bin/kvsvc"]

@@ -17,6 +17,7 @@ from kvsvc_client import ClientOptions, KVCacheClient
 
 from kvsvc.demo.processes import Child, spawn, stop_all, wait_for_ports
 from tests.frames.helpers import TINY_SPECS, short_dir
+from tests.tooling import free_port
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
@@ -164,9 +165,7 @@ def test_a_frames_port_in_use_stops_serve_with_one_line() -> None:
 
 
 def test_a_frames_address_equal_to_the_grpc_one_stops_serve() -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     result = run_serve(f"127.0.0.1:{port}", f"127.0.0.1:{port}")
     assert result.returncode == 2, result.stderr
     assert "frames_listen" in result.stderr and len(result.stderr.strip().splitlines()) == 1

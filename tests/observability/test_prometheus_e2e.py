@@ -33,13 +33,13 @@ from tests.deploy.files import (
     AGENT_METRICS_PORT,
     DASHBOARD,
     PROMETHEUS,
-    free_port,
     load_yaml,
     port_of,
     require_tool,
 )
 from tests.observability.conftest import LiveKvsvc
 from tests.observability.metric_names import agent_metric_names, promql_metric_names
+from tests.tooling import free_port
 
 pytestmark = pytest.mark.e2e
 

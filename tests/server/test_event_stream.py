@@ -4,7 +4,6 @@ across a server restart."""
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 from queue import Empty, Queue
@@ -17,6 +16,7 @@ from kvsvc_client._wire import resume_sequence
 from kvsvc.server.config import PoolConfig
 from kvsvc.v1 import kvcache_pb2, kvcache_pb2_grpc
 from tests.server.harness import bring_up, running_server
+from tests.tooling import free_port
 
 POOL = PoolConfig(name="p", world_size=1, max_model_len=256)
 KV_BYTES = 41 * 4 * 2 * 128 * 2 * 16  # 40 usable blocks of the harness specs
@@ -38,12 +38,6 @@ def test_a_start_that_was_dropped_gets_a_gap_marker_first() -> None:
             assert [next(stream).sequence for _ in range(2)] == [4, 5]
         for rank in ranks:
             rank.close()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_the_client_resumes_across_a_server_restart() -> None:

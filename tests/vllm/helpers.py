@@ -28,7 +28,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -78,13 +77,6 @@ def write_tiny_model(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG))
     return directory
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextmanager

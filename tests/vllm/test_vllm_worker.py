@@ -33,6 +33,7 @@ from kvsvc.integrations.vllm.specs import (
 )
 from kvsvc.integrations.vllm.worker import KvsvcWorker, KvsvcWorkerError
 from kvsvc.models import ModelSpecOptions, layer_specs_for_rank
+from tests.tooling import free_port
 from tests.vllm.helpers import (
     BLOCK_SIZE,
     KV_CACHE_BYTES,
@@ -42,7 +43,6 @@ from tests.vllm.helpers import (
     cleanup_after_failed_start,
     driver_worker,
     engine_core,
-    free_port,
     greedy_tokens,
     kvsvc_server,
     kvsvc_worker_args,
