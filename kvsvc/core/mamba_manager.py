@@ -30,18 +30,7 @@ class MambaManager(SingleTypeKVCacheManager):
 
     may_drop_blocks = True
 
-    def __init__(
-        self,
-        spec: KVCacheSpec,
-        pool: BlockPool,
-        group_id: int,
-        *,
-        enable_caching: bool,
-        hash_block_size: int,
-    ) -> None:
-        super().__init__(
-            spec, pool, group_id, enable_caching=enable_caching, hash_block_size=hash_block_size
-        )
+    def _take_spec(self, spec: KVCacheSpec) -> None:
         assert isinstance(spec, MambaSpec)
         self.mamba_cache_mode = spec.mamba_cache_mode
         self.num_speculative_blocks = spec.num_speculative_blocks

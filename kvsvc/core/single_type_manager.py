@@ -61,6 +61,15 @@ class SingleTypeKVCacheManager:
         # request past its first allocation (the "running request" fast path).
         self.num_cached_block: dict[str, int] = {}
         self._leading_nulls: dict[str, int] = {}
+        self._take_spec(spec)
+
+    def _take_spec(self, spec: KVCacheSpec) -> None:
+        """Read what this kind of attention needs from its group's spec.
+
+        A hook for the subclasses (the window, the chunk, the sink, Mamba's mode), so that
+        every manager is built through one constructor with one signature: the pool builds
+        them all alike, by spec kind. It runs last in ``__init__``, on a complete manager.
+        """
 
     # -- sizing --------------------------------------------------------------------------
 
@@ -410,18 +419,7 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
 class SinkFullAttentionManager(FullAttentionManager):
     """Full attention plus ``sink_len`` attention-sink tokens held for the pool's lifetime."""
 
-    def __init__(
-        self,
-        spec: KVCacheSpec,
-        pool: BlockPool,
-        group_id: int,
-        *,
-        enable_caching: bool,
-        hash_block_size: int,
-    ) -> None:
-        super().__init__(
-            spec, pool, group_id, enable_caching=enable_caching, hash_block_size=hash_block_size
-        )
+    def _take_spec(self, spec: KVCacheSpec) -> None:
         assert isinstance(spec, SinkFullAttentionSpec)
         sink_len = spec.sink_len
         if not sink_len or sink_len < 0 or sink_len % self.block_size:
@@ -429,7 +427,7 @@ class SinkFullAttentionManager(FullAttentionManager):
                 f"sink_len={sink_len} must be a positive multiple of the group's block size "
                 f"{self.block_size}"
             )
-        self.sink_blocks = pool.reserve_blocks(sink_len // self.block_size)
+        self.sink_blocks = self.pool.reserve_blocks(sink_len // self.block_size)
 
     def to_state(self) -> dict[str, Any]:
         return {**super().to_state(), "sink_blocks": list(self.sink_blocks)}

@@ -23,18 +23,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     may_drop_blocks = True
 
-    def __init__(
-        self,
-        spec: KVCacheSpec,
-        pool: BlockPool,
-        group_id: int,
-        *,
-        enable_caching: bool,
-        hash_block_size: int,
-    ) -> None:
-        super().__init__(
-            spec, pool, group_id, enable_caching=enable_caching, hash_block_size=hash_block_size
-        )
+    def _take_spec(self, spec: KVCacheSpec) -> None:
         assert isinstance(spec, SlidingWindowSpec)
         self.sliding_window = spec.sliding_window
         # vLLM's prefix_cache_retention_interval: None caches every full block; 0 only
@@ -155,18 +144,7 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
 
     may_drop_blocks = True
 
-    def __init__(
-        self,
-        spec: KVCacheSpec,
-        pool: BlockPool,
-        group_id: int,
-        *,
-        enable_caching: bool,
-        hash_block_size: int,
-    ) -> None:
-        super().__init__(
-            spec, pool, group_id, enable_caching=enable_caching, hash_block_size=hash_block_size
-        )
+    def _take_spec(self, spec: KVCacheSpec) -> None:
         assert isinstance(spec, ChunkedLocalAttentionSpec)
         self.attention_chunk_size = spec.attention_chunk_size
 
