@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from kvsvc.specs.base import (
     KVCacheSpec,
@@ -214,8 +214,46 @@ _MLA_SHARED_FIELDS = (
 )
 
 
+def _values_of(spec: KVCacheSpec, names: Iterable[str]) -> dict[str, Any]:
+    """The values of ``names`` in ``spec``: a merged spec takes what its layers share
+    (``require_same`` has checked they agree)."""
+    return {name: getattr(spec, name) for name in dict.fromkeys(names)}
+
+
+class _LatentPages:
+    """The page of an MLA latent cache, for MLA and its sliding-window form alike.
+
+    One compressed latent row per token, ``block_size // compress_ratio`` rows a page,
+    padded up to ``alignment`` (DeepSeek V4). The two spec kinds descend from different
+    attention kinds (as in vLLM), so what they share about their pages lives here.
+    """
+
+    def _check_latent(self) -> None:
+        """Fill ``head_size_v`` and the alignment padding, and refuse bad sizes; run by
+        ``__post_init__`` once the fields are set."""
+        spec = cast("MLAAttentionSpec | SlidingWindowMLASpec", self)
+        if spec.head_size_v is None:
+            object.__setattr__(spec, "head_size_v", spec.head_size)
+        if spec.compress_ratio < 1 or spec.block_size % spec.compress_ratio:
+            raise ValueError(
+                f"compress_ratio={spec.compress_ratio} must be >= 1 and divide "
+                f"block_size={spec.block_size}"
+            )
+        _apply_alignment_padding(spec)
+        spec._check_padding()
+
+    @property
+    def storage_block_size(self) -> int:
+        spec = cast("MLAAttentionSpec | SlidingWindowMLASpec", self)
+        return spec.block_size // spec.compress_ratio
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        return _mla_page_bytes(cast("MLAAttentionSpec | SlidingWindowMLASpec", self))
+
+
 @dataclass(frozen=True, kw_only=True)
-class MLAAttentionSpec(FullAttentionSpec):
+class MLAAttentionSpec(_LatentPages, FullAttentionSpec):
     """Multi-head latent attention: one compressed latent row per token.
 
     ``compress_ratio`` > 1 stores ``block_size // compress_ratio`` rows per page;
@@ -230,48 +268,19 @@ class MLAAttentionSpec(FullAttentionSpec):
     type_name: ClassVar[str] = "mla_attention"
 
     def __post_init__(self) -> None:
-        if self.head_size_v is None:
-            object.__setattr__(self, "head_size_v", self.head_size)
-        if self.compress_ratio < 1 or self.block_size % self.compress_ratio:
-            raise ValueError(
-                f"compress_ratio={self.compress_ratio} must be >= 1 and divide "
-                f"block_size={self.block_size}"
-            )
-        _apply_alignment_padding(self)
-        self._check_padding()
+        self._check_latent()
 
     @property
     def kind(self) -> KVCacheSpecKind:
         return KVCacheSpecKind.MLA_ATTENTION
 
-    @property
-    def storage_block_size(self) -> int:
-        return self.block_size // self.compress_ratio
-
-    @property
-    def real_page_size_bytes(self) -> int:
-        return _mla_page_bytes(self)
-
     @classmethod
     def merge(cls, specs, names=None):  # type: ignore[no-untyped-def,override]
         what = "layers in one MLA group"
         require_type(what, specs, names, MLAAttentionSpec)
-        require_same(what, specs, names, (*_attention_fields(), *_MLA_SHARED_FIELDS, "alignment"))
-        first = specs[0]
-        return cls(
-            block_size=first.block_size,
-            num_kv_heads=first.num_kv_heads,
-            head_size=first.head_size,
-            dtype=first.dtype,
-            kv_quant_mode=first.kv_quant_mode,
-            page_size_padded=first.page_size_padded,
-            indexes_kv_by_block_stride=first.indexes_kv_by_block_stride,
-            cache_dtype_str=first.cache_dtype_str,
-            alignment=first.alignment,
-            compress_ratio=first.compress_ratio,
-            model_version=first.model_version,
-            non_causal=any(s.non_causal for s in specs),
-        )
+        shared = (*_attention_fields(), *_MLA_SHARED_FIELDS, "alignment")
+        require_same(what, specs, names, shared)
+        return cls(**_values_of(specs[0], shared), non_causal=any(s.non_causal for s in specs))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -388,7 +397,7 @@ class SlidingWindowSpec(AttentionSpec):
 
 
 @dataclass(frozen=True, kw_only=True)
-class SlidingWindowMLASpec(SlidingWindowSpec):
+class SlidingWindowMLASpec(_LatentPages, SlidingWindowSpec):
     """Sliding-window attention over an MLA latent cache."""
 
     cache_dtype_str: str | None = None
@@ -399,57 +408,23 @@ class SlidingWindowMLASpec(SlidingWindowSpec):
     type_name: ClassVar[str] = "sliding_window_mla"
 
     def __post_init__(self) -> None:
-        if self.head_size_v is None:
-            object.__setattr__(self, "head_size_v", self.head_size)
         if self.model_version not in (None, "deepseek_v4"):
             raise ValueError(
                 f"unsupported model_version {self.model_version!r} for sliding-window MLA"
             )
-        if self.compress_ratio < 1 or self.block_size % self.compress_ratio:
-            raise ValueError(
-                f"compress_ratio={self.compress_ratio} must be >= 1 and divide "
-                f"block_size={self.block_size}"
-            )
-        _apply_alignment_padding(self)
-        self._check_padding()
+        self._check_latent()
 
     @property
     def kind(self) -> KVCacheSpecKind:
         return KVCacheSpecKind.SLIDING_WINDOW_MLA
 
-    @property
-    def storage_block_size(self) -> int:
-        return self.block_size // self.compress_ratio
-
-    @property
-    def real_page_size_bytes(self) -> int:
-        return _mla_page_bytes(self)
-
     @classmethod
     def merge(cls, specs, names=None):  # type: ignore[no-untyped-def,override]
         what = "layers in one sliding-window MLA group"
         require_type(what, specs, names, SlidingWindowMLASpec)
-        require_same(
-            what,
-            specs,
-            names,
-            (*_attention_fields(), *_MLA_SHARED_FIELDS, "sliding_window", "alignment"),
-        )
-        first = specs[0]
-        return cls(
-            block_size=first.block_size,
-            num_kv_heads=first.num_kv_heads,
-            head_size=first.head_size,
-            dtype=first.dtype,
-            kv_quant_mode=first.kv_quant_mode,
-            page_size_padded=first.page_size_padded,
-            indexes_kv_by_block_stride=first.indexes_kv_by_block_stride,
-            sliding_window=first.sliding_window,
-            cache_dtype_str=first.cache_dtype_str,
-            alignment=first.alignment,
-            compress_ratio=first.compress_ratio,
-            model_version=first.model_version,
-        )
+        shared = (*_attention_fields(), *_MLA_SHARED_FIELDS, "sliding_window", "alignment")
+        require_same(what, specs, names, shared)
+        return cls(**_values_of(specs[0], shared))
 
     def is_uniform_with_collection(self, specs: Iterable[KVCacheSpec]) -> bool:
         return all(
