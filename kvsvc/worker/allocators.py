@@ -246,11 +246,16 @@ class EngineTensors(KVCacheAllocator):
     def hand_over(self, views: Mapping[str, KVCacheView], allocated_bytes: int) -> None:
         """The tensors the engine bound for the plan, and the bytes behind them.
 
-        ``views`` is informational for the server (``kvsvc ctl`` shows it); the engine's
-        tensors get no ``allocation_id``.
+        ``views`` is informational for the server (``kvsvc ctl`` shows it). The tensors
+        get an ``allocation_id`` of their own, minted here: they live as long as the engine
+        process, so an agent that reconnects (a server restarted on its state) reports the
+        same identity and the server keeps the pool's cached blocks, while a new engine
+        process hands over new tensors with a new identity and the server drops them.
         """
         with self._handed:
-            self._tensors = KVCacheAllocation(dict(views), allocated_bytes)
+            self._tensors = KVCacheAllocation(
+                dict(views), allocated_bytes, allocation_id=uuid.uuid4().hex
+            )
             self._handed.notify_all()
 
 

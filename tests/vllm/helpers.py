@@ -141,6 +141,7 @@ def kvsvc_server(
     log_level: str = "WARNING",
     frames: bool = False,
     env: dict[str, str] | None = None,
+    listen: str = "127.0.0.1:0",
 ) -> Iterator[KvsvcServer]:
     """Run ``kvsvc serve`` on a free loopback port with one pool; stop it afterwards.
 
@@ -149,11 +150,13 @@ def kvsvc_server(
         block_size: the pool's ``--block-size`` (None: not given).
         frames: also serve the framed transport on a Unix socket (``server.frames``).
         env: more environment for the server (``KVSVC_PURE_PYTHON=1``: the pure core).
+        listen: the gRPC address (a fixed one, from ``tests.tooling.free_port``, for a
+            server restarted in place).
     """
     args = [
         "serve",
         "--listen",
-        "127.0.0.1:0",
+        listen,
         "--metrics-listen",
         "off",
         "--log-level",

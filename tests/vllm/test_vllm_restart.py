@@ -1,4 +1,9 @@
-"""vLLM started again on a pool whose previous engine died with requests live.
+"""vLLM and a kvsvc server that restart apart from each other.
+
+A kvsvc server restarted on its state under a live engine: the engine's workers come back
+naming the same tensors, so the pool keeps what they cached and the next request hits it.
+
+vLLM started again on a pool whose previous engine died with requests live.
 
 The kvsvc server outlives the engine (a sidecar, here with its state kept on disk, so a
 server restart would bring those requests back too). The dead engine's requests hold
@@ -17,7 +22,9 @@ from pathlib import Path
 import pytest
 
 from kvsvc.integrations.vllm import vllm_kwargs
+from tests.tooling import free_port
 from tests.vllm.helpers import (
+    BLOCK_SIZE,
     POOL,
     greedy_tokens,
     kvsvc_server,
@@ -69,3 +76,36 @@ def test_vllm_started_again_frees_what_the_dead_engine_left(
         with server.client() as kv:
             usage = kv.usage()
             assert usage.num_requests == 0 and usage.num_free_blocks == usage.num_blocks
+
+
+def test_a_server_restarted_under_a_live_engine_keeps_its_cached_blocks(tmp_path: Path) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    model_dir = write_tiny_model(tmp_path / "tiny")
+    address = f"127.0.0.1:{free_port()}"  # the restarted server listens where the first did
+    serve = ("--max-model-len", "512", "--state-dir", str(tmp_path / "state"))
+    prompt = TokensPrompt(prompt_token_ids=list(range(200, 200 + 2 * BLOCK_SIZE + 16)))
+    params = SamplingParams(temperature=0, max_tokens=4, detokenize=False, ignore_eos=True)
+    with kvsvc_server(*serve, listen=address) as server:
+        llm = make_llm(model_dir, **vllm_kwargs(server.address, POOL))
+        try:
+            first = llm.generate([prompt], params, use_tqdm=False)[0]
+            assert first.num_cached_tokens == 0
+        except BaseException:
+            release_llm(llm)
+            raise
+    # The server has gone (stopped, its state on disk); the engine and its tensors stay.
+    with kvsvc_server(*serve, listen=address) as server:
+        try:
+            with server.client() as kv:
+                kv.wait_until_ready(timeout=60)  # the engine's worker registered again
+                usage = kv.usage()
+            again = llm.generate([prompt], params, use_tqdm=False)[0]
+            # The worker named the same tensors: the blocks the first request cached are
+            # still there to hit (a new identity would have had the server drop them).
+            assert usage.num_cached_blocks == 2
+            assert again.num_cached_tokens == 2 * BLOCK_SIZE
+            assert again.outputs[0].token_ids == first.outputs[0].token_ids
+        finally:
+            release_llm(llm)

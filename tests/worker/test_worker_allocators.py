@@ -1,8 +1,9 @@
 """The agent's allocation hook: an engine that allocates its own KV cache hands it over.
 
 ``WorkerAgent(..., allocator=EngineTensors(...))`` against the loopback WorkerService: the
-engine reads the plan, hands its tensors over and the agent reports them; stopping ends a
-wait for them; a later plan is refused in the engine's words.
+engine reads the plan, hands its tensors over and the agent reports them; a restarted server
+hears the same tensors' identity; stopping ends a wait for them; a later plan is refused in
+the engine's words.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from kvsvc.worker import (  # noqa: E402
 )
 
 from .fake_server import FakeServer, FakeWorkerService  # noqa: E402
-from .test_worker_agent import LAYER0, PAGE, SPECS, MiB  # noqa: E402
+from .test_worker_agent import LAYER0, PAGE, SPECS, MiB, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -62,10 +63,35 @@ def test_the_engine_reads_the_plan_hands_its_tensors_over_and_they_are_reported(
             assert agent.kv_cache_config == plan and agent.raw_tensors is None
             report = server.service.reports[0]
             assert report.num_blocks == 128 and report.allocated_bytes == 4 * 128 * PAGE
-            assert report.allocation_id == ""  # the engine's tensors carry no identity
+            assert len(report.allocation_id) == 32  # the engine's tensors have an identity
             assert list(report.views[0].shape) == [128, 2, 16, 2, 64]
         finally:
             agent.stop()
+
+
+def test_a_restarted_server_hears_the_same_identity_of_the_engine_s_tensors() -> None:
+    """The engine's tensors outlive a server restart: the rank registers again naming them
+    as before, so a server that kept its state keeps the pool's cached blocks (a new
+    identity would make it drop them, as for a new engine process)."""
+    server = FakeServer(FakeWorkerService())
+    tensors = EngineTensors("test-engine")
+    agent = engine_agent(server.address, tensors)
+    agent.launch()
+    try:
+        plan = agent.wait_plan(timeout=30)
+        tensors.hand_over(engine_caches(plan.num_blocks), 4 * 128 * PAGE)
+        agent.wait_ready(timeout=30)
+        identity = server.service.reports[0].allocation_id
+        assert identity
+        server.stop()
+        wait_for(lambda: not agent.ready)
+        server = FakeServer(FakeWorkerService(), port=server.port)  # fresh state, same port
+        wait_for(lambda: agent.ready and 0 in server.service.reports)
+        assert [r.allocation_id for r in server.service.registrations] == [identity]
+        assert server.service.reports[0].allocation_id == identity
+    finally:
+        agent.stop()
+        server.stop()
 
 
 def test_stopping_ends_the_wait_for_the_engine_s_tensors() -> None:
