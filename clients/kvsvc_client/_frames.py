@@ -27,9 +27,10 @@ import socket
 import ssl
 import threading
 import time
+from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -223,16 +224,6 @@ def _broken(address: str, exc: BaseException) -> Failure:
     return grpc.StatusCode.UNAVAILABLE, f"the connection to {address} failed: {exc!r}"
 
 
-def _trailing(header: FrameHeader) -> Metadata:
-    return tuple((m.key, m.value) for m in header.metadata) if header.metadata else ()
-
-
-def _call_failed(header: FrameHeader) -> Failure | None:
-    if not header.code:
-        return None
-    return _CODES.get(header.code, grpc.StatusCode.UNKNOWN), header.details
-
-
 def _streaming_only(method: str) -> Failure:
     return grpc.StatusCode.UNIMPLEMENTED, (
         f"{method} is a streaming method, served over gRPC only: use the server's gRPC "
@@ -269,10 +260,92 @@ class FrameAddress:
         return cls(address, host=host.strip("[]"), port=int(port))
 
 
-class FrameChannel(grpc.Channel):
-    """A client channel over the framed transport to ``address`` (``unix:PATH`` or
-    ``HOST:PORT``); TLS on TCP when ``ssl_context`` is given (see
-    :meth:`kvsvc.tls.ClientTls.ssl_context`)."""
+class _Unimplemented:
+    """A streaming method on a framed channel: served over gRPC only."""
+
+    def __init__(self, method: str) -> None:
+        self._method = method
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise FrameRpcError(*_streaming_only(self._method))
+
+    with_call = __call__
+    future = __call__
+
+
+_Ch = TypeVar("_Ch")
+
+
+class _UnaryMethod(Generic[_Ch]):
+    """What a unary method on either channel keeps: its channel, call header and codecs."""
+
+    def __init__(
+        self,
+        channel: _Ch,
+        method: str,
+        serialize: Callable[[Any], bytes] | None,
+        deserialize: Callable[[bytes], Any] | None,
+    ) -> None:
+        self._channel = channel
+        self._header = call_header(method)
+        self._serialize = serialize or bytes
+        self._deserialize: Callable[[bytes], Any] = deserialize or (lambda data: data)
+
+
+class FrameUnaryMethod(_UnaryMethod["FrameChannel"]):
+    """A unary method on a :class:`FrameChannel` (gRPC's ``UnaryUnaryMultiCallable``)."""
+
+    def with_call(
+        self,
+        request: Any,
+        timeout: float | None = None,
+        metadata: Sequence[tuple[str, str]] | None = None,
+        **_: Any,
+    ) -> tuple[Any, FrameCallOutcome]:
+        body, trailing = self._channel.call(
+            self._header,
+            self._serialize(request),
+            timeout,
+            tuple(metadata) if metadata is not None else None,
+        )
+        return self._deserialize(body), FrameCallOutcome(trailing)
+
+    def __call__(
+        self,
+        request: Any,
+        timeout: float | None = None,
+        metadata: Sequence[tuple[str, str]] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        return self.with_call(request, timeout, metadata, **kwargs)[0]
+
+    def future(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("a framed channel has no future(); call it from a thread")
+
+
+class _PooledConnection(Protocol):
+    """What the shared channel code does with a connection of either kind."""
+
+    def close(self) -> None: ...
+
+
+_C = TypeVar("_C", bound=_PooledConnection)
+_M = TypeVar("_M", bound=_UnaryMethod[Any])
+
+
+class _FramedChannel(Generic[_C, _M]):
+    """What :class:`FrameChannel` and :class:`AioFrameChannel` do alike, written once: the
+    options, the idle connections (kept by the hello's metadata, which a connection is
+    bound to), what becomes of a connection and its reply once the exchange is done, and
+    the channel methods that hand the stubs their callables. Connecting, taking an idle
+    connection and the exchange itself block or await, so they stay in each."""
+
+    # Raised for a failed call: FrameRpcError, or what a grpc.aio call raises.
+    _error: Callable[[grpc.StatusCode, str, Metadata], Exception]
+    # What unary_unary returns: the stubs' callable for one method.
+    _unary_method: type[_M]
+    # What a streaming method returns: it fails with UNIMPLEMENTED when used.
+    _unimplemented: Callable[[str], Any]
 
     def __init__(
         self,
@@ -289,9 +362,74 @@ class FrameChannel(grpc.Channel):
         self._server_name = server_name
         self._max_reply_bytes = max_reply_bytes
         self._connect_timeout = connect_timeout
-        self._idle: dict[Metadata | None, list[_Connection]] = {}
+        self._idle: dict[Metadata | None, list[_C]] = {}
+        # Guards _idle and _closed for FrameChannel's calls from several threads; an
+        # AioFrameChannel's calls all run on its loop's thread and do not take it.
         self._lock = threading.Lock()
         self._closed = False
+
+    def _accepted(self, connection: _C, reply: FrameHeader) -> _C:
+        """A new connection, once the server's answer to its hello accepts it; else it is
+        closed and the refusal raised."""
+        refused = _hello_refused(self.address, reply)
+        if refused is not None:
+            connection.close()
+            raise self._error(*refused, ())
+        return connection
+
+    @abstractmethod
+    def _give_back(self, metadata: Metadata | None, connection: _C) -> None:
+        """Keep a connection whose call is done for the next call (or close it)."""
+
+    def _settle(self, metadata: Metadata | None, connection: _C, header: FrameHeader) -> Metadata:
+        """After a reply came: its connection back to the idle ones (closed where the
+        server said it closes it), then the reply's trailing metadata, or the call's
+        failure raised as this channel's error type. Every call ends here, so the metadata
+        and the status are read inline rather than by further calls."""
+        if header.close:
+            connection.close()
+        else:
+            self._give_back(metadata, connection)
+        trailing = tuple((m.key, m.value) for m in header.metadata) if header.metadata else ()
+        if header.code:
+            raise self._error(
+                _CODES.get(header.code, grpc.StatusCode.UNKNOWN), header.details, trailing
+            )
+        return trailing
+
+    def _close_idle(self, idle: dict[Metadata | None, list[_C]]) -> None:
+        """Close the idle connections ``close()`` took from the channel."""
+        for connections in idle.values():
+            for connection in connections:
+                connection.close()
+
+    def unary_unary(
+        self,
+        method: str,
+        request_serializer: Callable[[Any], bytes] | None = None,
+        response_deserializer: Callable[[bytes], Any] | None = None,
+        _registered_method: bool | None = False,
+    ) -> _M:
+        return self._unary_method(self, method, request_serializer, response_deserializer)
+
+    def unary_stream(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self._unimplemented(method)
+
+    def stream_unary(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self._unimplemented(method)
+
+    def stream_stream(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self._unimplemented(method)
+
+
+class FrameChannel(_FramedChannel[_Connection, FrameUnaryMethod], grpc.Channel):
+    """A client channel over the framed transport to ``address`` (``unix:PATH`` or
+    ``HOST:PORT``); TLS on TCP when ``ssl_context`` is given (see
+    :meth:`kvsvc.tls.ClientTls.ssl_context`)."""
+
+    _error = FrameRpcError
+    _unary_method = FrameUnaryMethod
+    _unimplemented = _Unimplemented
 
     def __repr__(self) -> str:
         return f"FrameChannel({self.address!r})"
@@ -327,11 +465,7 @@ class FrameChannel(grpc.Channel):
         except (OSError, _ProtocolError) as exc:
             connection.close()
             raise FrameRpcError(*_no_hello(self.address, exc)) from None
-        refused = _hello_refused(self.address, reply)
-        if refused is not None:
-            connection.close()
-            raise FrameRpcError(*refused)
-        return connection
+        return self._accepted(connection, reply)
 
     def _take(self, metadata: Metadata | None, deadline: float | None) -> _Connection:
         with self._lock:
@@ -379,35 +513,9 @@ class FrameChannel(grpc.Channel):
         except BaseException:
             connection.close()  # interrupted mid-call: its reply would come out of turn
             raise
-        if header.close:
-            connection.close()
-        else:
-            self._give_back(metadata, connection)
-        trailing = _trailing(header)
-        failed = _call_failed(header)
-        if failed is not None:
-            raise FrameRpcError(*failed, trailing)
-        return reply, trailing
+        return reply, self._settle(metadata, connection, header)
 
     # ------------------------------------------------------------------ grpc.Channel
-
-    def unary_unary(  # type: ignore[override]
-        self,
-        method: str,
-        request_serializer: Callable[[Any], bytes] | None = None,
-        response_deserializer: Callable[[bytes], Any] | None = None,
-        _registered_method: bool | None = False,
-    ) -> FrameUnaryMethod:
-        return FrameUnaryMethod(self, method, request_serializer, response_deserializer)
-
-    def unary_stream(self, method: str, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        return _Unimplemented(method)
-
-    def stream_unary(self, method: str, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        return _Unimplemented(method)
-
-    def stream_stream(self, method: str, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        return _Unimplemented(method)
 
     def subscribe(self, callback: Any, try_to_connect: bool = False) -> None:
         raise NotImplementedError("a framed channel has no connectivity states")
@@ -419,83 +527,13 @@ class FrameChannel(grpc.Channel):
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, {}
-        for connections in idle.values():
-            for connection in connections:
-                connection.close()
+        self._close_idle(idle)
 
     def __enter__(self) -> FrameChannel:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _UnaryMethod:
-    """What a unary method on either channel keeps: its call header and codecs."""
-
-    def __init__(
-        self,
-        method: str,
-        serialize: Callable[[Any], bytes] | None,
-        deserialize: Callable[[bytes], Any] | None,
-    ) -> None:
-        self._header = call_header(method)
-        self._serialize = serialize or bytes
-        self._deserialize: Callable[[bytes], Any] = deserialize or (lambda data: data)
-
-
-class FrameUnaryMethod(_UnaryMethod):
-    """A unary method on a :class:`FrameChannel` (gRPC's ``UnaryUnaryMultiCallable``)."""
-
-    def __init__(
-        self,
-        channel: FrameChannel,
-        method: str,
-        serialize: Callable[[Any], bytes] | None,
-        deserialize: Callable[[bytes], Any] | None,
-    ) -> None:
-        super().__init__(method, serialize, deserialize)
-        self._channel = channel
-
-    def with_call(
-        self,
-        request: Any,
-        timeout: float | None = None,
-        metadata: Sequence[tuple[str, str]] | None = None,
-        **_: Any,
-    ) -> tuple[Any, FrameCallOutcome]:
-        body, trailing = self._channel.call(
-            self._header,
-            self._serialize(request),
-            timeout,
-            tuple(metadata) if metadata is not None else None,
-        )
-        return self._deserialize(body), FrameCallOutcome(trailing)
-
-    def __call__(
-        self,
-        request: Any,
-        timeout: float | None = None,
-        metadata: Sequence[tuple[str, str]] | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        return self.with_call(request, timeout, metadata, **kwargs)[0]
-
-    def future(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("a framed channel has no future(); call it from a thread")
-
-
-class _Unimplemented:
-    """A streaming method on a framed channel: served over gRPC only."""
-
-    def __init__(self, method: str) -> None:
-        self._method = method
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise FrameRpcError(*_streaming_only(self._method))
-
-    with_call = __call__
-    future = __call__
 
 
 # ---------------------------------------------------------------------- asyncio
@@ -533,28 +571,55 @@ def _aio_error(code: grpc.StatusCode, details: str, trailing: Metadata = ()) -> 
     )
 
 
-class AioFrameChannel(grpc.aio.Channel):
+class _AioUnimplemented:
+    """A streaming method on an asyncio framed channel: served over gRPC only."""
+
+    def __init__(self, method: str) -> None:
+        self._method = method
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _AioUnimplemented:
+        return self
+
+    def __aiter__(self) -> _AioUnimplemented:
+        return self
+
+    async def __anext__(self) -> Any:
+        raise _aio_error(*_streaming_only(self._method))
+
+    def cancel(self) -> bool:
+        return False
+
+
+class AioFrameUnaryMethod(_UnaryMethod["AioFrameChannel"]):
+    """A unary method on an :class:`AioFrameChannel` (``UnaryUnaryMultiCallable``)."""
+
+    def __call__(
+        self,
+        request: Any,
+        *,
+        timeout: float | None = None,
+        metadata: Sequence[tuple[str, str]] | None = None,
+        **_: Any,
+    ) -> AioFrameCall:
+        return AioFrameCall(
+            self._channel.call(
+                self._header,
+                self._serialize(request),
+                timeout,
+                tuple(metadata) if metadata is not None else None,
+            ),
+            self._deserialize,
+        )
+
+
+class AioFrameChannel(_FramedChannel[_AioConnection, AioFrameUnaryMethod], grpc.aio.Channel):
     """The asyncio counterpart of :class:`FrameChannel` (``grpc.aio.Channel``'s interface,
     the parts the generated stubs use); its connections belong to the loop that made
     them."""
 
-    def __init__(
-        self,
-        address: str,
-        *,
-        ssl_context: ssl.SSLContext | None = None,
-        server_name: str | None = None,
-        max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
-        connect_timeout: float = 10.0,
-    ) -> None:
-        self._where = FrameAddress.parse(address, tls=ssl_context is not None)
-        self.address = address
-        self._ssl = ssl_context
-        self._server_name = server_name
-        self._max_reply_bytes = max_reply_bytes
-        self._connect_timeout = connect_timeout
-        self._idle: dict[Metadata | None, list[_AioConnection]] = {}
-        self._closed = False
+    _error = staticmethod(_aio_error)
+    _unary_method = AioFrameUnaryMethod
+    _unimplemented = _AioUnimplemented
 
     def __repr__(self) -> str:
         return f"AioFrameChannel({self.address!r})"
@@ -586,11 +651,13 @@ class AioFrameChannel(grpc.aio.Channel):
         except (OSError, TimeoutError, asyncio.IncompleteReadError, _ProtocolError) as exc:
             connection.close()
             raise _aio_error(*_no_hello(self.address, exc)) from None
-        refused = _hello_refused(self.address, reply)
-        if refused is not None:
+        return self._accepted(connection, reply)
+
+    def _give_back(self, metadata: Metadata | None, connection: _AioConnection) -> None:
+        if self._closed:
             connection.close()
-            raise _aio_error(*refused)
-        return connection
+        else:
+            self._idle.setdefault(metadata, []).append(connection)
 
     async def call(
         self, method_header: bytes, body: bytes, timeout: float | None, metadata: Metadata | None
@@ -618,35 +685,9 @@ class AioFrameChannel(grpc.aio.Channel):
         except BaseException:
             connection.close()  # cancelled mid-call: its reply would come out of turn
             raise
-        if header.close or self._closed:
-            connection.close()
-        else:
-            self._idle.setdefault(metadata, []).append(connection)
-        trailing = _trailing(header)
-        failed = _call_failed(header)
-        if failed is not None:
-            raise _aio_error(*failed, trailing)
-        return reply, trailing
+        return reply, self._settle(metadata, connection, header)
 
     # ------------------------------------------------------------------ grpc.aio.Channel
-
-    def unary_unary(  # type: ignore[override]
-        self,
-        method: str,
-        request_serializer: Callable[[Any], bytes] | None = None,
-        response_deserializer: Callable[[bytes], Any] | None = None,
-        _registered_method: bool | None = False,
-    ) -> AioFrameUnaryMethod:
-        return AioFrameUnaryMethod(self, method, request_serializer, response_deserializer)
-
-    def unary_stream(self, method: str, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        return _AioUnimplemented(method)
-
-    def stream_unary(self, method: str, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        return _AioUnimplemented(method)
-
-    def stream_stream(self, method: str, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        return _AioUnimplemented(method)
 
     def get_state(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
         return grpc.ChannelConnectivity.READY
@@ -660,47 +701,13 @@ class AioFrameChannel(grpc.aio.Channel):
     async def close(self, grace: float | None = None) -> None:
         self._closed = True
         idle, self._idle = self._idle, {}
-        for connections in idle.values():
-            for connection in connections:
-                connection.close()
+        self._close_idle(idle)
 
     async def __aenter__(self) -> AioFrameChannel:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-class AioFrameUnaryMethod(_UnaryMethod):
-    """A unary method on an :class:`AioFrameChannel` (``UnaryUnaryMultiCallable``)."""
-
-    def __init__(
-        self,
-        channel: AioFrameChannel,
-        method: str,
-        serialize: Callable[[Any], bytes] | None,
-        deserialize: Callable[[bytes], Any] | None,
-    ) -> None:
-        super().__init__(method, serialize, deserialize)
-        self._channel = channel
-
-    def __call__(
-        self,
-        request: Any,
-        *,
-        timeout: float | None = None,
-        metadata: Sequence[tuple[str, str]] | None = None,
-        **_: Any,
-    ) -> AioFrameCall:
-        return AioFrameCall(
-            self._channel.call(
-                self._header,
-                self._serialize(request),
-                timeout,
-                tuple(metadata) if metadata is not None else None,
-            ),
-            self._deserialize,
-        )
 
 
 class AioFrameCall:
@@ -723,22 +730,3 @@ class AioFrameCall:
 
     async def initial_metadata(self) -> grpc.aio.Metadata:
         return grpc.aio.Metadata()
-
-
-class _AioUnimplemented:
-    """A streaming method on an asyncio framed channel: served over gRPC only."""
-
-    def __init__(self, method: str) -> None:
-        self._method = method
-
-    def __call__(self, *args: Any, **kwargs: Any) -> _AioUnimplemented:
-        return self
-
-    def __aiter__(self) -> _AioUnimplemented:
-        return self
-
-    async def __anext__(self) -> Any:
-        raise _aio_error(*_streaming_only(self._method))
-
-    def cancel(self) -> bool:
-        return False
