@@ -136,6 +136,8 @@ class Usage:
     kv_cache_capacity_tokens: int
     # Live requests (of num_requests) whose KV data is gone: they answer RECOMPUTE.
     num_requests_needing_recompute: int = 0
+    # Times the pool's KV data was declared gone (forced resets, ranks with fresh tensors).
+    num_invalidations: int = 0
 
     @property
     def hit_rate(self) -> float:

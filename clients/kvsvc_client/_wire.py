@@ -478,6 +478,7 @@ def usage(response: kvcache_pb2.GetUsageResponse) -> Usage:
         block_size=response.block_size,
         kv_cache_capacity_tokens=response.kv_cache_capacity_tokens,
         num_requests_needing_recompute=response.num_requests_needing_recompute,
+        num_invalidations=response.num_invalidations,
     )
 
 

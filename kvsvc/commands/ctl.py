@@ -276,6 +276,7 @@ def _usage(client: Any, as_json: bool) -> int:
             f"{usage.prefix_cache_queries} tokens)",
         ),
         ("evictions", str(usage.num_evictions)),
+        ("invalidations", str(usage.num_invalidations)),
         ("capacity", f"{usage.kv_cache_capacity_tokens} tokens"),
     ]
     width = max(len(k) for k, _ in rows)

@@ -473,6 +473,7 @@ class PoolKVCache(RunningBatchPool):
             num_freed_blocks=pool.num_freed_blocks,
             num_preemptions=self._num_preemptions,
             num_requests_needing_recompute=len(self._recompute),
+            num_invalidations=self.num_invalidations,
         )
 
     def usage_free_blocks(self) -> int:

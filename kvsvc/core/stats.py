@@ -54,6 +54,7 @@ class UsageSnapshot:
         num_preemptions: requests freed as preempted.
         num_requests_needing_recompute: live requests whose KV data is gone (flagged by
             ``PoolKVCache.invalidate``, not freed since).
+        num_invalidations: calls of ``PoolKVCache.invalidate`` over the pool's life.
     """
 
     num_blocks: int
@@ -72,6 +73,7 @@ class UsageSnapshot:
     num_freed_blocks: int
     num_preemptions: int = 0
     num_requests_needing_recompute: int = 0
+    num_invalidations: int = 0
 
     @property
     def hit_rate(self) -> float:

@@ -330,6 +330,7 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
             usage=usage.usage,
             num_requests=usage.num_requests,
             num_requests_needing_recompute=usage.num_requests_needing_recompute,
+            num_invalidations=usage.num_invalidations,
             num_cached_blocks=usage.num_cached_blocks,
             prefix_cache=kvcache_pb2.PrefixCacheStats(
                 queries=usage.queries,

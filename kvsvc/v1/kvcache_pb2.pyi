@@ -365,7 +365,7 @@ class PrefixCacheStats(_message.Message):
     def __init__(self, queries: _Optional[int] = ..., hits: _Optional[int] = ..., preempted_queries: _Optional[int] = ..., preempted_hits: _Optional[int] = ..., requests: _Optional[int] = ..., preempted_requests: _Optional[int] = ...) -> None: ...
 
 class GetUsageResponse(_message.Message):
-    __slots__ = ("pool", "num_blocks", "num_free_blocks", "usage", "num_requests", "num_cached_blocks", "prefix_cache", "num_evictions", "num_allocated_blocks", "block_size", "kv_cache_capacity_tokens", "num_requests_needing_recompute")
+    __slots__ = ("pool", "num_blocks", "num_free_blocks", "usage", "num_requests", "num_cached_blocks", "prefix_cache", "num_evictions", "num_allocated_blocks", "block_size", "kv_cache_capacity_tokens", "num_requests_needing_recompute", "num_invalidations")
     POOL_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -378,6 +378,7 @@ class GetUsageResponse(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_NEEDING_RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
+    NUM_INVALIDATIONS_FIELD_NUMBER: _ClassVar[int]
     pool: str
     num_blocks: int
     num_free_blocks: int
@@ -390,7 +391,8 @@ class GetUsageResponse(_message.Message):
     block_size: int
     kv_cache_capacity_tokens: int
     num_requests_needing_recompute: int
-    def __init__(self, pool: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., num_evictions: _Optional[int] = ..., num_allocated_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_capacity_tokens: _Optional[int] = ..., num_requests_needing_recompute: _Optional[int] = ...) -> None: ...
+    num_invalidations: int
+    def __init__(self, pool: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., num_evictions: _Optional[int] = ..., num_allocated_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_capacity_tokens: _Optional[int] = ..., num_requests_needing_recompute: _Optional[int] = ..., num_invalidations: _Optional[int] = ...) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ("pool",)

@@ -267,6 +267,7 @@ def test_a_rank_back_with_fresh_tensors_invalidates_the_pool(tmp_path: Path) -> 
             assert batch.sequence == seq + 1 and batch.events == (AllBlocksCleared(),)
             assert kv.lookup(probe) == 0
             assert kv.usage().num_cached_blocks == 0
+            assert kv.usage().num_invalidations == 1
             engine.kv = kv
             live = sorted(engine.tables)
             assert live and all(kv.block_table(rid).needs_recompute for rid in live)
@@ -293,8 +294,14 @@ def test_a_rank_back_with_fresh_tensors_invalidates_the_pool(tmp_path: Path) -> 
             time.sleep(0.1)
             again = rejoin(srv, allocation_id="B-new-process")
             assert kv.usage().num_cached_blocks == cached and cached > 0
+            assert kv.usage().num_invalidations == 1
             assert kv.allocate("z", [4], 1).ok
             again.close()
+        crash(srv)
+    with server_on(tmp_path) as srv:
+        rejoin(srv, allocation_id="B-new-process").close()
+        with KVCacheClient(srv.address, pool="p", options=QUICK) as kv:
+            assert kv.usage().num_invalidations == 1  # counted over the pool's life
 
 
 def test_a_forced_reset_flags_the_live_requests(tmp_path: Path) -> None:
@@ -313,6 +320,7 @@ def test_a_forced_reset_flags_the_live_requests(tmp_path: Path) -> None:
             assert kv.allocate("a", [1], 1).needs_recompute
             assert kv.lookup(list(range(1, 41))) == 0
             assert kv.usage().num_requests_needing_recompute == 1
+            assert kv.usage().num_invalidations == 1
             usage = subprocess.run(
                 [sys.executable, "-m", "kvsvc", "ctl", "--server", srv.address, "usage", "p"],
                 capture_output=True, text=True, timeout=60,

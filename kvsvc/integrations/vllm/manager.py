@@ -187,6 +187,8 @@ class KvsvcPoolReplica:
         # scheduler preempts its requests and calls resync() before it schedules again.
         self.needs_resync = False
         self._resync_reason = ""
+        # The pool's invalidation count when the replica was built (see _check).
+        self._invalidations_seen = 0
         self.stats = ManagerStats()
         self._step_rpcs = 0
         self._closed = False
@@ -291,6 +293,9 @@ class KvsvcPoolReplica:
         another engine's memory and must not be served as a hit. With no request live and
         nothing cached, the free queue's order is the whole state of the pool.
         """
+        # Invalidations from here on empty the prefix index behind the replica.
+        usage = self._call(self._client.usage, "read the pool's usage")
+        self._invalidations_seen = usage.num_invalidations
         if not self._call(self._client.reset_prefix_cache, "reset the prefix cache"):
             raise KvsvcError(
                 f"{self._where} refused to reset its prefix cache: a request still holds "
@@ -386,13 +391,19 @@ class KvsvcPoolReplica:
             return
         divergence = self._describe_divergence(prediction, response)
         usage = self._call(self._client.usage, "read the pool's usage")
-        if not usage.num_requests_needing_recompute:
+        if usage.num_requests_needing_recompute:
+            # Invalidated after the reply's first operations were applied: the replica
+            # went on from a state the server left.
+            self._flag_resync(divergence)
+        elif usage.num_invalidations != self._invalidations_seen:
+            # Invalidated with no request live (an operator's forced reset of an idle
+            # engine's pool): nothing was flagged, but the prefix index the replica
+            # predicted hits from is gone.
+            self._flag_resync(f"the pool's prefix index was emptied; {divergence}")
+        else:
             # Not a fault the pool reports: a bug, or a pool changed behind the engine's
             # back. Never let vLLM run on block ids the server did not hand out.
             raise KvsvcError(f"{self._where}: {divergence}")
-        # Invalidated after the reply's first operations were applied: the replica went
-        # on from a state the server left.
-        self._flag_resync(divergence)
 
     def _describe_divergence(self, prediction: _Prediction, response: Any) -> str:
         """Name the first operation whose reply differs from the replica's answer."""
