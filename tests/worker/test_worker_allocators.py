@@ -16,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvsvc.errors import InvalidArgument  # noqa: E402
+from kvsvc.specs import KVCacheConfig  # noqa: E402
 from kvsvc.worker import (  # noqa: E402
     EngineTensors,
     KVCacheView,
@@ -47,6 +48,22 @@ def engine_caches(num_blocks: int) -> dict[str, KVCacheView]:
     return {name: torch.zeros(num_blocks, 2, 16, 2, 64, dtype=torch.float16) for name in SPECS}
 
 
+def launch_and_hand_over(address: str) -> tuple[WorkerAgent, KVCacheConfig]:
+    """An engine's agent, launched, whose engine allocated for the plan and handed its
+    tensors over; returns it (ready) and the plan. The caller stops it."""
+    tensors = EngineTensors("test-engine")
+    agent = engine_agent(address, tensors)
+    agent.launch()
+    try:
+        plan = agent.wait_plan(timeout=30)
+        tensors.hand_over(engine_caches(plan.num_blocks), 4 * 128 * PAGE)
+        agent.wait_ready(timeout=30)
+    except BaseException:
+        agent.stop()
+        raise
+    return agent, plan
+
+
 def test_the_engine_reads_the_plan_hands_its_tensors_over_and_they_are_reported() -> None:
     with FakeServer(FakeWorkerService()) as server:
         tensors = EngineTensors("test-engine")
@@ -74,13 +91,8 @@ def test_a_restarted_server_hears_the_same_identity_of_the_engine_s_tensors() ->
     as before, so a server that kept its state keeps the pool's cached blocks (a new
     identity would make it drop them, as for a new engine process)."""
     server = FakeServer(FakeWorkerService())
-    tensors = EngineTensors("test-engine")
-    agent = engine_agent(server.address, tensors)
-    agent.launch()
+    agent, _ = launch_and_hand_over(server.address)
     try:
-        plan = agent.wait_plan(timeout=30)
-        tensors.hand_over(engine_caches(plan.num_blocks), 4 * 128 * PAGE)
-        agent.wait_ready(timeout=30)
         identity = server.service.reports[0].allocation_id
         assert identity
         server.stop()
@@ -108,13 +120,8 @@ def test_stopping_ends_the_wait_for_the_engine_s_tensors() -> None:
 def test_another_plan_after_the_hand_over_is_refused_in_the_engine_s_words() -> None:
     service = FakeWorkerService()
     with FakeServer(service) as server:
-        tensors = EngineTensors("test-engine")
-        agent = engine_agent(server.address, tensors)
-        agent.launch()
+        agent, plan = launch_and_hand_over(server.address)
         try:
-            plan = agent.wait_plan(timeout=30)
-            tensors.hand_over(engine_caches(plan.num_blocks), 4 * 128 * PAGE)
-            agent.wait_ready(timeout=30)
             tensors_of_64 = [replace(t, size=64 * PAGE) for t in plan.kv_cache_tensors]
             service.replan([replace(plan, num_blocks=64, kv_cache_tensors=tensors_of_64)])
             assert agent.wait(10)
