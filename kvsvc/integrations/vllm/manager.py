@@ -278,7 +278,7 @@ class KvsvcPoolReplica:
                 "the other engine (a dead engine's requests are freed here once its ranks "
                 "came back with fresh tensors)"
             )
-        self._start_from_idle_pool()
+        self._start_from_idle_pool(usage.num_invalidations)
 
     def _has_window_group(self) -> bool:
         return any(
@@ -286,16 +286,17 @@ class KvsvcPoolReplica:
             for group in self.config.kv_cache_groups
         )
 
-    def _start_from_idle_pool(self) -> None:
+    def _start_from_idle_pool(self, num_invalidations: int) -> None:
         """Reset the (idle) pool's prefix cache and copy its free queue into a fresh replica.
+
+        ``num_invalidations``: the pool's count as the caller's last usage read gave it;
+        invalidations after it empty the prefix index behind the replica (see _check).
 
         A new engine's KV tensors hold nothing: whatever the pool cached was computed in
         another engine's memory and must not be served as a hit. With no request live and
         nothing cached, the free queue's order is the whole state of the pool.
         """
-        # Invalidations from here on empty the prefix index behind the replica.
-        usage = self._call(self._client.usage, "read the pool's usage")
-        self._invalidations_seen = usage.num_invalidations
+        self._invalidations_seen = num_invalidations
         if not self._call(self._client.reset_prefix_cache, "reset the prefix cache"):
             raise KvsvcError(
                 f"{self._where} refused to reset its prefix cache: a request still holds "
@@ -493,7 +494,7 @@ class KvsvcPoolReplica:
                     f"{self._where}: {usage.num_requests - freed} requests are still live after "
                     f"the engine preempted all of its own ({self._resync_reason})"
                 )
-        self._start_from_idle_pool()
+        self._start_from_idle_pool(usage.num_invalidations)
         self.needs_resync = False
         self.stats.resyncs += 1
 
