@@ -36,6 +36,9 @@ class HashingContext:
     mm_items: tuple[MultiModalItem, ...] = ()
     # One digest of the prompt embeddings per full hash block.
     prompt_embeds_digests: tuple[bytes, ...] = ()
+    # The adapter's integer id as the engine numbers it (0: none): reported in KV events,
+    # never hashed.
+    lora_id: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +51,9 @@ class RequestStart:
     num_encoder_tokens: int = 0
     # Of a resumed request's tokens, how many were its prompt (0: all of them).
     num_prompt_tokens: int = 0
+    # At most this many leading tokens come from the prefix cache (None: all but the
+    # last; 0: none, as skip_prefix_cache_read).
+    max_cache_hit_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +162,7 @@ class BlockStored:
     medium: str
     group_index: int
     group_kind: str
+    lora_id: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -422,6 +422,7 @@ class BlockPool:
         lora_name: str | None = None,
         block_mask: Sequence[bool] | None = None,
         extra_keys: BlockExtraKeys | None = None,
+        lora_id: int | None = None,
     ) -> None:
         """Index ``blocks[num_cached_blocks:num_full_blocks]`` under their hashes.
 
@@ -438,6 +439,7 @@ class BlockPool:
             block_size: the group's block size (events).
             token_ids: the request's tokens (events).
             lora_name: the request's adapter (events).
+            lora_id: the adapter's integer id as the engine numbers it (events).
             block_mask: per block of ``blocks[num_cached_blocks:num_full_blocks]``,
                 whether to cache it (None: all).
             extra_keys: the request's extra keys per block (events; None: it has none).
@@ -464,7 +466,7 @@ class BlockPool:
                 ), f"block {block_id} is cached under another hash: a wrong prefix hit"
                 if self.events is not None:  # vLLM reports the step, without a hash
                     self._emit_stored(
-                        [], block_hashes, group_id, block_size, token_ids, lora_name,
+                        [], block_hashes, group_id, block_size, token_ids, (lora_name, lora_id),
                         extra_keys, i, i + 1,
                     )  # fmt: skip
                 return
@@ -475,7 +477,7 @@ class BlockPool:
             self.num_cached_blocks += 1
             if self.events is not None:
                 self._emit_stored(
-                    [i], block_hashes, group_id, block_size, token_ids, lora_name,
+                    [i], block_hashes, group_id, block_size, token_ids, (lora_name, lora_id),
                     extra_keys, i, i + 1,
                 )  # fmt: skip
             return
@@ -503,7 +505,7 @@ class BlockPool:
                 stored.append(i)
         if stored is not None:
             self._emit_stored(
-                stored, block_hashes, group_id, block_size, token_ids, lora_name,
+                stored, block_hashes, group_id, block_size, token_ids, (lora_name, lora_id),
                 extra_keys, num_cached_blocks, num_full_blocks,
             )  # fmt: skip
 
@@ -514,7 +516,7 @@ class BlockPool:
         group_id: int,
         block_size: int,
         token_ids: Sequence[int],
-        lora_name: str | None,
+        lora: tuple[str | None, int | None],
         extra_keys: BlockExtraKeys | None,
         start: int,
         end: int,
@@ -532,11 +534,12 @@ class BlockPool:
                 block_hashes[start - 1] if start > 0 else None,
                 tokens.tolist() if isinstance(tokens, array) else list(tokens),
                 block_size,
-                lora_name,
+                lora[0],
                 self.medium,
                 group_id,
                 self.group_kinds[group_id],
                 _keys_of_blocks(extra_keys, positions, block_size),
+                lora[1],
             )
         )
 

@@ -89,7 +89,9 @@ def admit(
         raise InvalidArgument("new_token_ids", f"token ids must be integers ({exc})") from None
     if start.num_prompt_tokens:
         request.num_prompt_tokens = start.num_prompt_tokens
-    hits, num_cached = manager.get_computed_blocks(request, record_stats=False)
+    hits, num_cached = manager.get_computed_blocks(
+        request, record_stats=False, max_cache_hit_tokens=start.max_cache_hit_tokens
+    )
     num_scheduled = min(budget, request.num_tokens - num_cached)
     unscheduled = request.num_tokens - num_cached - num_scheduled
     if unscheduled:
@@ -106,7 +108,11 @@ def admit(
         return AllocateOutcome(
             False, cache._no_new_blocks(), cache._zeros, num_cached, num_scheduled, 0
         )
-    if manager.enable_caching and not start.skip_prefix_cache_read:
+    if (
+        manager.enable_caching
+        and not start.skip_prefix_cache_read
+        and start.max_cache_hit_tokens != 0
+    ):
         manager.record_prefix_lookup(request, num_cached)
     request.num_computed_tokens = num_cached + num_scheduled
     cache._requests[request_id] = request

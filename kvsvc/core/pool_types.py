@@ -27,6 +27,8 @@ class RequestStart:
         num_prompt_tokens: of a resumed request's tokens, how many were its prompt (0:
             all of them); sparse window retention keeps the blocks before the prompt's
             end, where a resend of it can hit.
+        max_cache_hit_tokens: at most this many leading tokens come from the prefix
+            cache (vLLM's ``max_cache_hit_length``); None: all but the last token.
     """
 
     hashing: HashingContext | None = None
@@ -34,6 +36,7 @@ class RequestStart:
     resumed: bool = False
     num_encoder_tokens: int = 0
     num_prompt_tokens: int = 0
+    max_cache_hit_tokens: int | None = None
 
 
 @dataclass(slots=True)

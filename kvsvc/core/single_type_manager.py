@@ -240,6 +240,7 @@ class SingleTypeKVCacheManager:
             request.lora_name,
             self.cache_mask(request, num_cached, num_full),
             extra_keys=request.extra_keys,
+            lora_id=request.lora_id,
         )
         self.num_cached_block[request_id] = num_full
 

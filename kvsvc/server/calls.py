@@ -58,6 +58,7 @@ class AllocateCall:
     start: RequestStart | None
     num_rejected_tokens: int
     packed: bytes | None
+    num_in_flight_tokens: int = 0
 
 
 def decode_allocate(request: Any, engine: str) -> AllocateCall:
@@ -76,6 +77,7 @@ def decode_allocate(request: Any, engine: str) -> AllocateCall:
         start=start_from_pb(request.start, "start") if request.HasField("start") else None,
         num_rejected_tokens=request.num_rejected_tokens,
         packed=request.packed_new_token_ids or None,
+        num_in_flight_tokens=request.num_in_flight_tokens,
     )
 
 
@@ -89,6 +91,7 @@ def apply_allocate(cache: Any, call: AllocateCall) -> tuple[Any, bool, AllocateO
         call.start,
         num_rejected_tokens=call.num_rejected_tokens,
         packed_token_ids=call.packed,
+        num_in_flight_tokens=call.num_in_flight_tokens,
     )
     return allocate_response(outcome), outcome.ok, outcome
 

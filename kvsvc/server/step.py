@@ -38,6 +38,7 @@ _ALLOCATE = kvcache_pb2.STEP_OPERATION_TYPE_ALLOCATE
 _FREE = kvcache_pb2.STEP_OPERATION_TYPE_FREE
 _PREEMPT = kvcache_pb2.STEP_OPERATION_TYPE_PREEMPT
 _LOOKUP = kvcache_pb2.STEP_OPERATION_TYPE_LOOKUP
+_CACHE = kvcache_pb2.STEP_OPERATION_TYPE_CACHE
 
 
 def apply_step(cache: Any, columns: StepColumns, counters: Any) -> StepResults:
@@ -62,6 +63,7 @@ def _lookup_outcome(cache: Any, columns: StepColumns, i: int, pos: int) -> Alloc
         columns.num_new_tokens[i]
         or columns.num_lookahead_tokens[i]
         or columns.num_rejected_tokens[i]
+        or columns.num_in_flight_tokens[i]
     ):
         raise InvalidArgument(f"types[{i}]", "a lookup carries tokens and a hashing context only")
     start = columns.starts.get(i)
@@ -114,6 +116,22 @@ def _apply_one(
             packed_token_ids=packed[4 * pos : 4 * (pos + count)]
             if packed and start is not None
             else None,
+            num_in_flight_tokens=columns.num_in_flight_tokens[i],
+        )
+        return pos + count, outcome
+    if kind == _CACHE:
+        if columns.num_new_tokens[i] or columns.num_lookahead_tokens[i] or i in columns.starts:
+            raise InvalidArgument(
+                f"types[{i}]",
+                "a cache operation carries tokens, rejected and in-flight counts only",
+            )
+        if not request_id:
+            raise InvalidArgument(f"request_ids[{i}]", "must not be empty")
+        outcome = cache.cache_outputs(
+            request_id,
+            columns.token_ids[pos : pos + count],
+            num_rejected_tokens=columns.num_rejected_tokens[i],
+            num_in_flight_tokens=columns.num_in_flight_tokens[i],
         )
         return pos + count, outcome
     if kind == _LOOKUP:
@@ -125,6 +143,7 @@ def _apply_one(
             or columns.num_new_tokens[i]
             or columns.num_lookahead_tokens[i]
             or columns.num_rejected_tokens[i]
+            or columns.num_in_flight_tokens[i]
             or i in columns.starts
         ):
             raise InvalidArgument(f"types[{i}]", "a free carries no tokens, counts or start")
@@ -164,7 +183,7 @@ def _apply_general(cache: Any, columns: StepColumns, counters: Any) -> StepResul
             results.new_block_ids.extend(ids)
         results.num_null_blocks.extend(outcome.num_null_blocks)
         results.freed.append(0)
-        if ok and columns.types[i] != _LOOKUP:
+        if ok and columns.types[i] == _ALLOCATE:
             counters.allocate_ok += 1
     return results
 
@@ -199,7 +218,15 @@ def _apply_plain(cache: Any, columns: StepColumns, counters: Any) -> StepResults
             j += 1
         if j > i:
             pos = cache.allocate_running(
-                request_ids, columns.token_ids, counts, new_tokens, i, j, pos, out
+                request_ids,
+                columns.token_ids,
+                counts,
+                new_tokens,
+                i,
+                j,
+                pos,
+                out,
+                columns.num_in_flight_tokens,
             )
             i = j
             continue
@@ -257,5 +284,7 @@ def _apply_plain(cache: Any, columns: StepColumns, counters: Any) -> StepResults
         results.errors[index] = kvcache_pb2.StepError(
             code=status_for(error).value[0], message=str(error)
         )
-    counters.allocate_ok += statuses.count(STATUS_OK) - len(freed_of) - types.count(_LOOKUP)
+    counters.allocate_ok += (
+        statuses.count(STATUS_OK) - len(freed_of) - types.count(_LOOKUP) - types.count(_CACHE)
+    )
     return results

@@ -89,12 +89,15 @@ def hashing_from_pb(msg: pb.HashingContext, where: str) -> HashingContext | None
         return None
     if msg.lora_path and not msg.lora_name:
         raise InvalidArgument(f"{where}.lora_name", "required when lora_path is set")
+    if msg.lora_id and not msg.lora_name:
+        raise InvalidArgument(f"{where}.lora_name", "required when lora_id is set")
     context = HashingContext(
         cache_salt=msg.cache_salt or None,
         lora_name=msg.lora_name or None,
         lora_path=msg.lora_path or None,
         mm_items=tuple(items),
         prompt_embeds_digests=tuple(msg.prompt_embeds_digests),
+        lora_id=msg.lora_id or None,
     )
     check_hashing_strings(context, where)
     return context
@@ -105,12 +108,16 @@ def start_from_pb(msg: pb.RequestStart, where: str) -> RequestStart:
         raise InvalidArgument(f"{where}.num_encoder_tokens", "must be >= 0")
     if msg.num_prompt_tokens < 0:
         raise InvalidArgument(f"{where}.num_prompt_tokens", "must be >= 0")
+    max_hit = msg.max_cache_hit_tokens if msg.HasField("max_cache_hit_tokens") else None
+    if max_hit is not None and max_hit < 0:
+        raise InvalidArgument(f"{where}.max_cache_hit_tokens", "must be >= 0")
     return RequestStart(
         hashing=hashing_from_pb(msg.hashing, f"{where}.hashing"),
         skip_prefix_cache_read=msg.skip_prefix_cache_read,
         resumed=msg.resumed,
         num_encoder_tokens=msg.num_encoder_tokens,
         num_prompt_tokens=msg.num_prompt_tokens,
+        max_cache_hit_tokens=max_hit,
     )
 
 
@@ -144,6 +151,7 @@ class StepColumns:
     __slots__ = (
         "free_queue_head_limit",
         "free_queue_head_offset",
+        "num_in_flight_tokens",
         "num_lookahead_tokens",
         "num_new_tokens",
         "num_rejected_tokens",
@@ -173,12 +181,14 @@ class StepColumns:
         self.num_new_tokens: list[int] = list(request.num_new_tokens) or [0] * n
         self.num_lookahead_tokens: list[int] = list(request.num_lookahead_tokens) or [0] * n
         self.num_rejected_tokens: list[int] = list(request.num_rejected_tokens) or [0] * n
+        self.num_in_flight_tokens: list[int] = list(request.num_in_flight_tokens) or [0] * n
         for name in (
             "request_ids",
             "num_token_ids",
             "num_new_tokens",
             "num_lookahead_tokens",
             "num_rejected_tokens",
+            "num_in_flight_tokens",
         ):
             if len(getattr(self, name)) != n:
                 raise InvalidArgument(
@@ -311,6 +321,7 @@ def _stored_to_pb(event: BlockStored) -> pb.KVEvent:
         medium=event.medium,
         group_index=event.group_index,
         group_kind=event.group_kind,
+        lora_id=event.lora_id or 0,
     )
     if event.parent_block_hash is not None:
         stored.parent_block_hash = event.parent_block_hash
