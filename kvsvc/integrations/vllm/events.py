@@ -160,8 +160,8 @@ def to_vllm_batch(
       (kvsvc groups a step's removals of a group in one event).
 
     What kvsvc's events do not carry stays unset, as vLLM leaves it when it does not know:
-    ``lora_id`` (kvsvc names adapters, it has no integer id), ``session_id``,
-    ``locality``, ``ownership``.
+    ``session_id``, ``locality``, ``ownership``. ``lora_id`` is the engine's integer id
+    of the adapter when the engine gave one (vLLM on kvsvc does).
 
     Args:
         batch: one drained batch of a pool.
@@ -183,7 +183,7 @@ def to_vllm_batch(
                     parent_block_hash=None if parent is None else _external(parent, int_hashes),
                     token_ids=event.token_ids,
                     block_size=event.block_size,
-                    lora_id=None,
+                    lora_id=event.lora_id,
                     medium=event.medium,
                     lora_name=event.lora_name,
                     extra_keys=(

@@ -510,15 +510,17 @@ class KvsvcPoolReplica:
     # -- what the scheduler asks ---------------------------------------------------------
 
     def lookup(
-        self, token_ids: Sequence[int], hashing: HashingContext | None
+        self,
+        token_ids: Sequence[int],
+        hashing: HashingContext | None,
+        max_cache_hit_tokens: int | None = None,
     ) -> tuple[int, tuple[list[int], ...]]:
-        """The prefix hit an admission of ``token_ids`` gets now: tokens, blocks per group."""
-        cache = self.cache
+        """The prefix hit an admission of ``token_ids`` gets now: tokens, blocks per group
+        (at most ``max_cache_hit_tokens``; None: all but the last token)."""
         try:
-            prepared = cache.prepare_lookup(token_ids, _core_hashing(hashing))
+            return self.cache.lookup_capped(token_ids, _core_hashing(hashing), max_cache_hit_tokens)
         except CoreError as exc:
             raise KvsvcError(f"{self._where}: {exc}") from None
-        return cache.probe_lookup(prepared)
 
     def blocks_to_admit(
         self,
@@ -555,6 +557,7 @@ class KvsvcPoolReplica:
             resumed=start.resumed,
             num_encoder_tokens=start.num_encoder_tokens,
             num_prompt_tokens=start.num_prompt_tokens,
+            max_cache_hit_tokens=start.max_cache_hit_tokens,
         )
         try:
             outcome = self.cache.allocate(
@@ -583,9 +586,12 @@ class KvsvcPoolReplica:
         num_computed_tokens: int,
         num_new_tokens: int,
         num_lookahead_tokens: int,
+        num_in_flight_tokens: int = 0,
     ) -> tuple[list[int], ...] | None:
         """Slots for a running request: its new blocks per group, or None (the pool is
-        short; nothing changed, nothing queued)."""
+        short; nothing changed, nothing queued). ``num_in_flight_tokens``: vLLM's count
+        of the request's scheduled tokens whose outputs are still coming (async
+        scheduling)."""
         cache = self.cache
         request = cache.request_state(request_id)
         if request is None:
@@ -605,6 +611,7 @@ class KvsvcPoolReplica:
                 num_new_tokens,
                 num_lookahead_tokens,
                 num_rejected_tokens=rejected,
+                num_in_flight_tokens=num_in_flight_tokens,
             )
         except CoreError as exc:
             raise KvsvcError(f"{self._where}: allocation for {request_id!r}: {exc}") from None
@@ -617,23 +624,54 @@ class KvsvcPoolReplica:
             num_new_tokens,
             num_lookahead_tokens=num_lookahead_tokens,
             num_rejected_tokens=rejected,
+            num_in_flight_tokens=num_in_flight_tokens,
         )
         self._predict(request_id, outcome.new_block_ids, outcome.num_null_blocks)
         return outcome.new_block_ids
 
-    def append_tokens(self, request_id: str, all_token_ids: Sequence[int]) -> None:
-        """Async scheduling: outputs arrived after their slots were allocated; send them so
-        the pool caches the blocks they complete (a zero-token allocation)."""
+    def cache_outputs(
+        self,
+        request_id: str,
+        all_token_ids: Sequence[int],
+        num_computed_tokens: int,
+        num_tokens_to_cache: int,
+    ) -> None:
+        """vLLM's ``cache_blocks(request, num_tokens_to_cache)`` after outputs arrived
+        (async scheduling, speculative decoding): send the request's new tokens, the drafts
+        vLLM rejected (``num_computed_tokens`` is vLLM's count after taking them off) and
+        the tokens still in flight, so the pool caches exactly the blocks vLLM caches."""
         sent = self._num_sent.get(request_id)
-        if sent is None:
-            return
+        request = self.cache.request_state(request_id)
+        if sent is None or request is None:
+            return  # not admitted (or already freed): nothing to cache
         tokens = all_token_ids[sent:]
-        if not tokens:
-            return
-        outcome = self.cache.allocate(request_id, tokens, 0)
-        assert outcome.ok, "a zero-token allocation needs no block"
+        rejected = request.num_computed_tokens - num_computed_tokens
+        in_flight = num_computed_tokens - num_tokens_to_cache
+        if rejected < 0 or in_flight < 0:
+            raise KvsvcError(
+                f"{self._where}: request {request_id!r} has {num_computed_tokens} computed "
+                f"tokens in vLLM ({num_tokens_to_cache} to cache) but "
+                f"{request.num_computed_tokens} in the pool"
+            )
+        if (
+            not tokens
+            and not rejected
+            and not self.cache.would_cache(request_id, num_tokens_to_cache)
+        ):
+            return  # nothing for the pool to do
+        try:
+            outcome = self.cache.cache_outputs(
+                request_id,
+                tokens,
+                num_rejected_tokens=rejected,
+                num_in_flight_tokens=in_flight,
+            )
+        except CoreError as exc:
+            raise KvsvcError(f"{self._where}: outputs of {request_id!r}: {exc}") from None
         self._num_sent[request_id] = sent + len(tokens)
-        self.pending.allocate(request_id, tokens, 0)
+        self.pending.cache(
+            request_id, tokens, num_rejected_tokens=rejected, num_in_flight_tokens=in_flight
+        )
         self._predict(request_id, outcome.new_block_ids, outcome.num_null_blocks)
 
     def free(self, request_id: str, *, preempted: bool) -> None:
@@ -674,12 +712,26 @@ class KvsvcPoolReplica:
         return self.cache.manager.coordinator.get_blocks(request_id)
 
     def cached_tokens(self, request_id: str) -> int:
-        """Tokens of the request whose blocks are cached in every cacheable group."""
-        counts = [
-            m.num_cached_block.get(request_id, 0) * m.block_size
-            for m in self.cache.manager.coordinator.managers
-            if not isinstance(m, CrossAttentionManager)
-        ]
+        """vLLM's ``estimate_cached_tokens``: per cacheable group, the tokens up to the
+        request's last block that is in the prefix index (a block a window skipped, or
+        not yet full, is not); the smallest over the groups."""
+        if not self.cache.has_request(request_id):
+            return 0
+        coordinator = self.cache.manager.coordinator
+        cached_hashes = self.cache.manager.block_pool.block_hash
+        counts = []
+        for manager, table in zip(
+            coordinator.managers, coordinator.get_blocks(request_id), strict=True
+        ):
+            if isinstance(manager, CrossAttentionManager):
+                continue
+            tokens = 0
+            for index in range(len(table) - 1, -1, -1):
+                block_id = table[index]
+                if block_id and cached_hashes[block_id] is not None:
+                    tokens = (index + 1) * manager.block_size
+                    break
+            counts.append(tokens)
         return min(counts) if counts else 0
 
     def usage(self) -> float:
@@ -715,6 +767,7 @@ def _core_hashing(hashing: HashingContext | None) -> CoreHashingContext | None:
             for item in hashing.mm_items
         ),
         prompt_embeds_digests=tuple(hashing.prompt_embeds_digests),
+        lora_id=hashing.lora_id or None,
     )
 
 
@@ -739,5 +792,6 @@ def hashing_context(request: Any, block_size: int) -> HashingContext | None:
         lora_path=(getattr(lora, "lora_path", None) or "") if lora is not None else "",
         mm_items=items,
         prompt_embeds_digests=tuple(digests),
+        lora_id=int(lora.lora_int_id) if lora is not None else 0,
     )
     return None if context == HashingContext() else context
