@@ -21,17 +21,22 @@ import io
 import json
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import threading
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from kvsvc.server.config import PoolConfig
 from tests.server.harness import running_server
+
+if TYPE_CHECKING:
+    from kvsvc.demo.processes import Child
 
 REPO = Path(__file__).resolve().parents[1]
 README_ADDRESS = "127.0.0.1:50051"
@@ -122,11 +127,12 @@ def shell_commands(block: str) -> list[str]:
 
 @pytest.mark.e2e
 @pytest.mark.torch
-def test_the_quick_start_runs_as_written() -> None:
+def test_the_quick_start_runs_as_written(tmp_path: Path) -> None:
     """The quick start's commands as real processes, then its client and `ctl usage`:
-    each prints what the page says it prints."""
+    each prints what the page says it prints. Then docs/state.md's "Moving a pool", which
+    goes on in the same shell."""
     pytest.importorskip("torch")
-    from kvsvc.demo.processes import Child, spawn, stop_all, wait_for_ports
+    from kvsvc.demo.processes import spawn, stop_all, wait_for_ports
 
     text = section("Quick start: a server, two agents and a client in five minutes")
     start, finish = code_blocks(text, "sh")
@@ -181,10 +187,55 @@ def test_the_quick_start_runs_as_written() -> None:
         assert done.stdout.splitlines() == usage_shown.splitlines()
         # `kill %1 %2 %3`: one job per background process, each stops cleanly on SIGTERM.
         assert kill.split()[1:] == [f"%{i + 1}" for i in range(len(children))]
-        for child in reversed(children):
-            assert child.stop(grace=30) == 0, child.output()
+        # docs/state.md goes on from here: the pool moves to a new server, and its own
+        # `kill` line stops what is left.
+        move_the_pool_as_state_md_says(children, address, usage_shown, tmp_path)
     finally:
         stop_all(children)
+
+
+def move_the_pool_as_state_md_says(
+    jobs: list[Child], address: str, usage_shown: str, cwd: Path
+) -> None:
+    """docs/state.md's "Moving a pool" in the quick start's shell (``jobs``: its jobs, %1
+    the server), line by line as written: snapshot, stop the server, restore the snapshot
+    with no pool flags, and the agents come back to the pool with its cached blocks."""
+    from kvsvc.demo.processes import spawn, wait_for_ports
+
+    text = section("Moving a pool", "docs/state.md")
+    (block,) = code_blocks(text, "sh")
+    port = address.rpartition(":")[2]
+    for command in shell_commands(block):
+        argv = [a.replace(README_ADDRESS, address) for a in shlex.split(command)]
+        if argv[0] in ("kill", "wait"):
+            for job in argv[1:]:
+                child = jobs[int(job.removeprefix("%")) - 1]
+                if argv[0] == "kill":
+                    child.process.send_signal(signal.SIGTERM)
+                assert child.process.wait(30) == 0, child.output()
+            continue
+        assert argv[0] == "kvsvc", command
+        if argv[-1] == "&":
+            assert argv[1] == "serve" and "--restore" in argv
+            # The quick start's address (the agents retry it); any free /metrics port.
+            args = [*argv[1:-1], "--metrics-listen", "127.0.0.1:0"]
+            assert args[args.index("--listen") + 1] == f"127.0.0.1:{port}"
+            jobs.append(spawn("restored", args, cwd=cwd))
+            assert wait_for_ports(jobs[-1])[0] == int(port)
+            continue
+        done = subprocess.run(
+            [sys.executable, "-m", "kvsvc", *argv[1:]],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=cwd,
+        )
+        assert done.returncode == 0, (done.stderr, [j.output() for j in jobs])
+        if "usage" in argv:
+            # "what it printed before the move": the quick start's usage, line for line.
+            assert done.stdout.splitlines() == usage_shown.splitlines()
+    assert "same 125 cached blocks" in " ".join(text.split())
+    assert "cached blocks          125" in usage_shown
 
 
 def test_the_docs_site_shows_readme_s_quick_start() -> None:
