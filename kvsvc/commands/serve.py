@@ -498,9 +498,14 @@ def run(args: argparse.Namespace) -> int:
     # This process is the server alone: fewer collections (GC_THRESHOLDS), and its pools'
     # long-lived objects frozen out of them once planned (freeze_gc in serve()).
     gc.set_threshold(*GC_THRESHOLDS)
+    from kvsvc.ports import ListenError
+
     try:
         asyncio.run(serve(config, restore=args.restore, early_stop=early_stop))
-    except (OSError, ConfigFileError) as exc:  # a port in use; TLS files gone since the check
+    except ListenError as exc:  # ports in use: a line for each
+        print(exc.report("kvsvc serve"), file=sys.stderr)
+        return 1
+    except (OSError, ConfigFileError) as exc:  # TLS files gone since the check, ...
         print(f"kvsvc serve: {exc}", file=sys.stderr)
         return 1
     return 0
