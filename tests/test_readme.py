@@ -34,6 +34,7 @@ import pytest
 
 from kvsvc.server.config import PoolConfig
 from tests.server.harness import running_server
+from tests.tooling import missing
 
 if TYPE_CHECKING:
     from kvsvc.demo.processes import Child
@@ -236,6 +237,54 @@ def move_the_pool_as_state_md_says(
             assert done.stdout.splitlines() == usage_shown.splitlines()
     assert "same 125 cached blocks" in " ".join(text.split())
     assert "cached blocks          125" in usage_shown
+
+
+@pytest.mark.e2e
+@pytest.mark.torch
+def test_the_security_page_s_tls_session_runs_as_written(tmp_path: Path) -> None:
+    """docs/security.md's mTLS block, line by line in one directory (its certificates),
+    the server in the background as the page starts it: the line after it runs, every
+    client presents the flags the page gives, and `kill` stops both jobs cleanly."""
+    pytest.importorskip("torch")
+    from kvsvc.demo.processes import spawn, stop_all, wait_for_ports
+    from kvsvc.tools.devcerts import find_openssl
+
+    if find_openssl() is None:
+        missing("the openssl command line", "apt-get install openssl")
+    (block,) = code_blocks(section("TLS", "docs/security.md"), "sh")
+    jobs: list[Child] = []
+    address = README_ADDRESS
+    outputs: list[str] = []
+    try:
+        for command in shell_commands(block):
+            argv = shlex.split(command)
+            if argv[0] == "kill":
+                assert argv[1:] == [f"%{i + 1}" for i in range(len(jobs))]
+                for job in reversed(jobs):
+                    assert job.stop(grace=30) == 0, job.output()
+                continue
+            if argv[:2] == ["python", "-m"]:
+                argv = [sys.executable, *argv[1:]]
+            else:
+                assert argv[0] == "kvsvc", command
+                argv = [sys.executable, "-m", *argv]
+            argv = [a.replace(README_ADDRESS, address) for a in argv]
+            if argv[-1] == "&":
+                args = argv[3:-1]
+                if args[0] == "serve":  # any free ports; the rest dial the one it took
+                    args[args.index("--listen") + 1] = "127.0.0.1:0"
+                    args += ["--metrics-listen", "127.0.0.1:0"]
+                jobs.append(spawn(args[0], args, cwd=tmp_path))
+                if args[0] == "serve":
+                    address = f"127.0.0.1:{wait_for_ports(jobs[-1])[0]}"
+                continue
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+            assert done.returncode == 0, (command, done.stderr, [j.output() for j in jobs])
+            outputs.append(done.stdout)
+    finally:
+        stop_all(jobs)
+    assert outputs[-2].startswith("pool 'llama' is READY: 1/1 ranks")
+    assert "llama" in outputs[-1] and "READY" in outputs[-1]
 
 
 def test_the_docs_site_shows_readme_s_quick_start() -> None:
