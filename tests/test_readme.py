@@ -287,6 +287,16 @@ def test_the_security_page_s_tls_session_runs_as_written(tmp_path: Path) -> None
     assert "llama" in outputs[-1] and "READY" in outputs[-1]
 
 
+def test_readme_has_a_deployment_section_pointing_at_its_page() -> None:
+    """Deployment was reachable only from the docs list at the bottom of README."""
+    text = section("Deployment")
+    assert "[docs/deployment.md](docs/deployment.md)" in text
+    for path in ("deploy/compose.yaml", "deploy/kubernetes/", "make images"):
+        assert path in text, path
+        if path.startswith("deploy/"):
+            assert (REPO / path).exists(), path
+
+
 def test_the_docs_site_shows_readme_s_quick_start() -> None:
     """docs/quickstart.md includes README's quick start (one text), between markers
     mkdocs' snippets extension finds, and the included part links nowhere (a link
