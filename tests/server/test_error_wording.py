@@ -142,6 +142,15 @@ def test_an_operation_s_errors_name_the_operation() -> None:
         "operation 1's request id: must not be empty"
     )
 
+    def continuation_without_id(request: pb.StepRequest) -> None:
+        request.types[1] = ALLOCATE  # a running request's next step: no start
+        request.request_ids[1] = ""
+        request.num_new_tokens[1] = 1
+
+    assert operation_error(two_operations(continuation_without_id)) == (
+        "operation 1's request id: must not be empty"
+    )
+
     def lookup_with_counts(request: pb.StepRequest) -> None:
         request.types[1] = LOOKUP
         request.num_lookahead_tokens.extend([0, 1])
