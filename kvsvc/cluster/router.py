@@ -17,6 +17,7 @@ import grpc
 
 from kvsvc.cluster.score import MAX_SCORE_TOKENS, Scorer
 from kvsvc.errors import InvalidArgument
+from kvsvc.ports import ListenError
 from kvsvc.tls import ClientTls, ServerTls, ServerTlsSource, open_channel
 from kvsvc.v1 import cluster_pb2, cluster_pb2_grpc
 
@@ -110,7 +111,8 @@ def create_router(
             makes it mTLS); None: plaintext.
 
     Raises:
-        OSError: the address cannot be bound.
+        ListenError: the address cannot be bound (``kvsvc router`` checks it first, so
+            only one taken since then meets gRPC's own failure).
         TlsFileError: the certificate files cannot be used.
     """
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -138,12 +140,16 @@ def create_router(
     ):
         handlers = guard_malformed_sync(service, recorded_handlers(add, servicer))
         add_service(server, service, handlers)
-    if tls is not None:
-        port = server.add_secure_port(listen, ServerTlsSource(tls).grpc_credentials())
-    else:
-        port = server.add_insecure_port(listen)
+    try:
+        if tls is not None:
+            port = server.add_secure_port(listen, ServerTlsSource(tls).grpc_credentials())
+        else:
+            port = server.add_insecure_port(listen)
+    except RuntimeError:  # gRPC's "Failed to bind to address"
+        port = 0
     if not port:
-        raise OSError(f"cannot listen on {listen}")
+        server.stop(None)
+        raise ListenError(listen, "router gRPC", "--listen", "the address cannot be bound")
     server.start()
     return server, port
 

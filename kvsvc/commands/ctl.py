@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from typing import Any
 
@@ -144,7 +145,27 @@ def add_parser(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
-def _pools(client: Any, as_json: bool, server: str) -> int:
+def connect_flags(args: argparse.Namespace, tls: Any) -> str:
+    """The flags that reach the server as this command did (``--server``, TLS as resolved
+    from flags and environment, ``--token-file``), for a line to copy: a hint's command
+    without them fails against a TLS server. A token given on the command line is left
+    out (a secret, and visible in ps): the line says where the token comes from instead."""
+    flags = ["--server", args.server]
+    if tls is not None:
+        for flag, value in (
+            ("--tls-ca", tls.ca),
+            ("--tls-cert", tls.cert),
+            ("--tls-key", tls.key),
+            ("--tls-server-name", tls.server_name),
+        ):
+            if value:
+                flags += [flag, value]
+    if args.token_file:
+        flags += ["--token-file", args.token_file]
+    return shlex.join(flags)
+
+
+def _pools(client: Any, as_json: bool, connect: str) -> int:
     from dataclasses import asdict
 
     pools = client.list_pools()
@@ -169,7 +190,7 @@ def _pools(client: Any, as_json: bool, server: str) -> int:
         for w in p.workers:
             if w.registered:
                 print(f"  rank {w.rank}: {_rank_line(w)}")
-        hint = _waiting_hint(p, server)
+        hint = _waiting_hint(p, connect)
         if hint:
             print(f"  {hint}")
     return 0
@@ -193,9 +214,10 @@ def _rank_line(w: Any) -> str:
     )
 
 
-def _waiting_hint(p: Any, server: str) -> str:
-    """What a pool that is not READY waits for, and the command that waits with it."""
-    wait = f"`kvsvc ctl --server {server} wait-ready {p.name} --timeout 60` waits for READY"
+def _waiting_hint(p: Any, connect: str) -> str:
+    """What a pool that is not READY waits for, and the command that waits with it
+    (``connect``: the flags that reach the server, :func:`connect_flags`)."""
+    wait = f"`kvsvc ctl {connect} wait-ready {p.name} --timeout 60` waits for READY"
     if p.state == "WAITING_FOR_WORKERS":
         missing = [w.rank for w in p.workers if not w.registered]
         ranks = ", ".join(map(str, missing)) or "?"
@@ -386,7 +408,6 @@ def run(args: argparse.Namespace) -> int:
         KVCacheError,
         PermissionDeniedError,
         UnauthenticatedError,
-        UnavailableError,
     )
 
     if args.ctl_command == "score":
@@ -417,7 +438,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with KVCacheClient(args.server, pool=pool, options=options) as client:
             if args.ctl_command == "pools":
-                return _pools(client, args.json, args.server)
+                return _pools(client, args.json, connect_flags(args, tls))
             if args.ctl_command == "wait-ready":
                 return _wait_ready(client, args.pool, args.wait_timeout)
             if args.ctl_command == "plan":
@@ -457,11 +478,10 @@ def run(args: argparse.Namespace) -> int:
                 print(f"wrote {args.out} ({size} bytes)")
                 return 0
     except KVCacheError as exc:
+        # A TLS server that drops a connection without a word: the client's error says
+        # what was missing (kvsvc_client.errors.connection_hint).
         hint = ""
-        if isinstance(exc, UnavailableError) and tls is None:
-            # A TLS server drops a plaintext client's connection without a word: say so.
-            hint = "; if the server uses TLS, give --tls-ca (or KVSVC_TLS_CA)"
-        elif isinstance(exc, UnauthenticatedError | PermissionDeniedError) and (
+        if isinstance(exc, UnauthenticatedError | PermissionDeniedError) and (
             "--token-file" not in exc.details  # the server's message may say it already
         ):
             hint = (

@@ -267,7 +267,7 @@ class HybridCoordinator(KVCacheCoordinator):
             else:
                 types.append((spec, [group_id], type(manager)))
         self.attention_groups = sorted(types, key=lambda t: not isinstance(t[0], FullAttentionSpec))
-        self.lcm_block_size = lcm(*(spec.block_size for spec, _, _ in types))
+        self.lcm_block_size = lcm(*[spec.block_size for spec, _, _ in types])
         # One full-attention type plus one other: a single round is exact (full attention's
         # hit is downward closed, so the other type's cut only truncates it).
         self._single_round = len(self.attention_groups) == 2 and isinstance(

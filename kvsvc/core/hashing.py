@@ -272,7 +272,7 @@ class BlockExtraKeys:
         ]
         # Items ending at or before a block's start can never appear in its keys: bisecting
         # this running maximum finds the first item worth looking at.
-        self._prefix_max_end = list(accumulate((o + n for o, n, _ in self._mm), max))
+        self._prefix_max_end = list(accumulate([o + n for o, n, _ in self._mm], max))
         self._mm_end = self._prefix_max_end[-1] if self._mm else 0
 
     def __call__(self, start: int, end: int) -> ExtraKeys | None:

@@ -258,7 +258,7 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
         _epoch(context, pool)
         cache = pool.ensure_serving()
         if request.packed_token_ids:
-            cache.check_lookup_length(len(request.packed_token_ids) // 4, "packed_token_ids")
+            cache.check_lookup_length(len(request.packed_token_ids) // 4, "token_ids")
         else:
             cache.check_lookup_length(len(request.token_ids), "token_ids")
         hashing = hashing_from_pb(request.hashing, "hashing")

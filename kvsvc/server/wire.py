@@ -51,12 +51,16 @@ def token_ids_of(repeated: Any, packed: bytes, field: str, packed_field: str) ->
     """Token ids from whichever of the two encodings a request used (not both).
 
     A list for the repeated field; an ``array('I')`` for the packed one (the core keeps it
-    as the request's token sequence without materialising a Python int per token).
+    as the request's token sequence without materialising a Python int per token). An
+    error names ``field``, the ids as the API calls them: the packed form is the clients'
+    encoding (kvsvc's Python client always packs), named only where only it can be wrong.
     """
     if packed:
         if len(repeated):
-            raise InvalidArgument(packed_field, f"set either {field} or {packed_field}, not both")
-        return unpack_token_ids(packed, packed_field)
+            raise InvalidArgument(
+                field, f"sent both as a list and packed ({packed_field}): send one of the two"
+            )
+        return unpack_token_ids(packed, f"{field} ({packed_field})")
     return list(repeated)
 
 
@@ -141,6 +145,16 @@ def allocate_response(outcome: AllocateOutcome) -> pb.AllocateResponse:
     )
 
 
+# A Step's per-operation columns besides types, and what the API calls their values.
+_PER_OPERATION = (
+    ("request_ids", "request ids"),
+    ("num_token_ids", "token counts"),
+    ("num_new_tokens", "num_new_tokens values"),
+    ("num_lookahead_tokens", "num_lookahead_tokens values"),
+    ("num_rejected_tokens", "num_rejected_tokens values"),
+    ("num_in_flight_tokens", "num_in_flight_tokens values"),
+)
+
 # The most free-queue ids one Step reply carries (StepRequest.free_queue_head_limit).
 MAX_FREE_QUEUE_HEAD = 65536
 
@@ -165,15 +179,22 @@ class StepColumns:
     )
 
     def __init__(self, request: pb.StepRequest, max_operations: int) -> None:
+        # Errors speak of operations, request ids and token counts, as the API does (the
+        # Python client's StepBuilder, the engine's view): a column's name appears only in
+        # brackets, for a client that writes the columns itself.
         self.types: list[int] = list(request.types)
         n = len(self.types)
         if n > max_operations:
-            raise InvalidArgument("types", f"{n} operations exceed the limit of {max_operations}")
+            raise InvalidArgument(
+                "Step",
+                f"{n} operations exceed the limit of {max_operations} per call "
+                "(the server's max_step_operations)",
+            )
         self.request_ids: list[str] = list(request.request_ids)
         # The ids as sent; request_ids becomes the engine-namespaced form when scoped.
         self.sent_request_ids: list[str] = self.request_ids
         self.token_ids: Sequence[int] = token_ids_of(
-            request.token_ids, request.packed_token_ids, "token_ids", "packed_token_ids"
+            request.token_ids, request.packed_token_ids, "Step token ids", "packed_token_ids"
         )
         # Kept so admissions can hand the core their already-checked packed prompt.
         self.packed_token_ids: bytes | None = request.packed_token_ids or None
@@ -182,27 +203,28 @@ class StepColumns:
         self.num_lookahead_tokens: list[int] = list(request.num_lookahead_tokens) or [0] * n
         self.num_rejected_tokens: list[int] = list(request.num_rejected_tokens) or [0] * n
         self.num_in_flight_tokens: list[int] = list(request.num_in_flight_tokens) or [0] * n
-        for name in (
-            "request_ids",
-            "num_token_ids",
-            "num_new_tokens",
-            "num_lookahead_tokens",
-            "num_rejected_tokens",
-            "num_in_flight_tokens",
-        ):
-            if len(getattr(self, name)) != n:
+        for name, what in _PER_OPERATION:
+            given = len(getattr(self, name))
+            if given != n:
                 raise InvalidArgument(
-                    name, f"has {len(getattr(self, name))} entries for {n} operations"
+                    "Step",
+                    f"{given} {what} ({name}) for {n} operations: one per operation"
+                    + ("" if name == "request_ids" else ", or none for all 0"),
                 )
         if sum(self.num_token_ids) != len(self.token_ids) or min(self.num_token_ids, default=0) < 0:
             raise InvalidArgument(
-                "num_token_ids",
-                f"counts must be >= 0 and add up to len(token_ids) = {len(self.token_ids)}",
+                "Step",
+                "the operations' token counts (num_token_ids) must be >= 0 and add up to the "
+                f"{len(self.token_ids)} token ids sent",
             )
         self.starts: dict[int, Any] = dict(request.starts) if request.starts else {}
         for index in self.starts:
             if not 0 <= index < n:
-                raise InvalidArgument("starts", f"key {index} is not an operation index")
+                raise InvalidArgument(
+                    "Step",
+                    f"a start (starts) for operation {index}, which is not one of its "
+                    f"{n} operations",
+                )
         self.free_queue_head_limit: int = request.free_queue_head_limit
         if not 0 <= self.free_queue_head_limit <= MAX_FREE_QUEUE_HEAD:
             raise InvalidArgument(
