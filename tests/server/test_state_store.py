@@ -370,6 +370,29 @@ def test_snapshots_without_their_journal_are_not_dropped_silently(tmp_path: Path
         assert epoch != read_snapshot(moved).identity["epoch"]
 
 
+def test_restoring_an_up_to_date_snapshot_keeps_the_epoch(tmp_path: Path) -> None:
+    """The same way on, with the snapshot a clean stop wrote: it holds every call the
+    directory acknowledged, so no sequence number of its epoch was handed out past it.
+    A new epoch would make every subscriber and indexer resync for nothing."""
+    state = tmp_path / "state"
+    with server_on(state) as srv:
+        ranks = bring_up(srv, kv_cache_bytes=MEMORY, allocation_id="A")
+        with KVCacheClient(srv.address, pool="p", options=QUICK) as kv:
+            for i in range(3):
+                assert kv.allocate(f"r{i}", [1] * 20 + [i] * 10, 30, start=True).ok
+            epoch = kv.epoch
+            last_sequence = srv.run(lambda: srv.server.pools.get("p").events.last_sequence)
+        ranks[0].close()
+    (snapshot,) = state.glob("p.snapshot-*.db")  # the final one, of the clean stop
+    assert read_snapshot(snapshot).identity["epoch"] == epoch
+    for journal in state.glob("p.db*"):
+        journal.unlink()
+    moved = shutil.move(snapshot, tmp_path / "moved.db")
+    with server_on(state, restore=[str(moved)]) as srv:
+        events = srv.run(lambda: srv.server.pools.get("p").events)
+        assert (events.epoch, events.last_sequence) == (epoch, last_sequence)
+
+
 def unshare_works() -> bool:
     """Whether this machine lets a process mount a tmpfs in its own namespace."""
     try:
