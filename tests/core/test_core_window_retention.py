@@ -18,7 +18,7 @@ Block size 4 and a window of 8 tokens throughout: ``need = cdiv(7, 4) = 2``.
 from __future__ import annotations
 
 import pytest
-from core_factories import admit, make_config, make_request, sliding_spec
+from core_factories import admit, full_spec, make_config, make_request, sliding_spec
 
 from kvsvc.core import NULL_BLOCK_ID, KVCacheManager
 
@@ -99,3 +99,41 @@ def test_a_positive_interval_keeps_a_window_tail_per_segment() -> None:
 def test_an_interval_is_a_multiple_of_the_block_size() -> None:
     with pytest.raises(ValueError, match="multiple of the block size 4, got 6"):
         window_manager(6)
+
+
+def test_a_shared_prefix_junction_keeps_its_window_tail() -> None:
+    """Full attention + a sliding window (interval 0): prompts share 16 tokens S, then
+    differ (8 tokens each, 24 in all: 6 blocks).
+
+    The first caches every full-attention block, and in the window group only the tail
+    before its end: 23 -> 20, blocks [3, 4]. The second finds S in full attention (16
+    tokens) but no window hit at 16 (block 2 is not cached): its admission found a longer
+    hit in one group than in all of them, a junction at 16 (vLLM's
+    ``shared_prefix_boundary``), so it keeps the window tail before 16 as well: blocks
+    [2, 3], and [3, 4] for its own end. The third then hits S whole: 16 tokens, the
+    window group reading blocks 2 and 3 only.
+    """
+    manager = KVCacheManager(
+        make_config(64, full_spec(BLOCK), sliding_spec(BLOCK, WINDOW)),
+        1024,
+        hash_algo="sha256_cbor",
+        prefix_cache_retention_interval=0,
+    )
+    shared = list(range(300, 316))
+    window_group = manager.coordinator.managers[1]
+    tables = []
+    # What each keeps is read at once: the blocks it frees uncached are reused next.
+    for n, (tail, kept) in enumerate(((range(400, 408), [3, 4]), (range(500, 508), [2, 3, 4]))):
+        request = make_request(manager, f"r{n}", shared + list(tail))
+        hits, num_hits = manager.get_computed_blocks(request)
+        assert num_hits == 0
+        assert manager.allocate_slots(request, 24, num_hits, hits) is not None
+        tables.append(list(window_group.req_to_blocks[f"r{n}"]))
+        assert cached_positions(manager, tables[n]) == kept
+        manager.free(request)
+
+    third = make_request(manager, "r2", shared + list(range(600, 608)))
+    hits, num_hits = manager.get_computed_blocks(third)
+    assert num_hits == 16
+    # Block 3 of S is cached twice (by both): the first copy is found.
+    assert list(hits.blocks[1]) == [NULL_BLOCK_ID, NULL_BLOCK_ID, tables[1][2], tables[0][3]]
