@@ -133,8 +133,9 @@ def test_a_lease_that_lapsed_all_the_same_is_taken_again_and_the_source_followed
         indexer.set_sources([source])
         (writer,) = indexer.followers.values()
         assert writer.caught_up.wait(30)
-        client.delete(Keys().source(source, "lease"))
-        wait_for(lambda: writer.metrics.lease_lapses._value.get() == 1, what="the lapse")
+        lease = Keys().source(source, "lease")
+        client.delete(lease)
+        wait_for(lambda: writer.metrics.lease_lapses._value.get() == 1, 10, "the lapse")
         wait_for(lambda: lease_holder(client, source) == indexer.owner.encode(), what="retake")
         with KVCacheClient(server.address, pool="p") as kv:
             assert kv.allocate("r", PROMPT, len(PROMPT), start=True).ok
@@ -146,5 +147,42 @@ def test_a_lease_that_lapsed_all_the_same_is_taken_again_and_the_source_followed
         assert writer.metrics.snapshots.labels("new")._value.get() == 1
         assert writer.metrics.snapshots.labels("resync")._value.get() == 0
         assert writer.metrics.lease_lapses._value.get() == 1
+    finally:
+        indexer.stop()
+
+
+def test_after_redis_lost_everything_the_lease_is_taken_again_and_kept_through_the_rebuild(
+    redis: RedisServer, server: ServerThread
+) -> None:
+    """Redis restarted empty under a following indexer: its keeper finds the lease gone,
+    the writer takes it again, sees the index gone and rebuilds it from a snapshot; that
+    snapshot blocks for three TTLs (the test holds the pool's lock) and the lease taken
+    again is kept through it: one lapse, one resync, nothing thrown away."""
+    client = connect(redis.url)
+    source = f"{server.address}/p"
+    indexer = Indexer(client, IndexerOptions(lease_ttl_s=TTL_S))
+    try:
+        with KVCacheClient(server.address, pool="p") as kv:
+            assert kv.allocate("r", PROMPT, len(PROMPT), start=True).ok
+        indexer.set_sources([source])
+        (writer,) = indexer.followers.values()
+        assert writer.caught_up.wait(30)
+        lock = server.server.pools.get("p").lock
+        server.call(lock.acquire())
+        try:
+            client.flushall()
+            wait_for(lambda: writer.metrics.lease_lapses._value.get() == 1, 10, "the lapse")
+            time.sleep(3 * TTL_S)  # the writer's resync stays blocked in its snapshot
+        finally:
+            server.run(lock.release)
+        scorer = Scorer(client, SEED)
+        wait_for(
+            lambda: scorer.score(PROMPT, max_registry_age=0).scores == {source: 48},
+            what="the index to be rebuilt",
+        )
+        assert lease_holder(client, source) == indexer.owner.encode()
+        assert writer.metrics.lease_lapses._value.get() == 1
+        assert writer.metrics.snapshots.labels("resync")._value.get() == 1
+        assert writer.metrics.snapshots.labels("new")._value.get() == 1  # the first one
     finally:
         indexer.stop()
