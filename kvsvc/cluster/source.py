@@ -139,8 +139,7 @@ class SourceThread:
         """
         status = self.store.acquire()
         if status == "held":
-            self._lease_refused()
-            raise LeaseLost(self.name)
+            raise LeaseLost(self.name)  # the loop's handler: _lease_refused
         self.lease.hold()
         if status == "new":
             self.metrics.lease_lapses.inc()
