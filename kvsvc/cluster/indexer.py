@@ -123,7 +123,7 @@ class Follower(SourceThread):
 
         while not self._stop.is_set():
             try:
-                if self.store.acquire() == "held":
+                if not self._take_lease():
                     self._set_state("standby")
                     self._stop.wait(self.options.lease_ttl_s / 3)
                     continue
@@ -131,7 +131,7 @@ class Follower(SourceThread):
                 self._session()
                 attempt = 0
             except LeaseLost:
-                _log.warning("%s: another indexer holds the lease now; standing by", self.name)
+                self._lease_refused()
                 self._set_state("standby")
             except InvalidSource as exc:
                 self._quarantine(exc)
@@ -165,6 +165,7 @@ class Follower(SourceThread):
                 cleared = self.store.purge()
                 self.metrics.purges.labels("removed").inc()
                 _log.info("%s: removed from the sources: purged (%d blocks)", self.name, cleared)
+            self.lease.drop()
             self.store.release()
         except (redis_error_type(), LeaseLost) as exc:
             _log.warning("%s: stopping: %s", self.name, exc)
@@ -337,15 +338,15 @@ class Follower(SourceThread):
             target=self._read, args=(kv, batches), name=f"watch-{self.name}", daemon=True
         )
         reader.start()
-        renew_every = self.options.lease_ttl_s / 3
-        renewed = time.monotonic()
+        # The keeper renews the lease meanwhile; this loop only looks, between two runs,
+        # whether it lapsed all the same.
+        tick = self.options.lease_ttl_s / 3
         try:
             while not self._stop.is_set():
-                if time.monotonic() - renewed >= renew_every:
-                    self._renew()
-                    renewed = time.monotonic()
+                if self.lease.lapsed:
+                    self._check_retaken()
                 try:
-                    first = batches.get(timeout=renew_every)
+                    first = batches.get(timeout=tick)
                 except queue.Empty:
                     continue
                 run = [first]
@@ -365,14 +366,13 @@ class Follower(SourceThread):
             kv.close()
             reader.join(5)
 
-    def _renew(self) -> None:
-        """Keep the lease. One taken afresh (it had expired, or Redis restarted and lost
-        it) is checked against what Redis holds now: a source Redis lost, or that another
+    def _check_retaken(self) -> None:
+        """The lease lapsed: take it again (LeaseLost if another indexer has it). One
+        taken afresh (the indexer was paused past the TTL, or Redis restarted and lost it)
+        is checked against what Redis holds now: a source Redis lost, or that another
         writer moved meanwhile, is rebuilt, even while its server sends nothing."""
-        status = self.store.acquire()
-        if status == "held":
-            raise LeaseLost(self.name)
-        if status == "new":
+        if self._retake():
+            self.store.flush_pending()  # what a writer in between decided, before ours
             state = self.store.state()
             if state.epoch != self._epoch or state.seq != self._seq:
                 raise _NeedSnapshot("resync")

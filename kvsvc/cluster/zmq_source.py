@@ -152,13 +152,14 @@ class ZmqFollower(SourceThread):
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             sub.connect(self.endpoint)
             try:
-                if self.store.acquire() == "held":
+                if not self._take_lease():
                     self._set_state("standby")
                     self._stop.wait(self.options.lease_ttl_s / 3)
                     continue
                 self._set_state("writing")
                 self._session(sub, decoder)
             except LeaseLost:
+                self._lease_refused()
                 self._set_state("standby")
             except InvalidSource as exc:
                 sub.close(0)  # nothing more is read from it
@@ -179,6 +180,7 @@ class ZmqFollower(SourceThread):
             if self._purge_on_stop and self.store.acquire() != "held":
                 self.store.purge()
                 self.metrics.purges.labels("removed").inc()
+            self.lease.drop()
             self.store.release()
         except (redis.exceptions.RedisError, LeaseLost) as exc:
             _log.warning("%s: stopping: %s", self.name, exc)
@@ -195,19 +197,14 @@ class ZmqFollower(SourceThread):
         elif self._tracking is None and self.replay is not None:
             # A first start: what the engine's replay buffer still holds, from its start.
             self._apply(self._replay(1), decoder, replayed=True)
-        renew_every = self.options.lease_ttl_s / 3
-        renewed = time.monotonic()
         while not self._stop.is_set():
-            if time.monotonic() - renewed >= renew_every:
-                status = self.store.acquire()
-                if status == "held":
-                    raise LeaseLost(self.name)
-                if status == "new" and self._tracking is not None:
-                    # Taken afresh: if Redis lost the source, start it again from here.
-                    state = self.store.state()
-                    if state.epoch != ZMQ_EPOCH or state.seq != self._seq:
-                        self._tracking = None
-                renewed = time.monotonic()
+            # The keeper renews the lease; between two runs, look whether it lapsed.
+            if self.lease.lapsed and self._retake() and self._tracking is not None:
+                # Taken afresh: if Redis lost the source, start it again from here.
+                self.store.flush_pending()
+                state = self.store.state()
+                if state.epoch != ZMQ_EPOCH or state.seq != self._seq:
+                    self._tracking = None
             if not sub.poll(POLL_MS):
                 continue
             messages = [sub.recv_multipart()]

@@ -37,25 +37,30 @@ BLOCK_SIZE = 16
 PROMPT = [*range(100, 100 + 4 * BLOCK_SIZE), 7]  # four full blocks, one token more
 
 
+def batch_storing_the_prompt(block_size: int) -> bytes:
+    """A KVEventBatch (msgpack) storing PROMPT's blocks, claiming ``block_size``."""
+    from kvsvc.cluster.hashing import PromptHasher
+    from kvsvc.integrations.vllm.events import BlockStored, KVEventBatch
+
+    hashes = PromptHasher("xxh3_128", SEED).block_hashes(PROMPT, BLOCK_SIZE, BLOCK_SIZE)
+    stored = BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=None,
+        token_ids=PROMPT[: len(hashes) * BLOCK_SIZE],
+        block_size=block_size,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+    return msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=[stored]))  # type: ignore[no-any-return]
+
+
 class Publisher:
     """A PUB socket sending one KVEventBatch over and over (a SUB that connects late
     misses what was sent before: the follower starts at whatever it gets first)."""
 
     def __init__(self, block_size: int) -> None:
-        from kvsvc.cluster.hashing import PromptHasher
-        from kvsvc.integrations.vllm.events import BlockStored, KVEventBatch
-
-        hashes = PromptHasher("xxh3_128", SEED).block_hashes(PROMPT, BLOCK_SIZE, BLOCK_SIZE)
-        stored = BlockStored(
-            block_hashes=hashes,
-            parent_block_hash=None,
-            token_ids=PROMPT[: len(hashes) * BLOCK_SIZE],
-            block_size=block_size,
-            lora_id=None,
-            medium="GPU",
-            lora_name=None,
-        )
-        self.payload = msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=[stored]))
+        self.payload = batch_storing_the_prompt(block_size)
         self.port = free_port()
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self._socket = zmq.Context.instance().socket(zmq.PUB)
@@ -158,3 +163,40 @@ def test_a_bad_entry_already_in_the_index_leaves_the_other_engines_scored(
     said = [r.getMessage() for r in caplog.records if "not scored" in r.getMessage()]
     assert said == ["engine bad is not scored: its index entry has block_size 0 (must be an "
                     "integer in [1, 1048576])"]  # fmt: skip
+
+
+def test_a_source_that_turns_bad_after_good_batches_loses_its_entries(
+    redis: RedisServer,
+) -> None:
+    """A source indexed from good batches that then sends a bad one: its entries go with
+    the quarantine (its registry entry and its block bits), or routers would go on
+    scoring the stale prefix of an engine the index no longer follows."""
+    from kvsvc.cluster.indexer import Indexer
+    from kvsvc.cluster.score import Scorer
+    from kvsvc.cluster.source import IndexerOptions
+    from kvsvc.cluster.store import connect
+
+    client = connect(redis.url)
+    scorer = Scorer(client, SEED)
+    indexer = Indexer(client, IndexerOptions())
+    with Publisher(BLOCK_SIZE) as turning:
+        indexer.add_zmq_sources([turning.endpoint], "xxh3_128")
+        try:
+            follower = indexer.zmq_followers[turning.endpoint]
+            wait_for(
+                lambda: (
+                    scorer.score(PROMPT, max_registry_age=0).scores
+                    == {turning.endpoint: 4 * BLOCK_SIZE}
+                ),
+                what="the source to be scored",
+            )
+            turning.payload = batch_storing_the_prompt(0)
+            wait_for(lambda: follower.state_name == "quarantined", what="the quarantine")
+            wait_for(
+                lambda: scorer.score(PROMPT, max_registry_age=0).scores == {},
+                timeout=5,  # the purge follows the quarantine at once
+                what="the quarantined source's entries to be dropped",
+            )
+            assert not list(client.scan_iter(match="kvsvc:b:*")), "block bits left behind"
+        finally:
+            indexer.stop()

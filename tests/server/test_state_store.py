@@ -370,6 +370,74 @@ def test_snapshots_without_their_journal_are_not_dropped_silently(tmp_path: Path
         assert epoch != read_snapshot(moved).identity["epoch"]
 
 
+def stopped_cleanly(state: Path) -> tuple[str, int]:
+    """A pool with three live requests, stopped cleanly (its final snapshot holds every
+    acknowledged call); returns its event epoch and last sequence."""
+    with server_on(state) as srv:
+        ranks = bring_up(srv, kv_cache_bytes=MEMORY, allocation_id="A")
+        with KVCacheClient(srv.address, pool="p", options=QUICK) as kv:
+            for i in range(3):
+                assert kv.allocate(f"r{i}", [1] * 20 + [i] * 10, 30, start=True).ok
+            epoch = kv.epoch
+            last_sequence = srv.run(lambda: srv.server.pools.get("p").events.last_sequence)
+        ranks[0].close()
+    assert epoch is not None
+    return epoch, last_sequence
+
+
+def test_restoring_an_up_to_date_snapshot_keeps_the_epoch(tmp_path: Path) -> None:
+    """The same way on, with the snapshot a clean stop wrote: it holds every call the
+    directory acknowledged, so no sequence number of its epoch was handed out past it.
+    A new epoch would make every subscriber and indexer resync for nothing."""
+    state = tmp_path / "state"
+    epoch, last_sequence = stopped_cleanly(state)
+    (snapshot,) = state.glob("p.snapshot-*.db")  # the final one, of the clean stop
+    assert read_snapshot(snapshot).identity["epoch"] == epoch
+    for journal in state.glob("p.db*"):
+        journal.unlink()
+    moved = shutil.move(snapshot, tmp_path / "moved.db")
+    with server_on(state, restore=[str(moved)]) as srv:
+        events = srv.run(lambda: srv.server.pools.get("p").events)
+        assert (events.epoch, events.last_sequence) == (epoch, last_sequence)
+
+
+def test_restore_files_must_each_be_a_configured_pool_once(tmp_path: Path) -> None:
+    stopped_cleanly(tmp_path / "state")
+    (snapshot,) = (tmp_path / "state").glob("p.snapshot-*.db")
+    first, second = (
+        shutil.copy(snapshot, tmp_path / "a.db"),
+        shutil.copy(snapshot, tmp_path / "b.db"),
+    )
+    with pytest.raises(StateError, match=r"--restore .*b\.db and .*a\.db are both pool 'p'"):
+        ServerThread(
+            ServerConfig(pools=(POOL,), listen="127.0.0.1:0", metrics_listen=None),
+            restore=[str(first), str(second)],
+        )
+    other = replace(POOL, name="q")
+    with pytest.raises(StateError, match=r"holds pool 'p', which is not configured \(pools: q\)"):
+        ServerThread(
+            ServerConfig(pools=(other,), listen="127.0.0.1:0", metrics_listen=None),
+            restore=[str(first)],
+        )
+
+
+def test_a_crashs_leftover_files_are_removed_at_start(tmp_path: Path) -> None:
+    """Snapshots of other generations and half-written files a crash left behind go when
+    the state is loaded; the current snapshot stays."""
+    state = tmp_path / "state"
+    make_state(state)
+    (current,) = state.glob("p.snapshot-*.db")
+    leftovers = [state / "p.snapshot-999.db", state / "p.snapshot-999.db-wal", state / "p.db.tmp7"]
+    for path in leftovers:
+        path.write_bytes(b"half written")
+    srv = start(state)
+    try:
+        assert [p for p in leftovers if p.exists()] == []
+        assert list(state.glob("p.snapshot-*.db")) == [current]
+    finally:
+        srv.stop()
+
+
 def unshare_works() -> bool:
     """Whether this machine lets a process mount a tmpfs in its own namespace."""
     try:
