@@ -101,13 +101,6 @@ class KVCacheCoordinator:
                 )
         return total
 
-    def get_num_freeable_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> int:
-        """Blocks ``remove_skipped_blocks`` would free (lets a refusal change nothing)."""
-        return sum(
-            m.get_num_freeable_skipped_blocks(request_id, total_computed_tokens)
-            for m in self._dropping
-        )
-
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
         """Null out and free, in every group, blocks the next token no longer attends to."""
         for manager in self._dropping:

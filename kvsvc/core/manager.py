@@ -364,6 +364,11 @@ class KVCacheManager:
         # Blocks out of a window are freed on the processed-token basis (vLLM's).
         processed = max(0, total_computed - num_in_flight_tokens)
 
+        # Before the check and before allocating, as vLLM does: blocks the window passed
+        # go back to the free queue even when the allocation then fails (so the order
+        # they are freed in, ahead of a preempted request's, is vLLM's), and fewer cached
+        # blocks get evicted.
+        coordinator.remove_skipped_blocks(request_id, processed)
         num_to_allocate = coordinator.get_num_blocks_to_allocate(
             request_id,
             num_tokens_need_slot,
@@ -372,14 +377,8 @@ class KVCacheManager:
             num_local_computed + num_external_computed_tokens,
             num_tokens_main_model,
         )
-        num_free = self.block_pool.free_queue.num_free_blocks
-        if num_to_allocate > num_free and num_to_allocate > num_free + (
-            coordinator.get_num_freeable_skipped_blocks(request_id, processed)
-        ):
+        if num_to_allocate > self.block_pool.free_queue.num_free_blocks:
             return None
-
-        # Before allocating, so fewer cached blocks get evicted.
-        coordinator.remove_skipped_blocks(request_id, processed)
         if not coordinator.is_running(request_id):
             # First allocation: start the tables with the prefix hits (touched) and blocks
             # for external tokens. A running request never gets either.
@@ -431,12 +430,7 @@ class KVCacheManager:
         processed = total_computed - num_in_flight_tokens
         if processed < 0:
             processed = 0
-        if num_to_allocate:
-            num_free = self.block_pool.free_queue.num_free_blocks
-            if num_to_allocate > num_free and num_to_allocate > num_free + (
-                self.coordinator.get_num_freeable_skipped_blocks(request_id, processed)
-            ):
-                return None
+        # Released before the check, as the general path (and vLLM) releases them.
         for i in self._dropping_indexes:
             # Only call out when the window passed a block that is not null yet.
             manager = managers[i]
@@ -446,6 +440,8 @@ class KVCacheManager:
             )
             if skipped > 0 and table[skipped - 1] != NULL_BLOCK_ID:
                 manager.remove_skipped_blocks(request_id, processed)
+        if num_to_allocate and num_to_allocate > self.block_pool.free_queue.num_free_blocks:
+            return None
         new_blocks: list[list[int]] = []
         if num_to_allocate:
             get_new_blocks = self.block_pool.get_new_blocks

@@ -293,6 +293,8 @@ class PoolKVCache(RunningBatchPool):
                 raise InvalidArgument(
                     "new_token_ids", f"token ids must be integers ({exc})"
                 ) from None
+        null_counts = self._null_counts
+        nulls_before = None if null_counts is None else null_counts(request_id)
         request.num_computed_tokens = computed
         if cache_only:
             self.manager.cache_blocks(
@@ -306,17 +308,18 @@ class PoolKVCache(RunningBatchPool):
                 num_lookahead_tokens=num_lookahead_tokens,
                 num_in_flight_tokens=num_in_flight_tokens,
             )
-        null_counts = self._null_counts
         if block_ids is None:
             request.truncate(num_tokens_before)
             request.num_computed_tokens = computed_before
+            nulls = self._zeros if null_counts is None else null_counts(request_id)
             return AllocateOutcome(
                 False,
                 self._no_new_blocks(),
-                self._zeros if null_counts is None else null_counts(request_id),
+                nulls,
                 0,
                 num_new_tokens,
                 computed_before,
+                released=nulls_before is not None and nulls != nulls_before,
             )
         request.num_computed_tokens = computed + num_new_tokens
         self.num_tokens_held += len(new_token_ids)

@@ -93,7 +93,7 @@ def apply_allocate(cache: Any, call: AllocateCall) -> tuple[Any, bool, AllocateO
         packed_token_ids=call.packed,
         num_in_flight_tokens=call.num_in_flight_tokens,
     )
-    return allocate_response(outcome), outcome.ok, outcome
+    return allocate_response(outcome), outcome.ok or outcome.released, outcome
 
 
 @dataclass(frozen=True)
@@ -188,7 +188,7 @@ def apply_step_call(
         )
     else:
         changed = STATUS_OK in statuses
-    return results.to_pb(), changed
+    return results.to_pb(), changed or results.released
 
 
 class _Counters:

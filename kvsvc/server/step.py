@@ -195,6 +195,8 @@ def _apply_general(cache: Any, columns: StepColumns, counters: Any) -> StepResul
             results.add_free(outcome)
             continue
         ok = outcome.ok
+        if outcome.released:
+            results.released = True
         statuses.append(outcome_status(outcome))
         results.scheduled.append(outcome.num_scheduled_tokens if ok else 0)
         results.computed.append(outcome.num_computed_tokens)

@@ -112,6 +112,8 @@ def start_from_pb(msg: pb.RequestStart, where: str) -> RequestStart:
         raise InvalidArgument(f"{where}.num_encoder_tokens", "must be >= 0")
     if msg.num_prompt_tokens < 0:
         raise InvalidArgument(f"{where}.num_prompt_tokens", "must be >= 0")
+    if msg.num_draft_tokens < 0:
+        raise InvalidArgument(f"{where}.num_draft_tokens", "must be >= 0")
     max_hit = msg.max_cache_hit_tokens if msg.HasField("max_cache_hit_tokens") else None
     if max_hit is not None and max_hit < 0:
         raise InvalidArgument(f"{where}.max_cache_hit_tokens", "must be >= 0")
@@ -122,6 +124,7 @@ def start_from_pb(msg: pb.RequestStart, where: str) -> RequestStart:
         num_encoder_tokens=msg.num_encoder_tokens,
         num_prompt_tokens=msg.num_prompt_tokens,
         max_cache_hit_tokens=max_hit,
+        num_draft_tokens=msg.num_draft_tokens,
     )
 
 
@@ -253,12 +256,15 @@ class StepResults:
         "num_groups",
         "num_new_blocks",
         "num_null_blocks",
+        "released",
         "scheduled",
         "statuses",
     )
 
     def __init__(self, num_groups: int) -> None:
         self.num_groups = num_groups
+        # A refused allocation released out-of-window blocks: the pool changed.
+        self.released = False
         self._zero_groups = [0] * num_groups
         self.statuses: list[int] = []
         self.scheduled: list[int] = []
