@@ -54,6 +54,9 @@ class RequestStart:
     # At most this many leading tokens come from the prefix cache (None: all but the
     # last; 0: none, as skip_prefix_cache_read).
     max_cache_hit_tokens: int | None = None
+    # Of num_new_tokens, draft slots beyond the tokens sent (scheduled on top of the
+    # prompt's part: vLLM pads a resumed request with one token left to 1 + drafts).
+    num_draft_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

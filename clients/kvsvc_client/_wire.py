@@ -137,6 +137,7 @@ def start_to_pb(start: RequestStart | bool) -> kvcache_pb2.RequestStart | None:
         num_encoder_tokens=start.num_encoder_tokens,
         num_prompt_tokens=start.num_prompt_tokens,
         max_cache_hit_tokens=start.max_cache_hit_tokens,
+        num_draft_tokens=start.num_draft_tokens,
     )
 
 

@@ -25,6 +25,7 @@ from kvsvc.server.config import (
     DEFAULT_SUBSCRIBER_MAX_LAG_BYTES,
     DEFAULT_SUBSCRIBER_WRITE_TIMEOUT_S,
     HASH_ALGOS,
+    KV_EVENTS_VLLM_VERSIONS,
     LAYOUTS,
     POOL_PLACEHOLDER,
     STATE_SYNCHRONOUS,
@@ -198,6 +199,13 @@ def add_parser(subparsers: Any) -> None:
         "=1; on unless the config file says kv_events_int_hashes = false); "
         "--no-kv-events-int-hashes: the hash bytes, as vLLM with that variable 0",
     )
+    events.add_argument(
+        "--kv-events-vllm-version",
+        choices=KV_EVENTS_VLLM_VERSIONS,
+        help="write the events' bytes as this vLLM release does (default: the newest, "
+        f"{KV_EVENTS_VLLM_VERSIONS[-1]}; 0.33 added a field, so 0.32's bytes differ; "
+        "consumers of every release decode either)",
+    )
 
     # The pool flags default to None, "not given": a pool restored from a snapshot takes
     # what they leave unset from it (restore_settings), others PoolConfig's defaults.
@@ -308,6 +316,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
             overrides[key] = getattr(args, flag)
     if args.kv_events_int_hashes is not None:
         overrides["kv_events_int_hashes"] = args.kv_events_int_hashes
+    if args.kv_events_vllm_version is not None:
+        overrides["kv_events_vllm_version"] = args.kv_events_vllm_version
     for key in ("tls_cert", "tls_key", "tls_client_ca"):
         if getattr(args, key) is not None:
             overrides[key] = getattr(args, key)

@@ -36,6 +36,8 @@ DEFAULT_METRICS_LISTEN = "127.0.0.1:9400"
 # vLLM's own default topic (KVEventsConfig.topic): consumers written for vLLM subscribe to it.
 DEFAULT_KV_EVENTS_TOPIC = ""
 KV_EVENTS_SCHEMES = ("tcp://", "ipc://", "inproc://")
+# The vLLM releases whose KV event bytes a server can publish (kv_events_vllm_version).
+KV_EVENTS_VLLM_VERSIONS = ("0.32", "0.33", "0.34")
 # Replaced by the pool's name in kv_events_topic (and nowhere else).
 POOL_PLACEHOLDER = "{pool}"
 # WatchEvents bounds (see kvsvc.server.events for what each protects).
@@ -275,6 +277,9 @@ class ServerConfig:
         kv_events_int_hashes: publish hashes as 64-bit ints (the low 64 bits of the hash
             read big-endian), as vLLM does by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``
             unset or 1); false: the hash bytes, as vLLM with that variable 0.
+        kv_events_vllm_version: the vLLM release (``"0.32"``, ``"0.33"``, ``"0.34"``) whose
+            bytes the events take (0.33 added a field, which changes the bytes, not what
+            a consumer of any release decodes); the newest by default.
         tls_cert / tls_key: PEM certificate chain and unencrypted key: the gRPC listener
             and ``/metrics`` serve TLS (HTTPS) with them; both or neither. Re-read when
             the files change (see :mod:`kvsvc.tls`).
@@ -330,6 +335,7 @@ class ServerConfig:
     kv_events_hwm: int = 100_000
     kv_events_max_queue: int = 100_000
     kv_events_int_hashes: bool = True
+    kv_events_vllm_version: str = KV_EVENTS_VLLM_VERSIONS[-1]
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
@@ -469,6 +475,12 @@ class ServerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.kv_events_vllm_version not in KV_EVENTS_VLLM_VERSIONS:
+            raise ValueError(
+                f"kv_events_vllm_version must be one of {', '.join(KV_EVENTS_VLLM_VERSIONS)} "
+                f"(the vLLM releases whose event bytes kvsvc writes), got "
+                f"{self.kv_events_vllm_version!r}"
+            )
         if not isinstance(self.kv_events_int_hashes, bool):
             raise ConfigError(
                 f"kv_events_int_hashes must be true or false, got {self.kv_events_int_hashes!r}"

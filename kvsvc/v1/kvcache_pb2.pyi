@@ -69,20 +69,22 @@ class HashingContext(_message.Message):
     def __init__(self, cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., mm_items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., prompt_embeds_digests: _Optional[_Iterable[bytes]] = ..., lora_id: _Optional[int] = ...) -> None: ...
 
 class RequestStart(_message.Message):
-    __slots__ = ("hashing", "skip_prefix_cache_read", "resumed", "num_encoder_tokens", "num_prompt_tokens", "max_cache_hit_tokens")
+    __slots__ = ("hashing", "skip_prefix_cache_read", "resumed", "num_encoder_tokens", "num_prompt_tokens", "max_cache_hit_tokens", "num_draft_tokens")
     HASHING_FIELD_NUMBER: _ClassVar[int]
     SKIP_PREFIX_CACHE_READ_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
     NUM_ENCODER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     hashing: HashingContext
     skip_prefix_cache_read: bool
     resumed: bool
     num_encoder_tokens: int
     num_prompt_tokens: int
     max_cache_hit_tokens: int
-    def __init__(self, hashing: _Optional[_Union[HashingContext, _Mapping]] = ..., skip_prefix_cache_read: _Optional[bool] = ..., resumed: _Optional[bool] = ..., num_encoder_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., max_cache_hit_tokens: _Optional[int] = ...) -> None: ...
+    num_draft_tokens: int
+    def __init__(self, hashing: _Optional[_Union[HashingContext, _Mapping]] = ..., skip_prefix_cache_read: _Optional[bool] = ..., resumed: _Optional[bool] = ..., num_encoder_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., max_cache_hit_tokens: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
     __slots__ = ("pool", "request_id", "new_token_ids", "packed_new_token_ids", "num_new_tokens", "num_lookahead_tokens", "start", "num_rejected_tokens", "call_id", "num_in_flight_tokens")

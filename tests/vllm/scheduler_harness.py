@@ -54,13 +54,19 @@ from vllm.platforms.interface import CpuArchEnum
 
 class SchedulerOnlyCpuPlatform(CpuPlatform):
     """vLLM's CPU platform as the harness needs it: from 0.34 on, the platform refuses an
-    x86 CPU without triton-cpu (its x86 kernels need it; it is not on PyPI). The harness
-    runs no kernel, only the scheduler's Python, so it reports the CPU architecture whose
-    path needs no Triton; everything else is vLLM's CPU platform as is."""
+    x86 CPU without triton-cpu (its x86 kernels need it; it is not on PyPI), and the
+    no-Triton runner it would pick elsewhere refuses speculative decoding. The harness
+    runs no kernel and no model runner, only the scheduler's Python: it reports the CPU
+    architecture whose path needs no Triton and no standalone runner; everything else is
+    vLLM's CPU platform as is."""
 
     @classmethod
     def get_cpu_architecture(cls) -> CpuArchEnum:
         return CpuArchEnum.ARM
+
+    @classmethod
+    def uses_standalone_cpu_model_runner(cls) -> bool:
+        return False
 
 
 VLLM_VERSION = tuple(int(x) for x in vllm.__version__.split("+")[0].split(".")[:3])
@@ -184,6 +190,10 @@ class SyntheticWorker:
         self._drafts: DraftTokenIds | None = None
         spec_config = vllm_config.speculative_config
         self.num_spec_tokens = spec_config.num_speculative_tokens if spec_config else 0
+        self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
+        # Async scheduling: the drafts this worker proposed after a request's last
+        # sampling step (first position, tokens); the scheduler sees only placeholders.
+        self._proposals: dict[str, tuple[int, list[int]]] = {}
 
     # -- start-up ---------------------------------------------------------------------
     def get_kv_cache_spec(self) -> dict[str, Any]:
@@ -219,28 +229,41 @@ class SyntheticWorker:
         if not scheduler_output.total_num_scheduled_tokens:
             return runner_output([], [])
         requests = self.scheduler.requests
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            self._proposals.pop(req_id, None)  # a preempted request's drafts are dropped
         req_ids: list[str] = []
         sampled: list[list[int]] = []
         drafts: list[list[int]] = []
         for req_id in scheduler_output.num_scheduled_tokens:
             request = requests[req_id]
             req_ids.append(req_id)
-            num_spec = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
+            scheduled = list(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
+            proposal = self._proposals.pop(req_id, None)
             if request.is_prefill_chunk:
                 sampled.append([])
                 drafts.append([])
                 continue
             # The first position this step samples: after every non-draft token computed.
-            first = request.num_computed_tokens - num_spec
+            first = request.num_computed_tokens - len(scheduled)
+            if self.async_scheduling:
+                # Placeholders in the schedule: the drafts are the ones this worker
+                # proposed for exactly these positions (none after a preemption).
+                own = proposal[1] if proposal is not None and proposal[0] == first else []
+                scheduled = [*own, *[-1] * len(scheduled)][: len(scheduled)]
+            # Verification: the leading drafts the target model agrees with (a -1
+            # placeholder of a padded step never does).
             accepted = 0
-            while accepted < num_spec and (
-                draft_token(req_id, first + accepted) == target_token(req_id, first + accepted)
+            while accepted < len(scheduled) and (
+                scheduled[accepted] == target_token(req_id, first + accepted)
             ):
                 accepted += 1
             out = [target_token(req_id, first + i) for i in range(accepted + 1)]
             sampled.append(out)
             last = first + accepted
-            drafts.append([draft_token(req_id, last + 1 + i) for i in range(self.num_spec_tokens)])
+            proposed = [draft_token(req_id, last + 1 + i) for i in range(self.num_spec_tokens)]
+            drafts.append(proposed)
+            if self.num_spec_tokens:
+                self._proposals[req_id] = (last + 1, proposed)
         self._pending = runner_output(req_ids, sampled)
         if self.num_spec_tokens:
             self._drafts = DraftTokenIds(req_ids, drafts)
@@ -384,7 +407,8 @@ def vllm_config(
         "max_model_len": workload.max_model_len,
         "long_prefill_token_threshold": workload.long_prefill_token_threshold,
         "enable_chunked_prefill": True,
-        "async_scheduling": setup.async_scheduling,
+        # Set below: vLLM accepts async scheduling only with GPU drafters' configs.
+        "async_scheduling": False,
         "is_encoder_decoder": False,
     }
     if scheduler_cls is not None:
@@ -411,7 +435,9 @@ def vllm_config(
     )
     # vLLM's CPU platform turns async scheduling off ("not required on CPU"): its CPU
     # runner has no async output path. The scheduler's side of it is platform-free
-    # Python, which is all this harness runs, so it is turned back on as a GPU has it.
+    # Python, which is all this harness runs, so it is turned on as a GPU has it (after
+    # the config's checks: n-gram drafting on the CPU refuses async scheduling, the
+    # GPU drafters accept it, and to the scheduler drafts are drafts).
     config.scheduler_config.async_scheduling = setup.async_scheduling
     return config
 
@@ -643,14 +669,22 @@ class Pool:
     context: Any = field(default_factory=zmq.Context)
 
     def events_since(self, sequence: int) -> list[Any]:
+        """The pool's events from ``sequence`` on, decoded with this vLLM's classes; each
+        payload must be the very bytes those classes write (the format of this release,
+        which the pool was told: ``--kv-events-vllm-version``)."""
         decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        encoder = msgspec.msgpack.Encoder()
         events: list[Any] = []
-        for _, _seq, payload in replay(self.context, self.replay_endpoint, sequence):
-            events.extend(decoder.decode(payload).events)
+        # A loaded machine can keep the publisher's thread waiting: a generous bound.
+        for _, _seq, payload in replay(self.context, self.replay_endpoint, sequence, 60.0):
+            batch = decoder.decode(payload)
+            if encoder.encode(batch) != payload:
+                raise Divergence(f"a KV event batch is not vLLM {vllm.__version__}'s bytes")
+            events.extend(batch.events)
         return events
 
     def next_sequence(self) -> int:
-        held = replay(self.context, self.replay_endpoint, 0)
+        held = replay(self.context, self.replay_endpoint, 0, 60.0)
         return held[-1][1] + 1 if held else 0
 
 
@@ -684,6 +718,8 @@ def kvsvc_pool(
             f"ipc://{tmp}/replay",
             "--kv-events-buffer",
             "100000",
+            "--kv-events-vllm-version",
+            f"{VLLM_VERSION[0]}.{VLLM_VERSION[1]}",
             *extra_args,
         ]
         with kvsvc_server(*args, pool=POOL, block_size=BLOCK_SIZE) as server:

@@ -376,7 +376,10 @@ def test_bytes_are_vllms_bytes() -> None:
             AllBlocksCleared(),
         ],
     )  # fmt: skip
-    ours = to_vllm_batch(batch, (None, 64), int_hashes=False)
+    from kvsvc.integrations.vllm.compat import installed_version
+
+    release = "{}.{}".format(*installed_version()[:2])  # the bytes of the vLLM installed
+    ours = to_vllm_batch(batch, (None, 64), int_hashes=False, vllm_format=release)
     assert msgspec.msgpack.encode(ours) == msgspec.msgpack.encode(theirs)
 
 

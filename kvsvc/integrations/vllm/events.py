@@ -10,8 +10,11 @@ kvsvc unchanged. Per pool, it sees what one vLLM engine would send::
 
 ``KVEventBatch`` is ``[ts, [event, ...], data_parallel_rank]`` (an array); each event a map
 tagged ``"type": "BlockStored" | "BlockRemoved" | "AllBlocksCleared"``. The structs below
-have vLLM 0.32's names, fields, field order and msgspec options, so their bytes are the
-bytes vLLM's own classes produce and decode. kvsvc does not import vLLM for it.
+have vLLM's names, fields, field order and msgspec options, so their bytes are the bytes
+vLLM's own classes produce and decode; kvsvc does not import vLLM for it. The format
+follows the release a server is told (``kv_events_vllm_version``): 0.33 added a 16th
+``BlockStored`` field (``lookahead_token_ids``), which alone changes the map header msgspec
+writes, so each release's bytes come from its own struct.
 
 Sequence numbers: the pool's event batches are numbered 1, 2, 3, ... (``WatchEvents``); the
 ZMQ sequence is that number - 1, so it starts at 0 and steps by one like vLLM's counter, and
@@ -108,6 +111,24 @@ class BlockStored(KVCacheEvent):
     session_id: str | None = None
 
 
+class BlockStoredLookahead(BlockStored, tag="BlockStored"):  # type: ignore[call-arg]
+    """vLLM 0.33+'s ``BlockStored``: the tokens beyond each block its hash covers (None
+    without lookahead hashing)."""
+
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+# The BlockStored struct of each release's format (major.minor).
+BLOCK_STORED_OF: dict[str, type[BlockStored]] = {
+    "0.32": BlockStored,
+    "0.33": BlockStoredLookahead,
+    "0.34": BlockStoredLookahead,
+}
+# What a server publishes unless told otherwise: the newest release's bytes (any release's
+# consumer decodes them: an unknown field left at its default is not sent).
+DEFAULT_VLLM_FORMAT = "0.34"
+
+
 class BlockRemoved(KVCacheEvent):
     """Blocks left the prefix index."""
 
@@ -149,8 +170,10 @@ def to_vllm_batch(
     *,
     data_parallel_rank: int | None = 0,
     int_hashes: bool = True,
+    vllm_format: str = DEFAULT_VLLM_FORMAT,
 ) -> KVEventBatch:
-    """kvsvc's batch as vLLM 0.32's block pool words the same changes.
+    """kvsvc's batch as vLLM's block pool words the same changes (in ``vllm_format``'s
+    bytes: a key of :data:`BLOCK_STORED_OF`).
 
     - ``BlockStored``: the same hashes, parent, tokens and group, annotated as vLLM's
       ``KVCacheManager.take_events`` annotates it (``kv_cache_spec_kind``, and
@@ -170,7 +193,9 @@ def to_vllm_batch(
         data_parallel_rank: the rank vLLM's publisher stamps on every batch (a kvsvc
             pool is one engine, rank 0).
         int_hashes: hashes as 64-bit ints (vLLM's default), else the hash bytes.
+        vllm_format: the release whose bytes to produce.
     """
+    stored_class = BLOCK_STORED_OF[vllm_format]
     events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
     for event in batch.events:
         if isinstance(event, kv.BlockStored):
@@ -178,7 +203,7 @@ def to_vllm_batch(
             parent = event.parent_block_hash
             keys = event.extra_keys
             events.append(
-                BlockStored(
+                stored_class(
                     block_hashes=[_external(h, int_hashes) for h in event.block_hashes],
                     parent_block_hash=None if parent is None else _external(parent, int_hashes),
                     token_ids=event.token_ids,
@@ -233,6 +258,7 @@ class ZmqEventPublisher:
         hwm: high-water mark of the PUB socket (ZMQ drops beyond it per subscriber).
         max_queue: batches waiting for the publisher thread; beyond it the oldest goes.
         int_hashes: publish hashes as 64-bit ints (vLLM's default), else the bytes.
+        vllm_format: the vLLM release whose bytes to publish (``"0.32"`` ... ``"0.34"``).
         data_parallel_rank: stamped on every batch.
         context: the ZMQ context (default: the process's shared one).
     """
@@ -249,6 +275,7 @@ class ZmqEventPublisher:
         hwm: int = 100_000,
         max_queue: int = 100_000,
         int_hashes: bool = True,
+        vllm_format: str = DEFAULT_VLLM_FORMAT,
         data_parallel_rank: int | None = 0,
         context: Any | None = None,
     ) -> None:
@@ -260,6 +287,7 @@ class ZmqEventPublisher:
         self._hwm = hwm
         self._max_queue = max_queue
         self._int_hashes = int_hashes
+        self._vllm_format = vllm_format
         self._dp_rank = data_parallel_rank
         self._ctx = context if context is not None else zmq.Context.instance()
         # Hot path <-> publisher thread.
@@ -294,8 +322,10 @@ class ZmqEventPublisher:
                 self._pub.connect(self.endpoint)
             if self.replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
-                # Room for one whole replay per client: a ROUTER drops what exceeds it.
-                self._replay.setsockopt(zmq.SNDHWM, self._buffer_steps + 1)
+                # Room for one whole replay and its end marker per client (a ROUTER drops
+                # what exceeds it), twice over as vLLM 0.33 sets it: ZMQ acknowledges
+                # reads only every HWM/2 messages, so up to HWM/2 may look unread.
+                self._replay.setsockopt(zmq.SNDHWM, 2 * (self._buffer_steps + 1))
                 self._replay.bind(self.replay_endpoint)
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as exc:
@@ -389,6 +419,7 @@ class ZmqEventPublisher:
                             windows,
                             data_parallel_rank=self._dp_rank,
                             int_hashes=self._int_hashes,
+                            vllm_format=self._vllm_format,
                         )
                     )
                     self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
@@ -472,6 +503,7 @@ class ZmqKVEvents(EventSink):
                 hwm=config.kv_events_hwm,
                 max_queue=config.kv_events_max_queue,
                 int_hashes=config.kv_events_int_hashes,
+                vllm_format=config.kv_events_vllm_version,
             )
             pool.events.add_listener(_PoolFeed(pool, publisher))
             publishers[target.pool] = publisher

@@ -76,6 +76,7 @@ _ALLOCATE = pb.STEP_OPERATION_TYPE_ALLOCATE
 _FREE = pb.STEP_OPERATION_TYPE_FREE
 _PREEMPT = pb.STEP_OPERATION_TYPE_PREEMPT
 _OK = pb.ALLOCATE_STATUS_OK
+_NO_SPACE = pb.ALLOCATE_STATUS_NO_SPACE
 _RECOMPUTE = pb.ALLOCATE_STATUS_RECOMPUTE
 # The server's bound on free_queue_head_limit: a larger queue is read in pages.
 _MAX_HEAD = 65536
@@ -113,6 +114,7 @@ class _Prediction:
     column layout (see ``StepResponse`` in kvcache.proto)."""
 
     request_ids: list[str] = field(default_factory=list)
+    statuses: list[int] = field(default_factory=list)
     num_new_blocks: list[int] = field(default_factory=list)
     new_block_ids: list[int] = field(default_factory=list)
     num_null_blocks: list[int] = field(default_factory=list)
@@ -382,7 +384,7 @@ class KvsvcPoolReplica:
                 f"engine has {self.num_groups}"
             )
         if (
-            statuses.count(_OK) == len(statuses)
+            statuses == prediction.statuses
             and list(response.num_new_blocks) == prediction.num_new_blocks
             and list(response.new_block_ids) == prediction.new_block_ids
             and list(response.num_cached_tokens) == prediction.num_cached_tokens
@@ -419,7 +421,7 @@ class KvsvcPoolReplica:
             want_pos += sum(want_counts)
             status = response.statuses[i]
             if (
-                status != _OK
+                status != prediction.statuses[i]
                 or got_counts != want_counts
                 or got != want
                 or response.num_cached_tokens[i] != prediction.num_cached_tokens[i]
@@ -558,6 +560,7 @@ class KvsvcPoolReplica:
             num_encoder_tokens=start.num_encoder_tokens,
             num_prompt_tokens=start.num_prompt_tokens,
             max_cache_hit_tokens=start.max_cache_hit_tokens,
+            num_draft_tokens=start.num_draft_tokens,
         )
         try:
             outcome = self.cache.allocate(
@@ -615,9 +618,10 @@ class KvsvcPoolReplica:
             )
         except CoreError as exc:
             raise KvsvcError(f"{self._where}: allocation for {request_id!r}: {exc}") from None
-        if not outcome.ok:
-            return None
-        self._num_sent[request_id] = sent + len(tokens)
+        if not outcome.ok and not outcome.released:
+            return None  # nothing changed: nothing to tell the server
+        if outcome.ok:
+            self._num_sent[request_id] = sent + len(tokens)
         self.pending.allocate(
             request_id,
             tokens,
@@ -626,6 +630,11 @@ class KvsvcPoolReplica:
             num_rejected_tokens=rejected,
             num_in_flight_tokens=num_in_flight_tokens,
         )
+        if not outcome.ok:
+            # Refused, but the window's passed blocks were released before the check (as
+            # vLLM releases them): the server must release the same ones, in this order.
+            self._predict(request_id, (), outcome.num_null_blocks, _NO_SPACE)
+            return None
         self._predict(request_id, outcome.new_block_ids, outcome.num_null_blocks)
         return outcome.new_block_ids
 
@@ -690,10 +699,12 @@ class KvsvcPoolReplica:
         request_id: str,
         new_block_ids: Sequence[Sequence[int]],
         num_null_blocks: Sequence[int],
+        status: int = _OK,
     ) -> None:
         """Record what the server must answer for the operation just queued."""
         prediction = self._prediction
         prediction.request_ids.append(request_id)
+        prediction.statuses.append(status)
         groups = self.num_groups
         if new_block_ids:
             for ids in new_block_ids:
@@ -702,7 +713,7 @@ class KvsvcPoolReplica:
             prediction.num_null_blocks.extend(num_null_blocks)
         else:
             prediction.num_new_blocks.extend([0] * groups)
-            prediction.num_null_blocks.extend([0] * groups)
+            prediction.num_null_blocks.extend(num_null_blocks or [0] * groups)
         prediction.num_cached_tokens.append(0)
 
     def tables(self, request_id: str) -> tuple[list[int], ...]:

@@ -336,6 +336,8 @@ class KvsvcKVCacheManager:
                 request.num_prompt_tokens if request.num_tokens > request.num_prompt_tokens else 0
             ),
             max_cache_hit_tokens=None if cap == 0 else cap,
+            # vLLM pads an admission with one token left to 1 + its drafts.
+            num_draft_tokens=max(0, computed + num_new_tokens - request.num_tokens),
         )
         tables = replica.admit(
             request_id, request.all_token_ids, num_new_tokens, num_lookahead_tokens, start
@@ -432,6 +434,51 @@ def _check_supported(scheduler: Scheduler, kv_cache_config: KVCacheConfig) -> No
             raise KvsvcError(f"kvsvc's vLLM scheduler does not serve {reason} yet")
     if scheduler.connector is not None:
         raise KvsvcError("kvsvc's vLLM scheduler does not support KV connectors")
+    refusal = eagle_refusal(
+        bool(getattr(scheduler, "use_eagle_block_drop", False)),
+        compat.num_hash_lookahead_tokens(scheduler.vllm_config),
+        int(getattr(scheduler.vllm_config, "num_prefill_lookahead_tokens", 0) or 0),
+    )
+    if refusal:
+        raise KvsvcError(refusal)
+
+
+def eagle_refusal(
+    drops_block: bool, num_hash_lookahead_tokens: int, num_prefill_lookahead_tokens: int = 0
+) -> str:
+    """Why kvsvc refuses an EAGLE/MTP configuration ("" when it serves it).
+
+    EAGLE-style drafters build a position's draft KV from the next token as well, so
+    vLLM keeps a hit's trailing block out of reach: it drops the last matched block
+    (``use_eagle_block_drop``), or from 0.33 makes each block's hash cover the next
+    tokens (``num_hash_lookahead_tokens``); multi-module MTP also leaves its last
+    ``num_prefill_lookahead_tokens - 1`` tokens uncached (their KV is re-prefilled).
+    kvsvc's pool models none of these yet, so its hits would differ from stock vLLM's:
+    refused, naming the settings that turn them off (vLLM then warns that acceptance
+    rates may drop) or the drafters kvsvc serves.
+    """
+    if num_prefill_lookahead_tokens > 1:
+        return (
+            f"kvsvc's vLLM scheduler does not serve multi-module MTP with prefix caching: "
+            f"vLLM re-prefills each request's last {num_prefill_lookahead_tokens - 1} "
+            "tokens and caches them later, which kvsvc's pool does not model yet. Use one "
+            "MTP module (num_speculative_tokens 1) or an EAGLE, draft-model or n-gram "
+            "drafter, or run without prefix caching"
+        )
+    if not drops_block and not num_hash_lookahead_tokens:
+        return ""
+    what = (
+        f"hashes blocks with the {num_hash_lookahead_tokens} token(s) after them"
+        if num_hash_lookahead_tokens
+        else "drops the last block of every prefix-cache hit"
+    )
+    return (
+        f"kvsvc's vLLM scheduler does not serve EAGLE/MTP speculative decoding with prefix "
+        f"caching as this vLLM runs it: it {what}, which kvsvc's pool does not model yet. "
+        'Turn both off in --speculative-config: {"disable_eagle_block_drop": true, '
+        '"disable_lookahead_block_hashes": true} (vLLM 0.33+; 0.32 has only the first), '
+        "use a draft-model or n-gram drafter, or run without prefix caching"
+    )
 
 
 def replica_config(kv_cache_config: KVCacheConfig) -> KvsvcKVCacheConfig:
