@@ -2,6 +2,7 @@
 
     .venv-vllm/bin/python examples/vllm_on_kvsvc.py                  # starts its own server
     .venv-vllm/bin/python examples/vllm_on_kvsvc.py --server HOST:PORT --pool vllm
+    .venv-vllm/bin/python examples/vllm_on_kvsvc.py --write-model DIR  # only the model
 
 It writes a tiny Llama's ``config.json`` (random weights: ``load_format="dummy"``, no
 download, no tokenizer), starts ``kvsvc serve`` with one pool (or uses ``--server``'s
@@ -109,7 +110,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--server", help="an existing kvsvc server HOST:PORT (default: start one)")
     parser.add_argument("--pool", default="vllm", help="its pool (default: vllm)")
+    parser.add_argument(
+        "--write-model",
+        metavar="DIR",
+        type=Path,
+        help="only write the tiny model's config.json into DIR (for vllm's server) and exit",
+    )
     args = parser.parse_args()
+    if args.write_model is not None:
+        args.write_model.mkdir(parents=True, exist_ok=True)
+        (args.write_model / "config.json").write_text(json.dumps(TINY_LLAMA))
+        print(f"wrote {args.write_model / 'config.json'}")
+        return 0
 
     import vllm
     from kvsvc_client import KVCacheClient

@@ -89,6 +89,27 @@ def test_pools_says_what_a_pool_waits_for_and_which_rank_is_gone() -> None:
         ranks[1].close()
 
 
+def test_a_lost_rank_of_an_engine_is_the_engine_to_restart() -> None:
+    """vLLM on kvsvc: the rank's agent is the engine's own worker, so the hint names the
+    engine, not a kvsvc worker to start (issue 30)."""
+    with running_server(PoolConfig(name="vllm", world_size=1, max_model_len=1024)) as srv:
+        rank = FakeRank(
+            srv.address, "vllm", 0, 1, llama_like_specs(), 4 << 20, in_engine=True
+        ).join()
+        rank.close()  # the engine exits: its worker's plan stream closes
+        deadline = time.monotonic() + 20
+        while True:
+            lines = ctl(srv.address, "pools").stdout.splitlines()
+            if "DEGRADED" in lines[1] or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert lines[-1].strip() == (
+            "serving, but rank 0 is not live: its agent is the engine's worker (vLLM on "
+            "kvsvc): restart the engine (its workers register the ranks again)"
+        )
+        assert json.loads(ctl(srv.address, "pools", "--json").stdout)[0]["workers"][0]["in_engine"]
+
+
 def test_wait_ready_times_out_naming_the_state_then_succeeds() -> None:
     pool = PoolConfig(name="p", world_size=1, max_model_len=1024)
     with running_server(pool) as srv:

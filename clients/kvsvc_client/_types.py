@@ -213,6 +213,8 @@ class WorkerInfo:
         connected: the agent holds its plan stream open now.
         live: connected and heartbeating within the pool's heartbeat timeout; a pool is
             READY only while every rank is live.
+        in_engine: the rank's agent runs inside an engine (vLLM on kvsvc): restarting
+            the engine brings it back.
     """
 
     rank: int
@@ -225,6 +227,7 @@ class WorkerInfo:
     memory_free_bytes: int
     connected: bool = False
     live: bool = False
+    in_engine: bool = False
 
 
 @dataclass(frozen=True, slots=True)

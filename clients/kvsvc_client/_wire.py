@@ -587,6 +587,7 @@ def pool_info(summary: admin_pb2.PoolSummary) -> PoolInfo:
                 memory_free_bytes=w.memory_free_bytes,
                 connected=w.connected,
                 live=w.live,
+                in_engine=w.in_engine,
             )
             for w in summary.workers
         ),

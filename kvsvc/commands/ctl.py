@@ -227,7 +227,13 @@ def _waiting_hint(p: Any, connect: str) -> str:
         ranks = ", ".join(map(str, pending)) or "?"
         return f"planned; waiting for rank {ranks} to report its allocation; {wait}"
     if p.state == "DEGRADED":
-        gone = ", ".join(str(w.rank) for w in p.workers if not w.live) or "?"
+        lost = [w for w in p.workers if not w.live]
+        gone = ", ".join(str(w.rank) for w in lost) or "?"
+        if lost and all(w.in_engine for w in lost):
+            return (
+                f"serving, but rank {gone} is not live: its agent is the engine's worker "
+                "(vLLM on kvsvc): restart the engine (its workers register the ranks again)"
+            )
         return (
             f"serving, but rank {gone} is not live: restart its agent (same --rank; it "
             "gets the same plan back)"

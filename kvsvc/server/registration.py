@@ -52,6 +52,8 @@ class Registration:
     total_num_kv_heads: int = 0
     # The identity of the KV tensors the agent holds from an earlier session ("" if none).
     allocation_id: str = ""
+    # The agent runs inside an engine whose workers hold the tensors (vLLM on kvsvc).
+    in_engine: bool = False
 
 
 def check_memory_claims(reg: Registration) -> None:
@@ -212,6 +214,7 @@ def registration_to_dict(reg: Registration, available_bytes: int) -> dict[str, A
         "max_num_encoder_input_tokens": reg.max_num_encoder_input_tokens,
         "model": reg.model,
         "total_num_kv_heads": reg.total_num_kv_heads,
+        "in_engine": reg.in_engine,
         "available_bytes": available_bytes,
     }
 
@@ -244,6 +247,7 @@ def registration_from_dict(data: dict[str, Any]) -> tuple[Registration, int]:
             max_num_encoder_input_tokens=data["max_num_encoder_input_tokens"],
             model=data["model"],
             total_num_kv_heads=data["total_num_kv_heads"],
+            in_engine=bool(data.get("in_engine", False)),  # absent in older states
         ),
         data["available_bytes"],
     )

@@ -477,6 +477,7 @@ class WorkerServicer(_Base, worker_pb2_grpc.WorkerServiceServicer):
             model=request.model,
             total_num_kv_heads=max(0, request.total_num_kv_heads),
             allocation_id=request.allocation_id,
+            in_engine=request.in_engine,
         )
         slot = await pool.register(registration)
         return worker_pb2.RegisterResponse(
@@ -548,6 +549,7 @@ def pool_summary(pool: Pool, now: float) -> admin_pb2.PoolSummary:
                 views=slot.views,
                 connected=slot.open_streams > 0,
                 live=pool.rank_live(slot, now),
+                in_engine=reg.in_engine,
             )
         )
     return admin_pb2.PoolSummary(

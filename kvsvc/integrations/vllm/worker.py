@@ -368,6 +368,7 @@ class KvsvcWorker(_PlatformWorker):
             tls_cert=settings.tls_cert,
             tls_key=settings.tls_key,
             tls_server_name=settings.tls_server_name,
+            in_engine=True,
         )
 
     def _memory_profile(self, kv_cache_bytes: int) -> MemoryProfile:
