@@ -734,7 +734,7 @@ class Pool:
             StateError: the state was made for another pool or plan, is damaged, or its
                 replay does not give the replies that were acknowledged.
         """
-        loaded = load_saved_state(self.config, snapshot, journal, self.calls.capacity)
+        loaded = load_saved_state(self.config, snapshot, journal)
         # Everything loaded: take it over.
         identity = snapshot.identity
         self.events.restore(identity["epoch"], loaded.base_seq)

@@ -56,7 +56,6 @@ def load_saved_state(
     config: PoolConfig,
     snapshot: Snapshot,
     journal: Iterable[JournalRecord],
-    calls_capacity: int,
 ) -> LoadedState:
     """Load ``snapshot`` for the pool ``config`` describes and replay ``journal`` on it.
 
@@ -95,7 +94,7 @@ def load_saved_state(
                 "restore the seed (every cached block's hash depends on it)"
             )
         base_seq = cache.manager.events.last_seq if cache.manager.events is not None else 0
-        calls = CallLog(calls_capacity)
+        calls = CallLog()
         try:
             calls.load_state(snapshot.server_state.get("calls", []))
         except (ValueError, TypeError) as exc:
@@ -152,6 +151,6 @@ def _replay_journal(
             batch.timestamp = record.event_ts
             batches.append(batch)
         if request is not None and request.call_id:
-            calls.put(record.engine, request.call_id, record.kind, response, 0)
+            calls.put(record.engine, request.call_id, record.kind, reply, 0)
         count += 1
     return count, invalidations

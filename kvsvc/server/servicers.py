@@ -167,18 +167,16 @@ async def _mutate(pool: Pool, kind: int, request: Any, work: int, fn: Any, *args
                 response, changed = fn(*args)
             batches = pool.drain_events()
             ticket = 0
-            # An event is a change, whatever ``changed`` says.
-            if (changed or batches) and pool.persistence is not None:
-                ticket = pool.journal(
-                    kind,
-                    engine,
-                    request.SerializeToString(),
-                    response.SerializeToString(),
-                    batches,
-                    work,
-                )
-            if call_id:
-                pool.calls.put(engine, call_id, kind, response, ticket)
+            # An event is a change, whatever ``changed`` says. Only a change is journaled
+            # and kept for a retry: repeating a call that changed nothing applies it once.
+            if changed or batches:
+                reply = response.SerializeToString()
+                if pool.persistence is not None:
+                    ticket = pool.journal(
+                        kind, engine, request.SerializeToString(), reply, batches, work
+                    )
+                if call_id:
+                    pool.calls.put(engine, call_id, kind, reply, ticket)
     if cancelled:
         raise asyncio.CancelledError
     await pool.durable(ticket)
