@@ -354,6 +354,65 @@ def test_a_truncated_wal_restores_under_a_new_epoch(tmp_path: Path) -> None:
         assert srv.run(lambda: srv.server.pools.get("p").events.epoch) == renewed
 
 
+def cut_state(tmp_path: Path) -> tuple[Path, str, int]:
+    """A state whose WAL lost its last frame (the last commit), as a power loss leaves
+    it; returns its directory, the epoch and the event sequence acknowledged before."""
+    state = tmp_path / "state"
+    with server_on(state, state_checkpoint_interval_s=3600) as srv:
+        ranks = bring_up(srv, kv_cache_bytes=MEMORY, allocation_id="A")
+        with KVCacheClient(srv.address, pool="p", options=QUICK) as kv:
+            for i in range(6):
+                assert kv.allocate(f"r{i}", [i + 1] * 40, 40, start=True).ok
+            epoch = kv.epoch
+            last_sequence = srv.run(lambda: srv.server.pools.get("p").events.last_sequence)
+        ranks[0].close()
+        with journal_db(state) as reader:  # keeps the WAL, as a kill would
+            reader.execute("SELECT COUNT(*) FROM journal").fetchone()
+            crash(srv)
+            cut = shutil.copytree(state, tmp_path / "cut")
+    page_size = int.from_bytes((cut / "p.db").read_bytes()[16:18], "big")
+    wal = cut / "p.db-wal"
+    with wal.open("r+b") as f:
+        f.truncate(wal.stat().st_size - (24 + page_size))
+    return cut, epoch, last_sequence
+
+
+@pytest.mark.parametrize(
+    "damage, said",
+    [
+        ("missing", "p.acked is missing"),
+        ("garbage", "p.acked is damaged"),
+        ("binary", "p.acked is damaged (not text)"),
+        ("other-lineage", "p.acked is another state's"),
+    ],
+)
+def test_a_cut_wal_without_a_sound_acked_marker_gets_a_new_epoch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str, said: str
+) -> None:
+    """Regression (issue 32 item 10): with the marker gone or garbage, a cut WAL's earlier
+    state was served under the epoch subscribers had read further in. A marker that
+    shows nothing now means a new epoch, with a warning that names the file."""
+    cut, epoch, last_sequence = cut_state(tmp_path)
+    marker = cut / "p.acked"
+    if damage == "missing":
+        marker.unlink()
+    elif damage == "garbage":
+        marker.write_text("not a position at all\n")
+    elif damage == "binary":
+        marker.write_bytes(b"\xff\xfe\x00garbage")
+    else:
+        marker.write_text(f"{'0' * 32} {10**6:020d}\n")
+    with caplog.at_level("WARNING", logger="kvsvc.server"), server_on(cut) as srv:
+        events = srv.run(lambda: srv.server.pools.get("p").events)
+        assert events.last_sequence < last_sequence
+        renewed = events.epoch
+        assert renewed != epoch
+    warned = [r.getMessage() for r in caplog.records if "new event epoch" in r.getMessage()]
+    assert len(warned) == 1 and said in warned[0], warned
+    with server_on(cut) as srv:  # the marker is sound again: the epoch stays
+        assert srv.run(lambda: srv.server.pools.get("p").events.epoch) == renewed
+
+
 def test_snapshots_without_their_journal_are_not_dropped_silently(tmp_path: Path) -> None:
     state = tmp_path / "state"
     make_state(state)

@@ -139,19 +139,27 @@ class PoolStore:
         self._checkpoint_conn = None
         self.acked.close()
 
-    def check_acknowledged(self) -> int | None:
-        """At a restart, before anything is written: the last journal row acknowledged
-        when that is beyond the journal's end (the WAL was cut: this is an earlier state
-        than the one served), else None. Records the journal's end as acknowledged.
+    def check_acknowledged(self) -> str | None:
+        """At a restart, before anything is written: why this may be an earlier state
+        than the one acknowledged (the journal ends before the last row acknowledged: the
+        WAL was cut; or the acknowledged position is missing or garbage, so nothing
+        shows the journal is whole), else None. Records the journal's end as acknowledged
+        when it is not earlier (:meth:`renew_epoch` records it otherwise).
 
         Raises:
             StateError: the position cannot be recorded (the message says a full disk).
         """
-        acknowledged = self.acked.read()
-        lost = acknowledged if acknowledged is not None and acknowledged > self.last_seq else None
-        if lost is None:
-            self._write_acked()
-        return lost
+        acknowledged, problem = self.acked.read_checked()
+        if problem is not None:
+            return f"{problem}: nothing shows that the journal holds every acknowledged change"
+        assert acknowledged is not None
+        if acknowledged > self.last_seq:
+            return (
+                f"its journal ends at row {self.last_seq}, but row {acknowledged} was "
+                "acknowledged (its write-ahead log was cut: a power loss, or a damaged file)"
+            )
+        self._write_acked()
+        return None
 
     def renew_epoch(self, epoch: str) -> None:
         """Give the state a new event epoch (an earlier state than the one acknowledged:
