@@ -24,6 +24,7 @@ from kvsvc.core import AllocateOutcome, RequestStart
 from kvsvc.errors import InvalidArgument, quoted
 from kvsvc.server.namespace import NAMESPACE_SEPARATOR, scoped_request_id, unscope_message
 from kvsvc.server.persistence.records import JournalKind
+from kvsvc.server.persistence.writer import replay_units
 from kvsvc.server.step import apply_step
 from kvsvc.server.wire import (
     STATUS_OK,
@@ -231,6 +232,20 @@ def _parse_message(types: dict[int, Any], kind: int, data: bytes, what: str) -> 
         return cls.FromString(data)
     except DecodeError as exc:
         raise ValueError(f"{what} of kind {kind} does not parse: {exc}") from None
+
+
+def journal_units(kind: int, request: Any) -> int:
+    """What replaying the journal row of ``request`` (a call of ``kind``) costs, in the
+    units the snapshot trigger counts (:func:`~kvsvc.server.persistence.writer.replay_units`):
+    the same figure whether the call is being served or its row was just replayed."""
+    if kind == JournalKind.ALLOCATE:
+        return replay_units(1, len(request.new_token_ids) + len(request.packed_new_token_ids) // 4)
+    if kind == JournalKind.FREE:
+        return replay_units(max(1, len(request.request_ids)), 0)
+    if kind == JournalKind.STEP:
+        tokens = len(request.token_ids) + len(request.packed_token_ids) // 4
+        return replay_units(len(request.types), tokens)
+    return replay_units(1, 0)
 
 
 def replay_call(cache: Any, kind: int, request: Any, engine: str) -> tuple[Any, bool]:

@@ -286,10 +286,13 @@ class ServerConfig:
         state_synchronous: ``normal`` (a commit writes SQLite's WAL without a disk sync: a
             crash of the process loses nothing acknowledged, a power loss the changes
             since the last checkpoint) or ``full`` (every commit is synced to disk).
-        state_snapshot_every: replay work after which a snapshot replaces the journal:
-            one unit per operation (a Step counts each of its operations) and per 64 tokens,
-            about 3 us of replay each, so a restart replays about a second at most.
-        state_snapshot_min_interval_s: seconds between two snapshots at least.
+        state_snapshot_every: replay work after which a snapshot replaces the journal,
+            in units of about 3 us of replay: 20 per journal row (a call that changed the
+            pool), 1 per operation (a Step counts each of its operations) and 1 per 16
+            tokens (see :func:`kvsvc.server.persistence.writer.replay_units`).
+        state_snapshot_min_interval_s: seconds between two snapshots at least, unless the
+            journal holds twice ``state_snapshot_every`` (then one is taken at once), so a
+            restart replays well under two seconds whatever the load.
         state_checkpoint_interval_s: seconds between two checkpoints (disk syncs of the
             WAL): in ``normal`` mode, how much a power loss can take back.
     """

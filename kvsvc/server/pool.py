@@ -68,7 +68,7 @@ from kvsvc.server.persistence.records import (
     StateError,
 )
 from kvsvc.server.persistence.snapshot_file import write_snapshot
-from kvsvc.server.persistence.writer import PoolPersistence, StateSettings
+from kvsvc.server.persistence.writer import ROW_REPLAY_UNITS, PoolPersistence, StateSettings
 from kvsvc.server.pool_identity import new_identity
 from kvsvc.server.pool_planning import build_pool_cache, check_plan_size, planner_options
 from kvsvc.server.pool_replay import load_saved_state
@@ -357,10 +357,16 @@ class Pool:
         self.error = ""
         self._set_state(PoolState.PLANNED)
 
-    def _start_persistence(self, store: PoolStore) -> None:
+    def _start_persistence(self, store: PoolStore, journal_units: int | None = None) -> None:
+        """Persist from here on in ``store``; ``journal_units``: the replay work of the
+        journal rows it holds already (None: none, or unknown)."""
         assert self.state_settings is not None
         self.persistence = self.state_settings.writer(
-            store, lock=self.lock, capture=self.capture, publish=self.events.append
+            store,
+            lock=self.lock,
+            capture=self.capture,
+            publish=self.events.append,
+            journal_units=journal_units,
         )
         with contextlib.suppress(RuntimeError):  # no running loop yet: start_state does
             self.persistence.start()
@@ -615,14 +621,14 @@ class Pool:
         payload: bytes,
         reply: bytes,
         batches: Sequence[Any],
-        work: int = 0,
+        units: int = ROW_REPLAY_UNITS,
     ) -> int:
         """Record a call that changed the pool (under the lock, right after the change and
-        the events drain; see :meth:`PoolPersistence.record`); returns the ticket to wait
-        on (0: nothing is persisted)."""
+        the events drain; see :meth:`PoolPersistence.record`; ``units``: what replaying
+        its row costs); returns the ticket to wait on (0: nothing is persisted)."""
         if self.persistence is None:
             return 0
-        return self.persistence.record(kind, engine, payload, reply, batches, work)
+        return self.persistence.record(kind, engine, payload, reply, batches, units)
 
     async def durable(self, ticket: int) -> None:
         """Wait until the change of ``ticket`` is on disk (at once when not persisted).
@@ -759,7 +765,7 @@ class Pool:
         self.error = ""
         self.state = PoolState.PLANNED
         if store is not None:
-            self._start_persistence(store)
+            self._start_persistence(store, loaded.replay_units)
         return loaded.num_replayed
 
     def attach_store(self, store: PoolStore) -> None:

@@ -31,6 +31,7 @@ from kvsvc.server.calls import (
     decode_allocate,
     decode_free,
     decode_step,
+    journal_units,
 )
 from kvsvc.server.errors import CallObserver, OpenStreams, rpc_handler, rpc_stream_handler
 from kvsvc.server.namespace import current_engine, scoped_request_id
@@ -173,7 +174,12 @@ async def _mutate(pool: Pool, kind: int, request: Any, work: int, fn: Any, *args
                 reply = response.SerializeToString()
                 if pool.persistence is not None:
                     ticket = pool.journal(
-                        kind, engine, request.SerializeToString(), reply, batches, work
+                        kind,
+                        engine,
+                        request.SerializeToString(),
+                        reply,
+                        batches,
+                        journal_units(kind, request),
                     )
                 if call_id:
                     pool.calls.put(engine, call_id, kind, reply, ticket)
