@@ -79,6 +79,7 @@ from kvsvc.server.registration import (
     check_memory_claims,
     check_registration,
     check_replacement,
+    log_rank_back,
     rank_record,
     registration_from_dict,
 )
@@ -151,6 +152,8 @@ class Pool:
         # Restored from a saved state: engine calls wait (UNAVAILABLE) until every rank is
         # back and has confirmed (or lost) its tensors.
         self.restored = False
+        # Set when the server stops: its plan streams end then, which is no lost rank.
+        self.stopping = False
         self._restored: dict[int, tuple[Registration, int]] = {}
         self.rank_memory: dict[int, RankMemory] = {}
         self._rank_records: dict[int, RankRecord] = {}
@@ -171,12 +174,11 @@ class Pool:
     def _set_state(self, state: PoolState) -> None:
         if state != self.state:
             previous, self.state = self.state, state
-            if state in (PoolState.READY, PoolState.DEGRADED) or previous in (
-                PoolState.READY,
-                PoolState.DEGRADED,
-            ):
-                # Operations, not security: the ordinary log (kvsvc.security is for
-                # refusals and takeovers).
+            serving = (PoolState.READY, PoolState.DEGRADED)
+            # Operations, not security: the ordinary log (kvsvc.security is for refusals
+            # and takeovers). Not while the server stops: its own streams ending is no
+            # degradation to report.
+            if (state in serving or previous in serving) and not self.stopping:
                 say = log.warning if state != PoolState.READY else log.info
                 say("pool %s: %s -> %s%s", self.name, previous.name, state.name, self._why())
             self._notify()
@@ -258,16 +260,7 @@ class Pool:
                     not reg.allocation_id or reg.allocation_id != memory.allocation_id
                 )
                 if existing is not None or reg.rank in self._restored:
-                    security_log.warning(
-                        "pool %s: rank %d is back (%s on %s)%s",
-                        self.name,
-                        reg.rank,
-                        reg.device,
-                        reg.hostname or "?",
-                        "; it holds fresh tensors: its KV data is gone"
-                        if lost
-                        else (", with the tensors it had" if memory.allocated else ""),
-                    )
+                    log_rank_back(self.name, reg, existing is not None, lost, memory.allocated)
                 if lost:
                     ticket = self.invalidate(f"rank {reg.rank} came back with fresh tensors")
                     memory = RankMemory()
@@ -451,7 +444,12 @@ class Pool:
                 await changed.wait()
         finally:
             slot.open_streams -= 1
-            if slot.open_streams == 0 and self.slots.get(rank) is slot and self.plan is not None:
+            if (
+                slot.open_streams == 0
+                and self.slots.get(rank) is slot
+                and self.plan is not None
+                and not self.stopping
+            ):
                 log.warning(
                     "pool %s: rank %d (%s on %s) lost its plan stream",
                     self.name,
