@@ -264,8 +264,11 @@ class ServerConfig:
             SnapshotIndex, SnapshotPool).
         kv_events_zmq: publish each pool's KV events in vLLM's wire format on a ZMQ PUB
             socket at this endpoint (None: off). Bound when it has ``*`` or ``::`` or is
-            ``ipc://``/``inproc://``, connected otherwise (vLLM's rule). Pool ``i`` (config
-            order) uses port + ``i`` (see :func:`kv_events_targets`).
+            ``ipc://``/``inproc://``, connected otherwise (vLLM's rule), unless
+            ``kv_events_bind``. Pool ``i`` (config order) uses port + ``i`` (see
+            :func:`kv_events_targets`).
+        kv_events_bind: bind ``kv_events_zmq`` even when it names a host, which vLLM's
+            rule connects to: ``tcp://127.0.0.1:5557`` then publishes on loopback only.
         kv_events_replay: ROUTER endpoint answering replay requests (always bound).
         kv_events_topic: topic frame of every message; ``{pool}`` becomes the pool name.
         kv_events_buffer_steps: batches each pool keeps for replay (vLLM's buffer_steps).
@@ -331,6 +334,7 @@ class ServerConfig:
     kv_events_topic: str = DEFAULT_KV_EVENTS_TOPIC
     kv_events_buffer_steps: int = 10_000
     kv_events_hwm: int = 100_000
+    kv_events_bind: bool = False
     kv_events_max_queue: int = 100_000
     kv_events_int_hashes: bool = True
     tls_cert: str | None = None
@@ -472,10 +476,9 @@ class ServerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.kv_events_int_hashes, bool):
-            raise ConfigError(
-                f"kv_events_int_hashes must be true or false, got {self.kv_events_int_hashes!r}"
-            )
+        for name in ("kv_events_int_hashes", "kv_events_bind"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         kv_events_targets(self)  # endpoint syntax, port range and collisions
 
 
@@ -519,15 +522,23 @@ class KVEventsTarget:
 
     Attributes:
         pool: the pool's name.
-        endpoint: its PUB endpoint (bound or connected, see :func:`is_bind_endpoint`).
+        endpoint: its PUB endpoint (bound or connected: :attr:`binds`).
         replay_endpoint: its ROUTER endpoint for replay requests, if any (bound).
         topic: the topic frame of its messages.
+        bind: True: the PUB binds ``endpoint`` whatever it names (``kv_events_bind``);
+            None: vLLM's rule (:func:`is_bind_endpoint`). See :attr:`binds`.
     """
 
     pool: str
     endpoint: str
     replay_endpoint: str | None
     topic: str
+    bind: bool | None = None
+
+    @property
+    def binds(self) -> bool:
+        """Whether the PUB binds ``endpoint`` (else it connects to it)."""
+        return self.bind if self.bind is not None else is_bind_endpoint(self.endpoint)
 
 
 def is_bind_endpoint(endpoint: str) -> bool:
@@ -591,11 +602,12 @@ def kv_events_targets(config: ServerConfig) -> list[KVEventsTarget]:
     _check_endpoint(config.kv_events_zmq, "kv_events_zmq")
     if config.kv_events_replay is not None:
         _check_endpoint(config.kv_events_replay, "kv_events_replay")
-    connects = not is_bind_endpoint(config.kv_events_zmq)
+    connects = not (config.kv_events_bind or is_bind_endpoint(config.kv_events_zmq))
     if connects and _tcp_port(config.kv_events_zmq, "kv_events_zmq") == 0:
         raise ConfigError(
             f"kv_events_zmq {config.kv_events_zmq!r} is connected to (no '*' in it), so it "
-            "needs a real port; use tcp://*:PORT to bind"
+            "needs a real port; use tcp://*:PORT to bind, or kv_events_bind "
+            "(--kv-events-bind) to bind that host's address"
         )
     targets = []
     bound: dict[str, str] = {}
@@ -606,8 +618,15 @@ def kv_events_targets(config: ServerConfig) -> list[KVEventsTarget]:
             if config.kv_events_replay is not None
             else None
         )
+        target = KVEventsTarget(
+            pool=pool.name,
+            endpoint=endpoint,
+            replay_endpoint=replay,
+            topic=config.kv_events_topic.replace(POOL_PLACEHOLDER, pool.name),
+            bind=True if config.kv_events_bind else None,
+        )
         for what, address, binds in (
-            ("kv_events_zmq", endpoint, is_bind_endpoint(endpoint)),
+            ("kv_events_zmq", endpoint, target.binds),
             ("kv_events_replay", replay, True),
         ):
             if address is None or not binds:
@@ -630,14 +649,7 @@ def kv_events_targets(config: ServerConfig) -> list[KVEventsTarget]:
                     f"{what} of pool {pool.name!r} ({address}) collides with {bound[key]}{hint}"
                 )
             bound[key] = f"{what} of pool {pool.name!r} ({address})"
-        targets.append(
-            KVEventsTarget(
-                pool=pool.name,
-                endpoint=endpoint,
-                replay_endpoint=replay,
-                topic=config.kv_events_topic.replace(POOL_PLACEHOLDER, pool.name),
-            )
-        )
+        targets.append(target)
     return targets
 
 

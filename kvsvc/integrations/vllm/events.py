@@ -37,7 +37,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvsvc.core import events as kv
-from kvsvc.server.config import KVEventsTarget, ServerConfig, is_bind_endpoint, kv_events_targets
+from kvsvc.server.config import KVEventsTarget, ServerConfig, kv_events_targets
 from kvsvc.server.plugins import EventSink
 from kvsvc.specs import sliding_window_of
 
@@ -287,7 +287,7 @@ class ZmqEventPublisher:
         try:
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.set_hwm(self._hwm)
-            if is_bind_endpoint(self.endpoint):
+            if self.target.binds:
                 self._pub.bind(self.endpoint)
                 self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
             else:
