@@ -36,6 +36,9 @@ DEFAULT_METRICS_LISTEN = "127.0.0.1:9400"
 # vLLM's own default topic (KVEventsConfig.topic): consumers written for vLLM subscribe to it.
 DEFAULT_KV_EVENTS_TOPIC = ""
 KV_EVENTS_SCHEMES = ("tcp://", "ipc://", "inproc://")
+# What the vLLM-format publisher's PUB socket may hold for subscribers that have not
+# taken it (kv_events_max_held_bytes).
+DEFAULT_KV_EVENTS_MAX_HELD_BYTES = 64 << 20
 # Replaced by the pool's name in kv_events_topic (and nowhere else).
 POOL_PLACEHOLDER = "{pool}"
 # WatchEvents bounds (see kvsvc.server.events for what each protects).
@@ -273,6 +276,11 @@ class ServerConfig:
         kv_events_topic: topic frame of every message; ``{pool}`` becomes the pool name.
         kv_events_buffer_steps: batches each pool keeps for replay (vLLM's buffer_steps).
         kv_events_hwm: ZMQ high-water mark of the PUB socket (messages per subscriber).
+        kv_events_max_held_bytes: bytes of batches the PUB socket may hold for a
+            subscriber that has not taken them (ZMQ's own bound, kv_events_hwm, counts
+            messages of any size); past it the socket is reset: every subscriber
+            reconnects and sees a sequence gap (a vLLM consumer replays it), and one that
+            stopped reading frees what it held.
         kv_events_max_queue: batches waiting for the publisher thread; past it the oldest
             is dropped (and counted), so a stalled publisher never holds up the server.
         kv_events_int_hashes: publish hashes as 64-bit ints (the low 64 bits of the hash
@@ -334,6 +342,7 @@ class ServerConfig:
     kv_events_topic: str = DEFAULT_KV_EVENTS_TOPIC
     kv_events_buffer_steps: int = 10_000
     kv_events_hwm: int = 100_000
+    kv_events_max_held_bytes: int = DEFAULT_KV_EVENTS_MAX_HELD_BYTES
     kv_events_bind: bool = False
     kv_events_max_queue: int = 100_000
     kv_events_int_hashes: bool = True
@@ -472,7 +481,12 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ConfigError(f"{name} must be a string, got {value!r}")
-        for name in ("kv_events_buffer_steps", "kv_events_hwm", "kv_events_max_queue"):
+        for name in (
+            "kv_events_buffer_steps",
+            "kv_events_hwm",
+            "kv_events_max_queue",
+            "kv_events_max_held_bytes",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
