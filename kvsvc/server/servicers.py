@@ -170,7 +170,7 @@ async def _mutate(pool: Pool, kind: int, request: Any, work: int, fn: Any, *args
             ticket = 0
             # An event is a change, whatever ``changed`` says. Only a change is journaled
             # and kept for a retry: repeating a call that changed nothing applies it once.
-            if changed or batches:
+            if (changed or batches) and (call_id or pool.persistence is not None):
                 reply = response.SerializeToString()
                 if pool.persistence is not None:
                     ticket = pool.journal(
