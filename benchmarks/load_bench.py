@@ -351,7 +351,7 @@ def _offset_attack(address: str, until: float, report: dict[str, int]) -> None:
             if i % 10:
                 request = kvcache_pb2.StepRequest(
                     pool=POOL,
-                    free_queue_head_limit=65536,
+                    free_queue_head_limit=65536 if i % 2 == 0 else 16,
                     free_queue_head_offset=offsets[i % 2],
                 )
                 try:

@@ -202,23 +202,46 @@ class FreeBlockQueue:
     def get_all_free_blocks(self) -> list[int]:
         return list(self)
 
-    def page_walk(self, offset: int) -> int:
-        """The links :meth:`page` must follow to reach position ``offset`` before it reads
-        anything (O(1)).
+    def _linked_range(self, offset: int, limit: int) -> tuple[int, int]:
+        """The part ``[k, e)`` of the LRU region a page of ``limit`` ids from ``offset``
+        covers (``k >= e``: none)."""
+        before = len(self._stack) + (self.num_blocks - self._lo)
+        k = max(0, offset - before)
+        return k, min(self._num_linked, max(0, offset + limit - before))
+
+    def _linked_plan(self, k: int, e: int) -> tuple[int, int, int]:
+        """How a page reaches ``[k, e)`` of the LRU region: the links it walks first, the
+        block it starts from, and how: 0 forward from it to ``k`` then reading forward;
+        1 backward from it to ``e - 1`` then reading backward; 2 backward to ``k`` then
+        reading forward. From the region's front, its back, or the cursor."""
+        plan = (k, self._next[self._sentinel], 0)
+        back = self._num_linked - e
+        if back < plan[0]:
+            plan = (back, self._prev[self._sentinel], 1)
+        cursor = self._cursor_pos
+        if cursor >= 0:
+            block = self._cursor_block
+            if cursor <= k:
+                here = (k - cursor, block, 0)
+            elif cursor >= e - 1:
+                here = (cursor - (e - 1), block, 1)
+            else:
+                here = (cursor - k, block, 2)
+            if here[0] < plan[0]:
+                plan = here
+        return plan
+
+    def page_walk(self, offset: int, limit: int) -> int:
+        """The links :meth:`page` must follow before it reads the ``limit`` ids from
+        position ``offset`` (O(1)).
 
         The stack and the untouched range are indexed directly; inside the LRU region a
-        page starts from whichever is nearest of its front, its back and the cursor the
-        previous page left (links run both ways), so reading the queue page after page,
-        with no change in between, walks nothing.
+        page starts from whichever is nearest of its front, its back (reading backward)
+        and the cursor the previous page left (links run both ways), so reading the
+        queue page after page, with no change in between, walks nothing.
         """
-        k = offset - len(self._stack) - (self.num_blocks - self._lo)
-        m = self._num_linked
-        if k <= 0 or k >= m:
-            return 0
-        walk = min(k, m - 1 - k)
-        if self._cursor_pos >= 0:
-            walk = min(walk, abs(k - self._cursor_pos))
-        return walk
+        k, e = self._linked_range(offset, limit)
+        return self._linked_plan(k, e)[0] if k < e else 0
 
     def page(self, offset: int, limit: int) -> list[int]:
         """``limit`` free ids from position ``offset`` of the queue, in eviction order.
@@ -238,35 +261,24 @@ class FreeBlockQueue:
         r = n - lo
         if offset < s + r and end > s:
             out.extend(range(lo + max(0, offset - s), lo + min(r, end - s)))
-        m = self._num_linked
-        k = max(0, offset - s - r)
-        take = min(m, end - s - r) - k
-        if take <= 0:
+        k, e = self._linked_range(offset, limit)
+        if k >= e:
             return out
-        nxt, prv, sentinel = self._next, self._prev, self._sentinel
-        # Start from the nearest known position (see page_walk).
-        if k <= m - 1 - k:
-            b = nxt[sentinel]
-            steps = k
-            forward = True
-        else:
-            b = prv[sentinel]
-            steps = m - 1 - k
-            forward = False
-        cursor = self._cursor_pos
-        if cursor >= 0 and abs(k - cursor) < steps:
-            b = self._cursor_block
-            steps = abs(k - cursor)
-            forward = k >= cursor
-        links = nxt if forward else prv
+        steps, b, how = self._linked_plan(k, e)
+        nxt, prv = self._next, self._prev
+        links = nxt if how == 0 else prv
         for _ in range(steps):
             b = links[b]
-        out.append(b)
-        for _ in range(take - 1):
-            b = nxt[b]
-            out.append(b)
-        self._cursor_pos = k + take - 1
-        self._cursor_block = b
+        run = [b]
+        links = prv if how == 1 else nxt
+        for _ in range(e - k - 1):
+            b = links[b]
+            run.append(b)
+        if how == 1:
+            run.reverse()
+        out.extend(run)
+        self._cursor_pos = e - 1
+        self._cursor_block = run[-1]
         return out
 
     def load_order(self, order: Sequence[int]) -> None:

@@ -498,7 +498,7 @@ class PoolKVCache(RunningBatchPool):
                 is read).
         """
         queue = self.manager.block_pool.free_queue
-        walk = queue.page_walk(offset)
+        walk = queue.page_walk(offset, limit)
         if walk > MAX_FREE_QUEUE_WALK:
             raise InvalidArgument(
                 "free_queue_head_offset",

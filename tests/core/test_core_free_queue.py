@@ -143,7 +143,7 @@ def test_reading_the_queue_page_after_page_walks_nothing() -> None:
     queue = lru_queue(300_000)
     order: list[int] = []
     while True:
-        assert queue.page_walk(len(order)) <= 1  # the link after the last page's end
+        assert queue.page_walk(len(order), 65536) <= 1  # one link past the last page
         page = queue.page(len(order), 65536)
         order.extend(page)
         if len(page) < 65536:
@@ -153,18 +153,19 @@ def test_reading_the_queue_page_after_page_walks_nothing() -> None:
 
 def test_a_page_starts_from_the_nearest_of_front_back_and_cursor() -> None:
     queue = lru_queue(1000)
-    assert queue.page_walk(10) == 10  # from the front
-    assert queue.page_walk(990) == 9  # from the back, backwards
+    assert queue.page_walk(10, 3) == 10  # from the front
+    assert queue.page_walk(990, 3) == 7  # from the back, reading backward
+    assert queue.page(990, 3) == [10, 9, 8]
     assert queue.page(400, 3) == [600, 599, 598]
-    assert queue.page_walk(402) == 0  # the cursor (the page's last id)
-    assert queue.page_walk(380) == 22  # from the cursor, backwards
+    assert queue.page_walk(402, 3) == 0  # the cursor (the page's last id)
+    assert queue.page_walk(380, 2) == 21  # from the cursor, reading backward
     assert queue.page(380, 2) == [620, 619]
     queue.append_n([])
-    assert queue.page_walk(381) == 0  # an append keeps every position
+    assert queue.page_walk(381, 2) == 0  # an append keeps every position
     queue.remove(500)  # a remove shifts them: the cursor is gone
-    assert queue.page_walk(381) == 381
+    assert queue.page_walk(381, 2) == 381
     assert queue.page(381, 2) == [619, 618]
     queue.popleft_n(1)  # so does a pop from the region
-    assert queue.page_walk(381) == 381
+    assert queue.page_walk(381, 2) == 381
     assert queue.page(381, 2) == [618, 617]
-    assert queue.page(5000, 10) == [] and queue.page_walk(5000) == 0
+    assert queue.page(5000, 10) == [] and queue.page_walk(5000, 10) == 0

@@ -79,7 +79,7 @@ def test_a_far_page_of_the_cached_region_is_refused_and_an_ordered_read_is_not(
         lru_pool.manager.block_pool.free_queue.to_state()
     )  # no cursor left by an earlier read
     with pytest.raises(InvalidArgument, match="free_queue_head_offset: position") as err:
-        page(lru_pool, middle)
+        page(lru_pool, middle, 8)
     assert f"more than {MAX_FREE_QUEUE_WALK}" in str(err.value)
     # Ends are cheap, and past the end is an empty page.
     assert list(page(lru_pool, 0, 10).free_queue_head) == queue[:10]
