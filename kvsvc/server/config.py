@@ -298,7 +298,7 @@ class ServerConfig:
             crash of the process loses nothing acknowledged, a power loss the changes
             since the last checkpoint) or ``full`` (every commit is synced to disk).
         state_snapshot_every: replay work after which a snapshot replaces the journal,
-            in units of about 3 us of replay: 20 per journal row (a call that changed the
+            in units of about 3 us of replay: 25 per journal row (a call that changed the
             pool), 1 per operation (a Step counts each of its operations) and 1 per 16
             tokens (see :func:`kvsvc.server.persistence.writer.replay_units`).
         state_snapshot_min_interval_s: seconds between two snapshots at least, unless the
