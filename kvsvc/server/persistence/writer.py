@@ -37,9 +37,9 @@ SNAPSHOT_OVERDUE_FACTOR = 2
 # blocks and 10,000 live requests, with a margin for slower machines): reading, checking
 # and parsing the row, applying it, rebuilding and digesting its reply, and keeping it for
 # retries, ~45-60 us for a single Allocate or Free; then ~2.5 us per operation and
-# ~0.1-0.2 us per token (hashing a prompt, appending tokens). Counting a row as one unit, as this once did,
-# under-counted single-call traffic 20-90 times: after 150 s of Allocate and Free calls no
-# snapshot had been taken, and a restart replayed 81,000 rows in 22 s.
+# ~0.1-0.2 us per token (hashing a prompt, appending tokens). Counting a row as one unit,
+# as this once did, under-counted single-call traffic 20-90 times: after 150 s of Allocate
+# and Free calls no snapshot had been taken, and a restart replayed 81,000 rows in 22 s.
 ROW_REPLAY_UNITS = 25
 TOKENS_PER_REPLAY_UNIT = 16
 
