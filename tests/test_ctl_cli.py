@@ -196,6 +196,31 @@ def test_events_idle_must_be_more_than_0(pool_with_events: ServerThread) -> None
     assert [json.loads(line)["sequence"] for line in done.stdout.splitlines()] == [1]
 
 
+def test_events_from_past_the_wire_width_is_a_clear_error(pool_with_events: ServerThread) -> None:
+    """Regression (issue 32 item 11): --from 2^64 printed a thread's traceback (the
+    number does not fit the request's uint64) and exited 0."""
+    args = ("events", "e", "--count", "1", "--from")
+    done = ctl(pool_with_events.address, *args, str(2**64))
+    assert done.returncode == 2
+    assert f"argument --from: expected an integer in [1, {2**64 - 1}], got '{2**64}'" in done.stderr
+    assert "Traceback" not in done.stderr and not done.stdout
+    # The largest the wire carries reaches the server, which says what it is past.
+    done = ctl(pool_with_events.address, *args, str(2**64 - 1))
+    assert done.returncode == 1
+    assert done.stderr.startswith("kvsvc ctl: INVALID_ARGUMENT: from_sequence: ")
+    assert "beyond the next sequence number" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_clients_refuse_a_sequence_the_wire_cannot_carry(
+    pool_with_events: ServerThread,
+) -> None:
+    with (
+        KVCacheClient(pool_with_events.address, pool="e") as client,
+        pytest.raises(ValueError, match=r"from_sequence must be in \[0, 2\^64\)"),
+    ):
+        next(client.watch_events(2**64))
+
+
 def test_events_follow_waits_for_the_count(pool_with_events: ServerThread) -> None:
     with pytest.raises(subprocess.TimeoutExpired):
         ctl(

@@ -222,7 +222,8 @@ class StepBuilder:
         free_queue_head_limit: ask the reply for this many ids from the front of the
             pool's free queue after the batch (``StepResultList.free_queue_head``).
         free_queue_head_offset: with ``free_queue_head_limit``, skip this many ids of
-            the queue's front first (to read a large queue page by page).
+            the queue's front first (to read a large queue page by page, in order, with
+            Steps that carry no operations: each page starts where the last one ended).
     """
 
     def __init__(self, pool: str) -> None:

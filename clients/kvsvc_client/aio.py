@@ -209,6 +209,8 @@ class AsyncKVCacheClient:
         """Follow the pool's events; resumes after the last batch after a reconnect.
         ``caught_up=True`` also yields the caught-up marker after each replay (see the
         sync client's ``watch_events``)."""
+        if from_sequence is not None and not 0 <= from_sequence < 2**64:
+            raise ValueError(f"from_sequence must be in [0, 2^64), got {from_sequence}")
         next_seq = from_sequence
         attempt = 0
         while True:

@@ -345,6 +345,8 @@ class KVCacheClient:
         batch it yielded, so nothing is missed while the server holds it; a batch with
         ``gap=True`` says what could not be replayed.
         """
+        if from_sequence is not None and not 0 <= from_sequence < 2**64:
+            raise ValueError(f"from_sequence must be in [0, 2^64), got {from_sequence}")
         next_seq = from_sequence
         attempt = 0
         while True:

@@ -97,9 +97,10 @@ def add_parser(subparsers: Any) -> None:
     events.add_argument(
         "--from",
         dest="from_sequence",
-        type=int_at_least(1),
+        # A sequence number is 64 bits on the wire (WatchEventsRequest.from_sequence).
+        type=int_at_least(1, MAX_SEQUENCE),
         metavar="N",
-        help="first sequence number (1: the oldest batch held)",
+        help="first sequence number (1: the oldest batch held; at most 2^64 - 1)",
     )
     events.add_argument(
         "--count", type=int, metavar="N", help="stop after N batches or when caught up"
@@ -313,6 +314,10 @@ def _usage(client: Any, as_json: bool) -> int:
     return 0
 
 
+# The largest sequence number the wire carries (WatchEventsRequest.from_sequence: uint64).
+MAX_SEQUENCE = 2**64 - 1
+
+
 def _events(
     client: Any,
     from_sequence: int | None,
@@ -342,7 +347,7 @@ def _events(
         try:
             for batch in client.watch_events(from_sequence, caught_up=True):
                 batches.put(batch)
-        except KVCacheError as exc:
+        except Exception as exc:  # to the main thread, which says it (no thread traceback)
             batches.put(exc)
         batches.put(None)  # the stream ended (the client was closed)
 
@@ -363,6 +368,9 @@ def _events(
             return 0
         if isinstance(item, KVCacheError):
             raise item
+        if isinstance(item, Exception):
+            print(f"kvsvc ctl: reading the events failed: {item}", file=sys.stderr)
+            return 1
         if item.caught_up:
             if stop_when_idle:
                 print(

@@ -174,7 +174,14 @@ def add_parser(subparsers: Any) -> None:
         "--kv-events-zmq",
         metavar="ENDPOINT",
         help="PUB endpoint: tcp://*:5557 binds (port 0: any free port, printed at start), "
-        "tcp://HOST:PORT connects (vLLM's rule), ipc://PATH binds",
+        "tcp://HOST:PORT connects (vLLM's rule; --kv-events-bind binds it), ipc://PATH binds",
+    )
+    events.add_argument(
+        "--kv-events-bind",
+        action="store_true",
+        default=None,
+        help="bind --kv-events-zmq even when it names a host (vLLM's rule connects to it): "
+        "tcp://127.0.0.1:5557 publishes on loopback only",
     )
     events.add_argument(
         "--kv-events-replay",
@@ -318,6 +325,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         overrides["kv_events_int_hashes"] = args.kv_events_int_hashes
     if args.kv_events_vllm_version is not None:
         overrides["kv_events_vllm_version"] = args.kv_events_vllm_version
+    if args.kv_events_bind:
+        overrides["kv_events_bind"] = True
     for key in ("tls_cert", "tls_key", "tls_client_ca"):
         if getattr(args, key) is not None:
             overrides[key] = getattr(args, key)

@@ -31,7 +31,6 @@ they all share: the parts take it, so none imports the facade), :mod:`~kvsvc.cor
 
 from __future__ import annotations
 
-import itertools
 import struct
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -67,6 +66,10 @@ from kvsvc.errors import (
     quoted,
 )
 from kvsvc.specs import KVCacheConfig
+
+# The most links of the free queue's cached (LRU) region a page may follow before the
+# ids it returns (FreeBlockQueue.page_walk): a page costs O(limit + this), never O(offset).
+MAX_FREE_QUEUE_WALK = 65536
 
 
 class PoolKVCache(RunningBatchPool):
@@ -602,10 +605,26 @@ class PoolKVCache(RunningBatchPool):
         order allocations take them.
 
         An engine that replicates its pool reads the whole queue this way (page by page)
-        when it connects, so its replica allocates the ids the server will.
+        when it connects, so its replica allocates the ids the server will. A page costs
+        O(``limit``): it starts from the queue's front, its back, or where the previous
+        page ended (:meth:`FreeBlockQueue.page`), and one that would first walk more than
+        :data:`MAX_FREE_QUEUE_WALK` links of the cached region is refused.
+
+        Raises:
+            InvalidArgument: ``offset`` is that far from every such position (nothing
+                is read).
         """
-        offset = min(offset, self.manager.block_pool.num_blocks)
-        return list(itertools.islice(self.manager.block_pool.free_queue, offset, offset + limit))
+        queue = self.manager.block_pool.free_queue
+        walk = queue.page_walk(offset, limit)
+        if walk > MAX_FREE_QUEUE_WALK:
+            raise InvalidArgument(
+                "free_queue_head_offset",
+                f"position {offset} lies {walk} ids into the free queue's cached region, "
+                f"more than {MAX_FREE_QUEUE_WALK} from its front, its back and the end of "
+                "the last page read: read the queue from offset 0 page after page, with "
+                "no change to the pool in between",
+            )
+        return queue.page(offset, limit)
 
     def adopt_free_order(self, order: Sequence[int]) -> None:
         """Make the free queue ``order`` (front first): every usable block, each once.

@@ -340,6 +340,8 @@ class KvsvcServer:
     async def stop(self, grace: float = 5.0) -> None:
         """Graceful stop: health NOT_SERVING first, then drain calls for ``grace`` s."""
         await self.health.enter_graceful_shutdown()
+        for pool in self.pools.by_name.values():
+            pool.stopping = True  # the streams it ends next are no lost ranks
         for task in self._tasks:
             task.cancel()
         # Streams never end by themselves: end them now (UNAVAILABLE, "shutting down")

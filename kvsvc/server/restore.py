@@ -250,18 +250,16 @@ def load_states(
                     state_dir_remedy(directory, name),
                 )
                 snapshot = store.load_snapshot()
-                lost = store.check_acknowledged()
-                if lost is not None:
+                earlier = store.check_acknowledged()
+                if earlier is not None:
                     log.warning(
-                        "pool %s: its state in %s ends at journal row %d, but row %d was "
-                        "acknowledged (its write-ahead log was cut: a power loss, or a damaged "
-                        "file): serving that earlier state under a new event epoch, so "
-                        "subscribers and indexers resynchronise instead of reading sequence "
-                        "numbers again; engines may hold blocks it forgot",
+                        "pool %s: its state in %s may be earlier than the one acknowledged: "
+                        "%s. Serving it under a new event epoch, so subscribers and indexers "
+                        "resynchronise instead of reading sequence numbers again; engines may "
+                        "hold blocks it forgot",
                         name,
                         directory,
-                        store.last_seq,
-                        lost,
+                        earlier,
                     )
                     store.renew_epoch(uuid.uuid4().hex)
                 # The journal's epoch: a renewed one is newer than the snapshot's.

@@ -239,6 +239,14 @@ class StepColumns:
             raise InvalidArgument(
                 "free_queue_head_offset", f"must be >= 0, got {self.free_queue_head_offset}"
             )
+        if self.free_queue_head_offset and n:
+            # A page past the front is read where the last one ended (O(page)); the
+            # operations would move the queue first, and the page could not be bounded
+            # before they changed the pool.
+            raise InvalidArgument(
+                "free_queue_head_offset",
+                f"pages the free queue only in a Step without operations (this one has {n})",
+            )
 
 
 class StepResults:
