@@ -147,3 +147,25 @@ def test_the_adapters_id_reaches_the_events() -> None:
     assert batch is not None
     stored = [e for e in batch.events if type(e).__name__ == "BlockStored"]
     assert stored and all(e.lora_id == 7 and e.lora_name == "ad" for e in stored)
+
+
+def test_a_refused_allocation_releases_the_blocks_its_window_passed() -> None:
+    """vLLM frees a running request's out-of-window blocks before it checks for space, so
+    they join the free queue even when the allocation fails (ahead of the blocks of the
+    request the scheduler then preempts)."""
+    pool = _pool(num_blocks=6, window=4)  # 5 usable blocks
+    assert pool.allocate("r", list(range(12)), 12, start=RequestStart()).ok  # 3 blocks
+    assert pool.allocate("other", [50, 51, 52, 53, 54, 55], 6, start=RequestStart()).ok
+    free_before = pool.usage_free_blocks()
+    table_before = pool.block_table("r").groups[0]
+    assert free_before == 0 and NULL_BLOCK_ID not in table_before[1:]
+    # The next 12 tokens need three more blocks; the window (4 tokens) has passed blocks 0
+    # and 1, which go back to the queue: two blocks, one short.
+    out = pool.allocate("r", [12], 12)
+    assert not out.ok and out.released
+    assert out.num_computed_tokens == 12
+    table = pool.block_table("r").groups[0]
+    assert table[:2] == [NULL_BLOCK_ID, NULL_BLOCK_ID] and table[2] == table_before[2]
+    assert pool.usage_free_blocks() == 2
+    state = pool.request_state("r")
+    assert state is not None and len(state.all_token_ids) == 12  # its tokens as they were

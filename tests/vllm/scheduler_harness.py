@@ -80,6 +80,7 @@ from vllm.config import (  # noqa: E402
     CacheConfig,
     KVEventsConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     VllmConfig,
@@ -372,7 +373,24 @@ class Setup:
     kind: str = "dense"
     async_scheduling: bool = False
     num_speculative_tokens: int = 0
+    # "ngram" (drafts from the prompt), or "eagle" (a draft head on the target's hidden
+    # states), with vLLM's trailing-block drop and lookahead hashes on or off.
+    speculative_method: str = "ngram"
+    eagle_block_handling: bool = True
     prefix_cache_retention_interval: int | None = None  # None: vLLM's default
+    allow_untested_vllm: bool = False
+    # vLLM 0.34's cache-aware admission: reorder this many waiting requests by their
+    # cached prefix (get_num_cached_tokens) once the pool is this full.
+    cache_aware_window: int = 0
+    cache_aware_threshold: float = 0.5
+
+
+# An EAGLE draft head for the tiny Llama (one layer; only its config is read).
+EAGLE_DRAFT: dict[str, Any] = {
+    **MODELS["llama"],
+    "architectures": ["EagleLlamaForCausalLM"],
+    "num_hidden_layers": 1,
+}
 
 
 # ---------------------------------------------------------------------------- engines
@@ -413,6 +431,9 @@ def vllm_config(
     }
     if scheduler_cls is not None:
         scheduler_kwargs["scheduler_cls"] = scheduler_cls
+    if setup.cache_aware_window:
+        scheduler_kwargs["cache_aware_admission_window"] = setup.cache_aware_window
+        scheduler_kwargs["cache_aware_admission_threshold"] = setup.cache_aware_threshold
     cache_kwargs: dict[str, Any] = {
         "block_size": BLOCK_SIZE,
         "enable_prefix_caching": True,
@@ -421,9 +442,25 @@ def vllm_config(
     if setup.prefix_cache_retention_interval is not None:
         cache_kwargs["prefix_cache_retention_interval"] = setup.prefix_cache_retention_interval
     speculative = None
-    if setup.num_speculative_tokens:
+    if setup.num_speculative_tokens and setup.speculative_method == "eagle":
+        draft = model_dir.parent / "eagle-draft"
+        draft.mkdir(parents=True, exist_ok=True)
+        (draft / "config.json").write_text(json.dumps(EAGLE_DRAFT))
+        off = not setup.eagle_block_handling
+        flags: dict[str, Any] = {"disable_eagle_block_drop": off}
+        if VLLM_VERSION >= (0, 33):
+            flags["disable_lookahead_block_hashes"] = off
         speculative = SpeculativeConfig(
-            method="ngram", num_speculative_tokens=setup.num_speculative_tokens
+            method="eagle",
+            model=str(draft),
+            num_speculative_tokens=setup.num_speculative_tokens,
+            target_model_config=model_config,
+            target_parallel_config=ParallelConfig(),
+            **flags,
+        )
+    elif setup.num_speculative_tokens:
+        speculative = SpeculativeConfig(
+            method=setup.speculative_method, num_speculative_tokens=setup.num_speculative_tokens
         )
     config = VllmConfig(
         model_config=model_config,
@@ -753,6 +790,19 @@ def _first_difference(stock: Any, kvsvc: Any, path: str = "") -> str:
     return f"{path or '.'}: stock {stock!r} != kvsvc {kvsvc!r}"
 
 
+def kvsvc_engine(setup: Setup, workload: Workload, pool: Pool, model_root: Path) -> Engine:
+    """vLLM on ``pool`` for ``setup`` (raises what vLLM on kvsvc refuses at start with)."""
+    kwargs = vllm_kwargs(pool.address, POOL, allow_untested_vllm=setup.allow_untested_vllm)
+    config = vllm_config(
+        setup,
+        workload,
+        _model_dir(setup.kind, model_root),
+        additional_config=kwargs["additional_config"],
+        scheduler_cls=kwargs["scheduler_cls"],
+    )
+    return Engine("kvsvc", config, layer_specs(setup.kind), workload.num_blocks)
+
+
 def run_workload(
     setup: Setup, workload: Workload, pool: Pool, model_root: Path, *, max_steps: int = 2000
 ) -> dict[str, Any]:
@@ -761,18 +811,10 @@ def run_workload(
     model_dir = _model_dir(setup.kind, model_root)
     specs = layer_specs(setup.kind)
     stock_config = vllm_config(setup, workload, model_dir)
-    kvsvc_kwargs = vllm_kwargs(pool.address, POOL)
-    kvsvc_config = vllm_config(
-        setup,
-        workload,
-        model_dir,
-        additional_config=kvsvc_kwargs["additional_config"],
-        scheduler_cls=kvsvc_kwargs["scheduler_cls"],
-    )
     first_sequence = pool.next_sequence()
     stock = Engine("stock", stock_config, specs, workload.num_blocks)
     try:
-        kvsvc = Engine("kvsvc", kvsvc_config, specs, workload.num_blocks)
+        kvsvc = kvsvc_engine(setup, workload, pool, model_root)
     except BaseException:
         stock.close()
         raise

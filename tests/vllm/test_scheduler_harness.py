@@ -20,12 +20,15 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+from kvsvc.integrations.vllm import compat
+from kvsvc.integrations.vllm.manager import KvsvcError
 from tests.vllm.scheduler_harness import (
     BLOCK_SIZE,
     VLLM_VERSION,
     Arrival,
     Setup,
     Workload,
+    kvsvc_engine,
     kvsvc_pool,
     min_blocks,
     run_workload,
@@ -150,9 +153,66 @@ def test_speculative_decoding_schedules_alike(kind: str, mode: str, models: Path
     assert totals["preemptions"] > 0
 
 
+@pytest.mark.skipif(VLLM_VERSION < (0, 34), reason="cache-aware admission came with vLLM 0.34")
+@pytest.mark.parametrize("mode", MODES)
+def test_cache_aware_admission_schedules_alike(mode: str, models: Path) -> None:
+    """0.34 reorders waiting requests by their cached prefix (``get_num_cached_tokens``,
+    answered by kvsvc's replica) once the pool is a tenth full: the same order."""
+    async_scheduling = mode == "async"
+    setup = Setup(
+        async_scheduling=async_scheduling, cache_aware_window=4, cache_aware_threshold=0.1
+    )
+    assert _run(setup, churn("dense", async_scheduling), models)["steps"] > 0
+
+
 def test_the_harness_runs_the_vllm_it_was_given() -> None:
     """The versions make test runs are the ones imported (the overlay took effect)."""
     expected = os.environ.get("KVSVC_EXPECT_VLLM")
     if expected is None:
         pytest.skip("KVSVC_EXPECT_VLLM is not set (make test sets it per version)")
     assert ".".join(map(str, VLLM_VERSION[:2])) == expected
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_eagle_with_its_block_handling_off_schedules_alike(mode: str, models: Path) -> None:
+    """EAGLE (a draft head) with vLLM's trailing-block drop and lookahead hashes turned
+    off, as kvsvc's refusal advises: exact."""
+    async_scheduling = mode == "async"
+    setup = Setup(
+        kind="dense",
+        async_scheduling=async_scheduling,
+        num_speculative_tokens=2,
+        speculative_method="eagle",
+        eagle_block_handling=False,
+    )
+    assert _run(setup, pressure("dense", async_scheduling), models)["preemptions"] > 0
+
+
+def test_eagle_with_its_block_handling_is_refused_naming_the_settings(models: Path) -> None:
+    setup = Setup(num_speculative_tokens=2, speculative_method="eagle")
+    workload = churn("dense", False)
+    with kvsvc_pool("dense", workload.num_blocks, max_model_len=MAX_MODEL_LEN) as pool:
+        with pytest.raises(KvsvcError) as refused:
+            kvsvc_engine(setup, workload, pool, models)
+    message = str(refused.value)
+    assert "EAGLE/MTP" in message and "disable_eagle_block_drop" in message
+    if VLLM_VERSION >= (0, 33):
+        assert "hashes blocks with the 1 token(s) after them" in message
+    else:
+        assert "drops the last block of every prefix-cache hit" in message
+
+
+def test_a_vllm_outside_the_range_is_refused_unless_allowed(
+    models: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(compat, "installed_version", lambda: (0, 99, 0))
+    workload = churn("dense", False)
+    with kvsvc_pool("dense", workload.num_blocks, max_model_len=MAX_MODEL_LEN) as pool:
+        with pytest.raises(KvsvcError) as refused:
+            kvsvc_engine(Setup(), workload, pool, models)
+        assert str(refused.value).startswith(
+            "kvsvc runs vLLM 0.32 to 0.34; this is vLLM 0.99.0"
+        )
+        assert "allow_untested_vllm" in str(refused.value)
+        engine = kvsvc_engine(Setup(allow_untested_vllm=True), workload, pool, models)
+        engine.close()
