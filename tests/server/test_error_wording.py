@@ -132,7 +132,7 @@ def test_an_operation_s_errors_name_the_operation() -> None:
 
     assert operation_error(two_operations(unknown_type)) == (
         "operation 1: unknown operation type 9; valid: allocate (1), free (2), preempt (3), "
-        "lookup (4)"
+        "lookup (4), cache (5)"
     )
 
     def empty_id(request: pb.StepRequest) -> None:

@@ -33,9 +33,13 @@ A pool serves one engine (its blocks are that engine's KV memory), and the repli
 from an idle pool whose prefix cache it resets: what a pool cached was computed in another
 engine's memory.
 
+Engines that schedule ahead (vLLM's async scheduling) and speculate are served exactly:
+allocations carry vLLM's in-flight tokens (a window's blocks are freed on the
+processed-token basis, as vLLM frees them), and outputs that arrive after their slots go
+to the server as ``cache`` operations that cache only what vLLM's ``cache_blocks`` caches.
 Not supported (refused at start with a clear error): KV connectors (P/D disaggregation,
-offloading), and async scheduling with groups that drop blocks (vLLM frees a window's
-blocks on the processed-token basis there, which a Step does not carry).
+offloading), and EAGLE/MTP's trailing-block handling (see
+:func:`kvsvc.integrations.vllm.scheduler.eagle_refusal`).
 """
 
 from __future__ import annotations
