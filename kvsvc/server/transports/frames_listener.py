@@ -433,7 +433,10 @@ class FrameServer:
         magic = await reader.readexactly(len(MAGIC))
         if magic != MAGIC:
             what = "a gRPC (HTTP/2) client" if magic.startswith(b"PRI * ") else "another protocol"
-            self._log.warning(f"magic:{peer}", "frames: %s connected from %s; closed", what, peer)
+            # Keyed by host: every connection has a port of its own, and a flood of them
+            # must not write a line each.
+            host = peer_host(peer)
+            self._log.warning(f"magic:{host}", "frames: %s connected from %s; closed", what, host)
             return None
         header_size, body_size = PREFIX.unpack(await reader.readexactly(PREFIX.size))
         try:
