@@ -21,6 +21,7 @@ ENGINE = "engine-token-0123456789abc"
 AGENT = "agent-token-0123456789abc"
 UNAUTHENTICATED = 16
 RESOURCE_EXHAUSTED = 8
+PERMISSION_DENIED = 7
 MAX_CONNECTIONS = 3
 MAX_PENDING = 2
 HELLO_TIMEOUT_S = 0.6
@@ -78,6 +79,25 @@ def test_bad_credentials_take_no_slot_and_the_engine_is_served(server: ServerThr
             assert raw.closed_by_server()
     with engine(server) as kv:
         assert kv.usage().pool == POOL
+
+
+def test_agent_tokens_take_no_slot_and_the_engine_is_served(server: ServerThread) -> None:
+    """An agent's token may make no framed call (the Worker service is gRPC's): its hello is
+    refused PERMISSION_DENIED and closed, so agents' tokens cannot fill the engines' slots."""
+    held = []
+    try:
+        for _ in range(MAX_CONNECTIONS + 2):
+            raw = RawClient(address(server))
+            held.append(raw)
+            answer = raw.hello((("authorization", f"Bearer {AGENT}"),))
+            assert answer.code == PERMISSION_DENIED and answer.close, answer
+            assert "agent" in answer.details and AGENT not in answer.details
+            assert raw.closed_by_server()
+        with engine(server) as kv:
+            assert kv.usage().pool == POOL
+    finally:
+        for raw in held:
+            raw.close()
 
 
 def test_silent_connections_do_not_lock_out_an_engine(server: ServerThread) -> None:

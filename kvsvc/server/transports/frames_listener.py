@@ -23,7 +23,8 @@ a new one past the cap pushes out the oldest (a real client says hello within a 
 so a crowd of silent connections cannot keep it out). When the server has tokens, a hello
 without a known one is answered UNAUTHENTICATED and the connection closed: only a
 credential holder gets one of the ``max_connections`` slots (RESOURCE_EXHAUSTED in the
-hello's answer past it). A slot is held while the connection is used: one that sends
+hello's answer past it), and only one of a role the framed methods take (an engine's or an
+operator's: an agent's token is answered PERMISSION_DENIED at the hello). A slot is held while the connection is used: one that sends
 nothing for ``idle_timeout_s`` between frames, or leaves a frame half sent for
 ``frame_timeout_s``, is closed (a call in progress has no bound: it runs to its end).
 """
@@ -456,12 +457,15 @@ class FrameServer:
                 )
             header = next((m.value for m in hello.metadata if m.key == "authorization"), None)
             found = self._credentials.lookup(header) if header is not None else None
-            if found is None and self._credentials.enabled:
-                # No call of this connection could be allowed: it gets no slot.
-                refusal = decide(None, header is not None, _HELLO_PATH, _FRAMED_ROLES)
-                assert isinstance(refusal, Refusal)
-                report_refusal(self._log, self._observer, _HELLO_PATH, refusal, peer)
-                raise _Closing(refusal.code, refusal.reason)
+            if self._credentials.enabled:
+                # A connection none of whose calls could be allowed gets no slot: no known
+                # token, or one of a role the framed methods do not take (an agent's).
+                decision = decide(found, header is not None, _HELLO_PATH, _FRAMED_ROLES)
+                if isinstance(decision, Refusal):
+                    report_refusal(self._log, self._observer, _HELLO_PATH, decision, peer)
+                    raise _Closing(
+                        decision.code, decision.reason + _HELLO_NOTES.get(decision.code, "")
+                    )
             if self._num_authenticated >= self._limits.max_connections:
                 raise _Closing(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -546,6 +550,12 @@ async def bind_frames_addresses(frames: FrameServer, addresses: Iterable[str]) -
 # may hold (those of the services it serves: KVCache's and Admin's unary methods).
 _HELLO_PATH = "/kvsvc.frames/Hello"
 _FRAMED_ROLES = frozenset({Role.ENGINE, Role.ADMIN})
+_HELLO_NOTES = {
+    grpc.StatusCode.PERMISSION_DENIED: (
+        " (the framed transport serves the unary calls of the KVCache and Admin services; "
+        "agents and indexers call the server over gRPC)"
+    )
+}
 
 
 def _number(code: grpc.StatusCode) -> int:
