@@ -74,6 +74,12 @@ def add_parser(subparsers: Any) -> None:
         "again for more; TLS on TCP when the server has --tls-cert",
     )
     server.add_argument(
+        "--unix-socket-mode",
+        metavar="MODE",
+        help="file mode of the unix:PATH sockets of --listen and --frames-listen, octal "
+        "(default 0600: the server's user alone; 0660 lets its group connect)",
+    )
+    server.add_argument(
         "--metrics-listen",
         help=f"/metrics address HOST:PORT (default {DEFAULT_METRICS_LISTEN}); 'off' disables",
     )
@@ -262,6 +268,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         overrides["metrics_listen"] = args.metrics_listen  # "off": none (the config's rule)
     if args.frames_listen:
         overrides["frames_listen"] = ",".join(args.frames_listen)
+    if args.unix_socket_mode is not None:
+        overrides["unix_socket_mode"] = args.unix_socket_mode  # octal text: the config's rule
     overrides.update(env_tokens())
     if args.auth_token:
         overrides["auth_token"] = args.auth_token

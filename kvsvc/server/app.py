@@ -269,7 +269,9 @@ class KvsvcServer:
             health_pb2_grpc.add_HealthServicer_to_server, self.health
         )
         register_services(server, gate, services, (HEALTH_SERVICE, health_handlers))
-        self.port, self.unix_sockets = await bind_grpc_addresses(server, addresses, self.tls)
+        self.port, self.unix_sockets = await bind_grpc_addresses(
+            server, addresses, self.tls, self.config.unix_socket_mode
+        )
         await self._update_health()
         await server.start()
         self._server = server
@@ -323,6 +325,7 @@ class KvsvcServer:
                 frame_timeout_s=self.config.frames_frame_timeout_s,
             ),
             ssl_context=self.tls.ssl_context if self.tls is not None else None,
+            unix_socket_mode=self.config.unix_socket_mode,
         )
         self.frames_addresses = await bind_frames_addresses(self._frames, addresses)
 

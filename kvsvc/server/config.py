@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kvsvc.keepalive import SERVER_MIN_PING_INTERVAL_S
-from kvsvc.ports import is_unix_address, unix_path
+from kvsvc.ports import DEFAULT_UNIX_SOCKET_MODE, is_unix_address, unix_path
 from kvsvc.tls import ServerTls, TlsFileError
 
 HASH_ALGOS = ("xxh3_128", "sha256_cbor")
@@ -230,6 +230,11 @@ class ServerConfig:
             frames is closed (0: never); kvsvc's clients then open a new one.
         frames_frame_timeout_s: a framed connection that leaves a frame half sent this
             long (from its first byte) is closed.
+        unix_socket_mode: the file mode of every Unix socket the server listens on (gRPC's
+            and the framed transport's), whatever the umask: connecting needs write
+            permission on it. Default 0o600, the server's user alone; 0o660 lets its group
+            in (an engine in another container of the pod, sharing a group). A config file
+            may write it as an octal string ("0660").
         pools: the pools served (names unique).
         auth_token: one token for every role (compatibility; prefer the per-role token
             files): every kvsvc call must carry ``authorization: Bearer <token>`` (health
@@ -303,6 +308,7 @@ class ServerConfig:
     frames_hello_timeout_s: float = 5.0
     frames_idle_timeout_s: float = 300.0
     frames_frame_timeout_s: float = 30.0
+    unix_socket_mode: int = DEFAULT_UNIX_SOCKET_MODE
     auth_token: str | None = None
     auth_token_file: str | None = None
     engine_token: str | None = None
@@ -372,6 +378,7 @@ class ServerConfig:
                 raise ConfigError(f"{key} must be positive")
         if self.frames_idle_timeout_s < 0:
             raise ConfigError("frames_idle_timeout_s must be >= 0 (0: never)")
+        object.__setattr__(self, "unix_socket_mode", _socket_mode(self.unix_socket_mode))
         if self.max_message_bytes < 1024:
             raise ConfigError("max_message_bytes must be at least 1024")
         if self.heartbeat_timeout_s <= 0:
@@ -474,6 +481,27 @@ class ServerConfig:
                 f"kv_events_int_hashes must be true or false, got {self.kv_events_int_hashes!r}"
             )
         kv_events_targets(self)  # endpoint syntax, port range and collisions
+
+
+def _socket_mode(value: object) -> int:
+    """``unix_socket_mode`` as an int: given as one, or as an octal string ("0660")."""
+    mode = value
+    if isinstance(value, str):
+        try:
+            mode = int(value, 8)
+        except ValueError:
+            mode = None
+    if type(mode) is not int or not 0 <= mode <= 0o777:
+        raise ConfigError(
+            f"unix_socket_mode must be a file mode such as 0o600 (or the string \"0600\"), "
+            f"got {value!r}"
+        )
+    if mode & 0o600 != 0o600:
+        raise ConfigError(
+            f"unix_socket_mode {mode:#o} must let the server's own user read and write "
+            "(0o600 at least)"
+        )
+    return mode
 
 
 def listen_addresses(listen: str, what: str = "listen") -> list[str]:

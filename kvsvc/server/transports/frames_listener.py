@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import ssl
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -45,7 +46,14 @@ from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
 
 from kvsvc.errors import quoted
-from kvsvc.ports import ListenError, is_unix_address, unix_path
+from kvsvc.ports import (
+    DEFAULT_UNIX_SOCKET_MODE,
+    ListenError,
+    is_unix_address,
+    private_umask,
+    set_unix_socket_mode,
+    unix_path,
+)
 from kvsvc.server.config import join_host_port, split_host_port
 from kvsvc.server.errors import CallObserver
 from kvsvc.server.namespace import current_engine
@@ -206,16 +214,19 @@ class FrameServer:
         max_message_bytes: int,
         limits: FrameLimits | None = None,
         ssl_context: Callable[[], ssl.SSLContext] | None = None,
+        unix_socket_mode: int = DEFAULT_UNIX_SOCKET_MODE,
     ) -> None:
         """``ssl_context``: the server's current TLS context (re-read on each handshake,
         so a renewed certificate is used from the next connection on); TCP listeners serve
-        TLS with it. Unix sockets are plaintext (their file mode guards them)."""
+        TLS with it. Unix sockets are plaintext: their file mode, ``unix_socket_mode``
+        (whatever the umask), guards them."""
         self._methods = {m.path: m for m in methods}
         self._credentials = credentials
         self._observer = observer
         self._max_message_bytes = max_message_bytes
         self._limits = limits or FrameLimits()
         self._ssl_context = ssl_context
+        self._unix_socket_mode = unix_socket_mode
         self._servers: list[asyncio.AbstractServer] = []
         # Every open connection; the pending ones (no hello yet), oldest first.
         self._connections: dict[asyncio.Task[None], _Conn] = {}
@@ -237,7 +248,17 @@ class FrameServer:
             path = unix_path(address)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)  # stale: the caller checked that nothing listens on it
-            server = await asyncio.start_unix_server(self._serve, path=path)
+            # Bound, given its mode, then listened on: no connection comes in before the
+            # file has its mode.
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                with private_umask():
+                    sock.bind(path)
+                set_unix_socket_mode(address, self._unix_socket_mode)
+                server = await asyncio.start_unix_server(self._serve, sock=sock)
+            except BaseException:
+                sock.close()
+                raise
             self._servers.append(server)
             self.unix_sockets.append(address)
             return 0

@@ -30,7 +30,7 @@ from typing import Any
 import grpc
 
 from kvsvc.keepalive import server_options as server_keepalive_options
-from kvsvc.ports import ListenError, is_unix_address
+from kvsvc.ports import ListenError, is_unix_address, private_umask, set_unix_socket_mode
 from kvsvc.server.config import ServerConfig, join_host_port, split_host_port
 from kvsvc.server.errors import CallObserver
 from kvsvc.server.namespace import current_engine
@@ -88,11 +88,15 @@ def register_services(
 
 
 async def bind_grpc_addresses(
-    server: grpc.aio.Server, addresses: Iterable[str], tls: ServerTlsSource | None
+    server: grpc.aio.Server,
+    addresses: Iterable[str],
+    tls: ServerTlsSource | None,
+    unix_socket_mode: int,
 ) -> tuple[int, list[str]]:
     """Bind ``server`` to ``addresses`` (``HOST:PORT`` or ``unix:PATH``), with TLS when
     ``tls`` is given. Returns the first TCP port bound (0: none) and the ``unix:PATH``
-    addresses.
+    addresses. A socket is created the owner's alone and then given
+    ``unix_socket_mode``, before the server starts accepting on it.
 
     Raises:
         ListenError: an address cannot be bound (taken since it was checked); the server
@@ -106,12 +110,15 @@ async def bind_grpc_addresses(
             host, port = split_host_port(address, "listen")
         target = address if unix else join_host_port(host, port)
         try:
-            if tls is not None:
-                bound = server.add_secure_port(target, tls.grpc_credentials())
-            else:
-                bound = server.add_insecure_port(target)
+            with private_umask():
+                if tls is not None:
+                    bound = server.add_secure_port(target, tls.grpc_credentials())
+                else:
+                    bound = server.add_insecure_port(target)
         except RuntimeError:  # taken since the check: gRPC says "Failed to bind to address"
             bound = 0
+        if bound and unix:
+            set_unix_socket_mode(address, unix_socket_mode)
         if bound == 0:
             await server.stop(None)  # else its finaliser runs on a closed loop
             raise ListenError(address, "gRPC", LISTEN_FLAG, "the address cannot be bound")
