@@ -88,7 +88,8 @@ def add_parser(subparsers: Any) -> None:
         "credentials (secrets come from files or the environment, never from argv)",
         "Each role has its own tokens: engines (the KVCache API), agents (the Worker API), "
         "operators (the Admin API). A token file holds one token per line; an engine line "
-        "may be 'ENGINE_NAME TOKEN', which gives that engine its own request-id namespace. "
+        "may be '[ENGINE_NAME] TOKEN [pools=POOL,...]': a name gives that engine its own "
+        "request-id namespace, pools= lets it use those pools only. "
         "Environment: KVSVC_{AUTH,ENGINE,AGENT,ADMIN}_TOKEN (one token) and "
         "KVSVC_{AUTH,ENGINE,AGENT,ADMIN}_TOKEN_FILE. No token at all: every call is open.",
     )

@@ -243,8 +243,11 @@ class ServerConfig:
         engine_token, agent_token, admin_token: one token of that role only (set from the
             ``KVSVC_<ROLE>_TOKEN`` environment variables, not from argv).
         engine_token_file, agent_token_file, admin_token_file: files of that role's tokens,
-            one per line; an engine line may be ``ENGINE_NAME TOKEN``, which gives that
-            engine its own request-id namespace.
+            one per line; an engine line may be ``[ENGINE_NAME] TOKEN [pools=a,b]``: a name
+            gives that engine its own request-id namespace, ``pools=`` lets it use those
+            pools only (PERMISSION_DENIED on any other; without it, every pool).
+        engine_token_pools: the pools ``engine_token`` may use (a list, or "a,b"; from
+            ``KVSVC_ENGINE_TOKEN_POOLS``); None: every pool.
         max_message_bytes: largest request or response message.
         heartbeat_timeout_s: a rank silent this long makes its pool DEGRADED.
         event_buffer_batches: event batches kept for WatchEvents replay, per pool.
@@ -317,6 +320,7 @@ class ServerConfig:
     engine_token_file: str | None = None
     agent_token_file: str | None = None
     admin_token_file: str | None = None
+    engine_token_pools: tuple[str, ...] | None = None
     max_message_bytes: int = 64 * 1024 * 1024
     heartbeat_timeout_s: float = 10.0
     event_buffer_batches: int = 10000
@@ -379,6 +383,7 @@ class ServerConfig:
         if self.frames_idle_timeout_s < 0:
             raise ConfigError("frames_idle_timeout_s must be >= 0 (0: never)")
         object.__setattr__(self, "unix_socket_mode", _socket_mode(self.unix_socket_mode))
+        self._check_engine_token_pools(names)
         if self.max_message_bytes < 1024:
             raise ConfigError("max_message_bytes must be at least 1024")
         if self.heartbeat_timeout_s <= 0:
@@ -406,6 +411,29 @@ class ServerConfig:
         self._check_kv_events()
         self._check_tls()
         self._check_state()
+
+    def _check_engine_token_pools(self, known: list[str]) -> None:
+        scope = self.engine_token_pools
+        if scope is None:
+            return
+        if isinstance(scope, str):
+            scope = tuple(name.strip() for name in scope.split(","))
+        if not isinstance(scope, (list, tuple)) or not all(
+            isinstance(name, str) and name for name in scope
+        ):
+            raise ConfigError(f'engine_token_pools must list pool names (or "a,b"), got {scope!r}')
+        if not self.engine_token:
+            raise ConfigError(
+                "engine_token_pools scopes engine_token (KVSVC_ENGINE_TOKEN), which is not "
+                "set; scope a token file's line with pools= instead"
+            )
+        unknown = sorted(set(scope) - set(known))
+        if unknown:
+            raise ConfigError(
+                f"engine_token_pools names {', '.join(map(repr, unknown))}, which the server "
+                f"does not serve (pools: {', '.join(sorted(known))})"
+            )
+        object.__setattr__(self, "engine_token_pools", tuple(scope))
 
     def _check_state(self) -> None:
         if self.state_dir is not None and (
@@ -493,7 +521,7 @@ def _socket_mode(value: object) -> int:
             mode = None
     if type(mode) is not int or not 0 <= mode <= 0o777:
         raise ConfigError(
-            f"unix_socket_mode must be a file mode such as 0o600 (or the string \"0600\"), "
+            f'unix_socket_mode must be a file mode such as 0o600 (or the string "0600"), '
             f"got {value!r}"
         )
     if mode & 0o600 != 0o600:

@@ -24,9 +24,10 @@ so a crowd of silent connections cannot keep it out). When the server has tokens
 without a known one is answered UNAUTHENTICATED and the connection closed: only a
 credential holder gets one of the ``max_connections`` slots (RESOURCE_EXHAUSTED in the
 hello's answer past it), and only one of a role the framed methods take (an engine's or an
-operator's: an agent's token is answered PERMISSION_DENIED at the hello). A slot is held while the connection is used: one that sends
-nothing for ``idle_timeout_s`` between frames, or leaves a frame half sent for
-``frame_timeout_s``, is closed (a call in progress has no bound: it runs to its end).
+operator's: an agent's token is answered PERMISSION_DENIED at the hello). A slot is held
+while the connection is used: one that sends nothing for ``idle_timeout_s`` between frames,
+or leaves a frame half sent for ``frame_timeout_s``, is closed (a call in progress has no
+bound: it runs to its end).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from kvsvc.ports import (
 )
 from kvsvc.server.config import join_host_port, split_host_port
 from kvsvc.server.errors import CallObserver
-from kvsvc.server.namespace import current_engine
+from kvsvc.server.namespace import current_engine, current_pools
 from kvsvc.server.seclog import RateLimitedLog
 from kvsvc.server.transports.auth import (
     Credential,
@@ -421,7 +422,7 @@ class FrameServer:
                 method = methods.get(header.method)
                 if method is None:
                     raise _Closing(grpc.StatusCode.UNIMPLEMENTED, _unknown_method(header.method))
-                engine = self._check_call(credential, method, peer)
+                engine, pools = self._check_call(credential, method, peer)
                 if body_size > self._max_message_bytes:
                     raise _Closing(
                         grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -430,7 +431,7 @@ class FrameServer:
                     )
                 body = await read(body_size)
                 conn.phase = _CALL
-                writer.write(await self._call(method, body, engine, peer))
+                writer.write(await self._call(method, body, engine, pools, peer))
             except _Closing as exc:
                 conn.phase = _CALL  # its answer goes out whole
                 writer.write(frame(reply_header(_number(exc.code), exc.details, close=True)))
@@ -504,18 +505,30 @@ class FrameServer:
         writer.write(frame(reply_header(0, version=VERSION)))
         return _PeerAuth(found, header is not None)
 
-    def _check_call(self, peer_auth: _PeerAuth, method: FrameMethod, peer: str) -> str:
-        """The engine namespace the call runs in; raises _Closing when it is refused."""
+    def _check_call(
+        self, peer_auth: _PeerAuth, method: FrameMethod, peer: str
+    ) -> tuple[str, frozenset[str] | None]:
+        """The engine namespace the call runs in and the pools it may use (None: every
+        one); raises _Closing when it is refused."""
         allowed = method.roles
         if allowed is None or not self._credentials.enabled:
-            return ""
+            return "", None
         decision = decide(peer_auth.credential, peer_auth.header_given, method.path, allowed)
         if isinstance(decision, Refusal):
             report_refusal(self._log, self._observer, method.path, decision, peer)
             raise _Closing(decision.code, decision.reason)
-        return decision.engine if Role.ENGINE in allowed else ""
+        if Role.ENGINE not in allowed:
+            return "", None
+        return decision.engine, decision.pools
 
-    async def _call(self, method: FrameMethod, body: bytes, engine: str, peer: str) -> bytes:
+    async def _call(
+        self,
+        method: FrameMethod,
+        body: bytes,
+        engine: str,
+        pools: frozenset[str] | None,
+        peer: str,
+    ) -> bytes:
         """Run one call; the reply frame's bytes."""
         try:
             request = method.parse(body)
@@ -528,6 +541,7 @@ class FrameServer:
             )
         context = FrameCallContext(peer)
         current_engine.set(engine)
+        current_pools.set(pools)
         try:
             response = await method.handler(request, context)
         except grpc.aio.AbortError:

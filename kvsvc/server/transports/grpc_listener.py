@@ -33,7 +33,7 @@ from kvsvc.keepalive import server_options as server_keepalive_options
 from kvsvc.ports import ListenError, is_unix_address, private_umask, set_unix_socket_mode
 from kvsvc.server.config import ServerConfig, join_host_port, split_host_port
 from kvsvc.server.errors import CallObserver
-from kvsvc.server.namespace import current_engine
+from kvsvc.server.namespace import current_engine, current_pools
 from kvsvc.server.seclog import RateLimitedLog
 from kvsvc.server.transports.auth import (
     Credentials,
@@ -219,8 +219,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         decision = authorize(self._credentials, header, method, allowed)
         if isinstance(decision, Refusal):
             return self._deny(handler, method, decision)
-        if decision.engine and Role.ENGINE in allowed:
-            return _with_engine(handler, decision.engine)
+        if (decision.engine or decision.pools is not None) and Role.ENGINE in allowed:
+            return _as_engine(handler, decision.engine, decision.pools)
         return handler
 
     def _deny(
@@ -247,8 +247,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return grpc.stream_unary_rpc_method_handler(deny, request_deserializer=skip)
 
 
-def _with_engine(handler: grpc.RpcMethodHandler, engine: str) -> grpc.RpcMethodHandler:
-    """``handler`` run with :data:`current_engine` set to ``engine``."""
+def _as_engine(
+    handler: grpc.RpcMethodHandler, engine: str, pools: frozenset[str] | None
+) -> grpc.RpcMethodHandler:
+    """``handler`` run as that engine: :data:`current_engine` (its namespace) and
+    :data:`current_pools` (the pools its token may use) set for the call."""
     request_deserializer = handler.request_deserializer  # type: ignore[attr-defined]
     response_serializer = handler.response_serializer  # type: ignore[attr-defined]
     if handler.response_streaming:  # type: ignore[attr-defined]
@@ -256,6 +259,7 @@ def _with_engine(handler: grpc.RpcMethodHandler, engine: str) -> grpc.RpcMethodH
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
             current_engine.set(engine)
+            current_pools.set(pools)
             async for message in inner_stream(request, context):
                 yield message
 
@@ -266,6 +270,7 @@ def _with_engine(handler: grpc.RpcMethodHandler, engine: str) -> grpc.RpcMethodH
 
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
         current_engine.set(engine)
+        current_pools.set(pools)
         return await inner(request, context)
 
     return grpc.unary_unary_rpc_method_handler(unary, request_deserializer, response_serializer)
