@@ -240,9 +240,10 @@ class ServerConfig:
             files): every kvsvc call must carry ``authorization: Bearer <token>`` (health
             and reflection stay open for probes). See :mod:`kvsvc.server.transports.auth`.
         auth_token_file: a file holding that all-roles token.
-        engine_token, agent_token, admin_token: one token of that role only (set from the
-            ``KVSVC_<ROLE>_TOKEN`` environment variables, not from argv).
-        engine_token_file, agent_token_file, admin_token_file: files of that role's tokens,
+        engine_token, agent_token, admin_token, indexer_token: one token of that role only
+            (set from the ``KVSVC_<ROLE>_TOKEN`` environment variables, not from argv).
+        engine_token_file, agent_token_file, admin_token_file, indexer_token_file: files of
+            that role's tokens,
             one per line; an engine line may be ``[ENGINE_NAME] TOKEN [pools=a,b]``: a name
             gives that engine its own request-id namespace, ``pools=`` lets it use those
             pools only (PERMISSION_DENIED on any other; without it, every pool).
@@ -317,9 +318,11 @@ class ServerConfig:
     engine_token: str | None = None
     agent_token: str | None = None
     admin_token: str | None = None
+    indexer_token: str | None = None
     engine_token_file: str | None = None
     agent_token_file: str | None = None
     admin_token_file: str | None = None
+    indexer_token_file: str | None = None
     engine_token_pools: tuple[str, ...] | None = None
     max_message_bytes: int = 64 * 1024 * 1024
     heartbeat_timeout_s: float = 10.0

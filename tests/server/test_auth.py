@@ -51,6 +51,7 @@ ENGINE_Q = "engine-q-only-token-0123456789"
 ENGINE_PQ = "engine-p-and-q-token-0123456789"
 AGENT = "agent-token-0123456789abc"
 ADMIN = "admin-token-0123456789abc"
+INDEXER = "indexer-token-0123456789ab"
 ALL_ROLES = "all-roles-token-0123456789"
 UNKNOWN = "not-a-token-0123456789"
 
@@ -70,10 +71,10 @@ SHARED = {
     "ResetPrefixCache": {Role.ENGINE, Role.ADMIN},
     "ListPools": {Role.ENGINE, Role.ADMIN},
     "GetUsage": {Role.ENGINE, Role.ADMIN},
-    "WatchEvents": {Role.ADMIN},
-    "SnapshotIndex": {Role.ADMIN},
+    "WatchEvents": {Role.ADMIN, Role.INDEXER},
+    "SnapshotIndex": {Role.ADMIN, Role.INDEXER},
 }
-TOKEN_OF = {Role.ENGINE: ENGINE_A, Role.AGENT: AGENT, Role.ADMIN: ADMIN}
+TOKEN_OF = {Role.ENGINE: ENGINE_A, Role.AGENT: AGENT, Role.ADMIN: ADMIN, Role.INDEXER: INDEXER}
 METHODS = [
     (service, method, role) for service, role in SERVICES.items() for method in service.methods
 ]
@@ -98,6 +99,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
         ),
         "agent_token_file": _write(tmp / "agent", f"{AGENT}\n"),
         "admin_token_file": _write(tmp / "admin", f"{ADMIN}\n"),
+        "indexer_token_file": _write(tmp / "indexer", f"{INDEXER}\n"),
         "auth_token": ALL_ROLES,
     }
     with (
@@ -266,10 +268,11 @@ def test_every_method_checks_the_credential_and_its_role_on_every_transport(
         for token in (None, UNKNOWN):
             code, details = call(address, service, method, token, real)
             assert code == grpc.StatusCode.UNAUTHENTICATED, (token, code, details)
-        # An agent's token may make no framed call: refused at the hello (it takes no
-        # connection slot).
-        code, details = call(address, service, method, AGENT, real)
-        assert code == grpc.StatusCode.PERMISSION_DENIED, (code, details)
+        # An agent's or an indexer's token may make no framed call: refused at the hello
+        # (it takes no connection slot).
+        for token in (AGENT, INDEXER):
+            code, details = call(address, service, method, token, real)
+            assert code == grpc.StatusCode.PERMISSION_DENIED, (token, code, details)
         for token in (ENGINE_A, ADMIN, ALL_ROLES):
             code, details = call(address, service, method, token, real)
             assert code == grpc.StatusCode.UNIMPLEMENTED, (token, code, details)
@@ -720,6 +723,9 @@ def test_clients_resolve_their_role_token_in_order(tmp_path: Path) -> None:
     assert resolve_token("agent", token_file=path, environ=env) == AGENT
     assert resolve_token("agent", token="", environ=env) is None
     assert resolve_token("agent", environ={}) is None
+    # An indexer reads its own role's token, never the operator's.
+    assert resolve_token("indexer", environ=env) == ALL_ROLES
+    assert resolve_token("indexer", environ={**env, "KVSVC_INDEXER_TOKEN": INDEXER}) == INDEXER
     with pytest.raises(ValueError, match="role"):
         resolve_token("router")
 

@@ -1,19 +1,23 @@
 """Who may call what, on either transport: bearer credentials per role, and the refusals.
 
-Three roles (DESIGN, "Who may do what"):
+Four roles (DESIGN, "Who may do what"):
 
 - ``engine``: the KVCache API's calls on its own requests (Allocate, Step, Free, Lookup,
   GetBlockTable), GetUsage, ResetPrefixCache and ListPools (to wait for its pool);
 - ``agent``: the Worker API (Register, WatchPlan, ReportAllocation, Heartbeat);
 - ``admin``: the Admin API (ListPools, GetPlan, ...), and the KVCache API's views of the
-  whole pool and its reset (GetUsage, WatchEvents, SnapshotIndex, ResetPrefixCache).
+  whole pool and its reset (GetUsage, WatchEvents, SnapshotIndex, ResetPrefixCache);
+- ``indexer``: exactly what ``kvsvc indexer`` calls: WatchEvents and SnapshotIndex. Not
+  SnapshotPool (a pool's whole state, its hash seed included: SnapshotIndex carries only
+  the seed's fingerprint, and the cluster's routers get the seed from their operator),
+  not the resets: an indexer's token that leaks cannot invalidate a pool.
 
-WatchEvents and SnapshotIndex are the operator's (and an indexer's, which runs with the
-admin token): a stored block's event carries the token ids and LoRA name of the request
-that filled it, whichever engine sent it, and the index lists every engine's cached
-hashes. An engine that could follow them would read the prompts of every other engine of
-the pool, cache salt or not; so an engine token is refused (PERMISSION_DENIED, saying
-why), and engines cannot learn each other's prompts, adapters or salts through a stream.
+WatchEvents and SnapshotIndex are the operator's and the indexers': a stored block's
+event carries the token ids and LoRA name of the request that filled it, whichever
+engine sent it, and the index lists every engine's cached hashes. An engine that could
+follow them would read the prompts of every other engine of the pool, cache salt or not;
+so an engine token is refused (PERMISSION_DENIED, saying why), and engines cannot learn
+each other's prompts, adapters or salts through a stream.
 
 A credential of one role is refused by the others' services (PERMISSION_DENIED); no or an
 unknown credential is UNAUTHENTICATED. Health and reflection stay open for probes.
@@ -57,6 +61,7 @@ class Role(enum.Enum):
     ENGINE = "engine"
     AGENT = "agent"
     ADMIN = "admin"
+    INDEXER = "indexer"
 
 
 ALL_ROLES = frozenset(Role)
@@ -82,6 +87,7 @@ _SERVICE_ROLES: dict[str, frozenset[Role]] = {
     _ADMIN: frozenset({Role.ADMIN}),
 }
 _ENGINE_OR_ADMIN = frozenset({Role.ENGINE, Role.ADMIN})
+_ADMIN_OR_INDEXER = frozenset({Role.ADMIN, Role.INDEXER})
 _METHOD_ROLES: dict[str, frozenset[Role]] = {
     # vLLM's engine resets its own cache (LLM.reset_prefix_cache); an operator may too.
     f"/{_KVCACHE}/ResetPrefixCache": _ENGINE_OR_ADMIN,
@@ -89,15 +95,15 @@ _METHOD_ROLES: dict[str, frozenset[Role]] = {
     # shape; an operator (kvsvc ctl) reads usage.
     f"/{_ADMIN}/ListPools": _ENGINE_OR_ADMIN,
     f"/{_KVCACHE}/GetUsage": _ENGINE_OR_ADMIN,
-    # Every engine's requests, as the pool sees them: operators and indexers (which run
-    # with the admin token: `kvsvc indexer`, `kvsvc ctl events`) only.
-    f"/{_KVCACHE}/WatchEvents": frozenset({Role.ADMIN}),
-    f"/{_KVCACHE}/SnapshotIndex": frozenset({Role.ADMIN}),
+    # Every engine's requests, as the pool sees them: operators (`kvsvc ctl events`) and
+    # indexers (`kvsvc indexer`) only.
+    f"/{_KVCACHE}/WatchEvents": _ADMIN_OR_INDEXER,
+    f"/{_KVCACHE}/SnapshotIndex": _ADMIN_OR_INDEXER,
 }
 # Why a method is not an engine's, added to its PERMISSION_DENIED message.
 _WHOLE_POOL = (
-    " (it carries every engine's token ids and LoRA names; follow the events with the "
-    "operator's token, as kvsvc indexer and kvsvc ctl events do)"
+    " (it carries every engine's token ids and LoRA names; follow the events with an "
+    "indexer's token, as kvsvc indexer does, or the operator's, as kvsvc ctl events does)"
 )
 _REFUSAL_NOTES: dict[str, str] = {
     f"/{_KVCACHE}/WatchEvents": _WHOLE_POOL,
@@ -274,10 +280,10 @@ def load_credentials(config: ServerConfig) -> Credentials:
 
 
 def env_tokens(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """Server config overrides from ``KVSVC_AUTH_TOKEN``/``KVSVC_{ENGINE,AGENT,ADMIN}_TOKEN``
-    and their ``*_FILE`` forms."""
+    """Server config overrides from ``KVSVC_AUTH_TOKEN``,
+    ``KVSVC_{ENGINE,AGENT,ADMIN,INDEXER}_TOKEN`` and their ``*_FILE`` forms."""
     overrides: dict[str, str] = {}
-    for key in ("auth", "engine", "agent", "admin"):
+    for key in ("auth", *(role.value for role in Role)):
         value = environ.get(f"KVSVC_{key.upper()}_TOKEN")
         if value:
             overrides[f"{key}_token"] = value
