@@ -229,7 +229,8 @@ class ServerConfig:
         frames_idle_timeout_s: a framed connection that sends nothing this long between
             frames is closed (0: never); kvsvc's clients then open a new one.
         frames_frame_timeout_s: a framed connection that leaves a frame half sent this
-            long (from its first byte) is closed.
+            long (from its first byte), or leaves its replies unread this long once they
+            fill the socket and 1 MiB more, is closed.
         unix_socket_mode: the file mode of every Unix socket the server listens on (gRPC's
             and the framed transport's), whatever the umask: connecting needs write
             permission on it. Default 0o600, the server's user alone; 0o660 lets its group

@@ -26,8 +26,9 @@ credential holder gets one of the ``max_connections`` slots (RESOURCE_EXHAUSTED 
 hello's answer past it), and only one of a role the framed methods take (an engine's or an
 operator's: an agent's token is answered PERMISSION_DENIED at the hello). A slot is held
 while the connection is used: one that sends nothing for ``idle_timeout_s`` between frames,
-or leaves a frame half sent for ``frame_timeout_s``, is closed (a call in progress has no
-bound: it runs to its end).
+leaves a frame half sent for ``frame_timeout_s``, or leaves its replies unread that long
+once they pass the socket's buffers and ``_WRITE_HIGH_WATER`` (a client that pipelines
+calls and never reads), is closed (a call in progress has no bound: it runs to its end).
 """
 
 from __future__ import annotations
@@ -141,8 +142,13 @@ class FrameLimits:
 
 
 # What a connection is waiting for (the sweep's bound depends on it).
-_HELLO, _IDLE, _FRAME, _CALL = range(4)
-_WAITING_FOR = {_HELLO: "the hello", _IDLE: "a frame (idle)", _FRAME: "the rest of a frame"}
+_HELLO, _IDLE, _FRAME, _CALL, _REPLY = range(5)
+_WAITING_FOR = {
+    _HELLO: "the hello",
+    _IDLE: "a frame (idle)",
+    _FRAME: "the rest of a frame",
+    _REPLY: "its client to read its replies",
+}
 
 
 class _Conn:
@@ -345,7 +351,12 @@ class FrameServer:
             self._pending.pop(task, None)
             if conn.authenticated:
                 self._num_authenticated -= 1
-            writer.close()
+            if writer.transport.get_write_buffer_size():
+                # Replies its client never read (the sweep cut it): a plain close would
+                # wait for them to be read, holding the socket, for ever.
+                writer.transport.abort()
+            else:
+                writer.close()
 
     def _admit_pending(self, conn: _Conn, peer: str) -> None:
         """Count a new connection as pending; past ``max_pending`` the oldest pending one
@@ -366,12 +377,16 @@ class FrameServer:
 
     async def _sweep(self) -> None:
         """Close the connections that waited past their phase's bound: for the hello, for
-        the next frame (idle), for the rest of a frame. A call in progress is never cut."""
+        the next frame (idle), for the rest of a frame, for their client to read the
+        replies it has not read (it pipelines calls and never reads: the replies would
+        pile up, and the connection keep its slot, for ever). A call in progress is never
+        cut."""
         limits = self._limits
         bounds = {
             _HELLO: limits.hello_timeout_s,
             _IDLE: limits.idle_timeout_s,
             _FRAME: limits.frame_timeout_s,
+            _REPLY: limits.frame_timeout_s,
         }
         shortest = min(b for b in bounds.values() if b > 0)
         interval = min(1.0, max(0.01, shortest / 4))
@@ -433,16 +448,13 @@ class FrameServer:
                 conn.phase = _CALL
                 writer.write(await self._call(method, body, engine, pools, peer))
             except _Closing as exc:
-                conn.phase = _CALL  # its answer goes out whole
                 writer.write(frame(reply_header(_number(exc.code), exc.details, close=True)))
-                with contextlib.suppress(ConnectionError):
-                    await writer.drain()
+                await _drain(conn, writer, clock())
                 return
             if self._closing:
                 return
-            transport = writer.transport
-            if transport.get_write_buffer_size() > _WRITE_HIGH_WATER:
-                await writer.drain()
+            if writer.transport.get_write_buffer_size() > _WRITE_HIGH_WATER:
+                await _drain(conn, writer, clock())
 
     async def _hello(
         self,
@@ -498,7 +510,7 @@ class FrameServer:
             writer.write(
                 frame(reply_header(_number(exc.code), exc.details, close=True, version=VERSION))
             )
-            await writer.drain()
+            await _drain(conn, writer, asyncio.get_running_loop().time())
             return None
         conn.authenticated = True
         self._num_authenticated += 1
@@ -591,6 +603,15 @@ _HELLO_NOTES = {
         "agents and indexers call the server over gRPC)"
     )
 }
+
+
+async def _drain(conn: _Conn, writer: asyncio.StreamWriter, now: float) -> None:
+    """Wait until the client has read enough of the replies written: the sweep closes the
+    connection when that takes past ``frame_timeout_s``."""
+    conn.phase = _REPLY
+    conn.since = now
+    with contextlib.suppress(ConnectionError):
+        await writer.drain()
 
 
 def _number(code: grpc.StatusCode) -> int:
