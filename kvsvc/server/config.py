@@ -231,6 +231,15 @@ class ServerConfig:
         frames_frame_timeout_s: a framed connection that leaves a frame half sent this
             long (from its first byte), or leaves its replies unread this long once they
             fill the socket and 1 MiB more, is closed.
+        grpc_max_connections: connections the gRPC listener holds at once (all its
+            addresses together); one past it is closed before its handshake. None: 1024, or
+            half the process's open-file limit where that is lower (so connections cannot
+            use up the descriptors the server needs for its state and its other listeners).
+        grpc_handshake_timeout_s: a gRPC connection that has not finished its handshake
+            (TLS, HTTP/2's preface) this long after connecting is closed.
+        grpc_idle_timeout_s: a gRPC connection with no call in progress this long is closed
+            (GOAWAY; 0: never): idle channels, a caller's that never made a call
+            included, give their slot back (kvsvc's clients reconnect on their next call).
         unix_socket_mode: the file mode of every Unix socket the server listens on (gRPC's
             and the framed transport's), whatever the umask: connecting needs write
             permission on it. Default 0o600, the server's user alone; 0o660 lets its group
@@ -314,6 +323,9 @@ class ServerConfig:
     frames_idle_timeout_s: float = 300.0
     frames_frame_timeout_s: float = 30.0
     unix_socket_mode: int = DEFAULT_UNIX_SOCKET_MODE
+    grpc_max_connections: int | None = None
+    grpc_handshake_timeout_s: float = 5.0
+    grpc_idle_timeout_s: float = 60.0
     auth_token: str | None = None
     auth_token_file: str | None = None
     engine_token: str | None = None
@@ -387,6 +399,15 @@ class ServerConfig:
         if self.frames_idle_timeout_s < 0:
             raise ConfigError("frames_idle_timeout_s must be >= 0 (0: never)")
         object.__setattr__(self, "unix_socket_mode", _socket_mode(self.unix_socket_mode))
+        if (
+            self.grpc_max_connections is not None
+            and not 1 <= self.grpc_max_connections <= 1_000_000
+        ):
+            raise ConfigError("grpc_max_connections must be in [1, 1000000]")
+        if not self.grpc_handshake_timeout_s > 0:
+            raise ConfigError("grpc_handshake_timeout_s must be positive")
+        if self.grpc_idle_timeout_s < 0:
+            raise ConfigError("grpc_idle_timeout_s must be >= 0 (0: never)")
         self._check_engine_token_pools(names)
         if self.max_message_bytes < 1024:
             raise ConfigError("max_message_bytes must be at least 1024")

@@ -24,6 +24,7 @@ generated one (the same message, serialized by protobuf), only the work is share
 
 from __future__ import annotations
 
+import resource
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
@@ -54,18 +55,50 @@ LISTEN_FLAG = "--listen (config key listen)"
 Handlers = dict[str, grpc.RpcMethodHandler]
 
 
+# grpc_max_connections when not set: this many, or half the open-file limit if lower.
+DEFAULT_GRPC_MAX_CONNECTIONS = 1024
+
+
+def grpc_max_connections(config: ServerConfig) -> int:
+    """The gRPC listener's connection cap: ``grpc_max_connections``, else 1024 or half the
+    process's open-file limit (RLIMIT_NOFILE), whichever is lower. Past the descriptor
+    limit accept() fails and gRPC retries it in a loop, so a crowd of bare connections
+    made every new one, an engine's included, wait for ever; under the cap the extra ones
+    are closed at once and the server keeps descriptors for its state and its other
+    listeners."""
+    if config.grpc_max_connections is not None:
+        return config.grpc_max_connections
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return DEFAULT_GRPC_MAX_CONNECTIONS
+    return max(16, min(DEFAULT_GRPC_MAX_CONNECTIONS, soft // 2))
+
+
 def create_grpc_server(
     config: ServerConfig, credentials: Credentials, observer: CallObserver
 ) -> grpc.aio.Server:
-    """The gRPC server of ``config``: its message bound and keepalive policy, and auth as
-    one interceptor over every kvsvc method (none when no token is configured)."""
+    """The gRPC server of ``config``: its message bound and keepalive policy, who holds a
+    connection and for how long, and auth as one interceptor over every kvsvc method (none
+    when no token is configured).
+
+    Connections (what the framed listener bounds with its own settings): at most
+    :func:`grpc_max_connections`, each given ``grpc_handshake_timeout_s`` to finish its
+    handshake (a bare TCP connection that says nothing goes then, instead of after
+    gRPC's 120 s) and closed after ``grpc_idle_timeout_s`` without a call in progress.
+    gRPC does not tell a connection's credential before its first call, so the idle bound
+    is for every connection: a client reconnects on its next call.
+    """
     options = [
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
+        ("grpc.max_allowed_incoming_connections", grpc_max_connections(config)),
+        ("grpc.server_handshake_timeout_ms", _ms(config.grpc_handshake_timeout_s)),
         # The clients' keepalive pings are welcome (kvsvc.keepalive).
         *server_keepalive_options(config.keepalive_min_ping_interval_s),
     ]
+    if config.grpc_idle_timeout_s > 0:
+        options.append(("grpc.max_connection_idle_ms", _ms(config.grpc_idle_timeout_s)))
     interceptors = [AuthInterceptor(credentials, observer)] if credentials.enabled else []
     return grpc.aio.server(options=options, interceptors=interceptors)
 
@@ -127,6 +160,10 @@ async def bind_grpc_addresses(
         elif not first_port:
             first_port = bound
     return first_port, unix_sockets
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
 
 
 def _passthrough(message: bytes) -> bytes:
