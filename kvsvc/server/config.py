@@ -49,6 +49,9 @@ DEFAULT_MAX_INFLIGHT_CALLS = 256
 DEFAULT_MAX_INFLIGHT_REQUEST_BYTES = 256 * 1024 * 1024
 DEFAULT_MAX_INFLIGHT_AGENT_CALLS = 1024
 DEFAULT_MAX_INFLIGHT_STREAMS = 1024
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# A gRPC request message being read (see kvsvc.server.transports.gate).
+DEFAULT_GRPC_READ_TIMEOUT_S = 30.0
 
 
 class ConfigError(ValueError):
@@ -273,10 +276,18 @@ class ServerConfig:
             a quiet connection; more often twice over, and the connection is ended
             (GOAWAY too_many_pings). kvsvc's clients ping every 30 s (see
             :mod:`kvsvc.keepalive`).
-        max_inflight_calls, max_inflight_request_bytes: the engines' and operators' unary
-            gRPC calls (KVCache and Admin services) in flight at once, and the request
-            bytes they hold; past either, RESOURCE_EXHAUSTED (see
+        max_inflight_calls: the engines' and operators' unary gRPC calls (KVCache and
+            Admin services) in flight at once; past it, RESOURCE_EXHAUSTED (see
             kvsvc.server.transports.gate).
+        max_inflight_request_bytes: request bytes the server holds, both transports
+            together: reserved before a request is read (a gRPC message counts
+            ``max_message_bytes`` until it is in, its size is not known before; a framed
+            one its frame's size), then held until its call ends. A request waits to be
+            read while it would pass this, and a caller (a token; without tokens, a peer
+            host) reads one gRPC message at a time (see
+            kvsvc.server.transports.budget).
+        grpc_read_timeout_s: a gRPC request message whose read, once granted, has not
+            completed after this long ends its call RESOURCE_EXHAUSTED.
         max_inflight_agent_calls: the agents' calls in flight, their WatchPlan streams
             included (Worker service).
         max_inflight_streams: the subscribers' streams open at once (WatchEvents,
@@ -326,6 +337,7 @@ class ServerConfig:
     grpc_max_connections: int | None = None
     grpc_handshake_timeout_s: float = 5.0
     grpc_idle_timeout_s: float = 60.0
+    grpc_read_timeout_s: float = DEFAULT_GRPC_READ_TIMEOUT_S
     auth_token: str | None = None
     auth_token_file: str | None = None
     engine_token: str | None = None
@@ -337,7 +349,7 @@ class ServerConfig:
     admin_token_file: str | None = None
     indexer_token_file: str | None = None
     engine_token_pools: tuple[str, ...] | None = None
-    max_message_bytes: int = 64 * 1024 * 1024
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     heartbeat_timeout_s: float = 10.0
     event_buffer_batches: int = 10000
     event_buffer_events: int = 200_000
@@ -408,6 +420,8 @@ class ServerConfig:
             raise ConfigError("grpc_handshake_timeout_s must be positive")
         if self.grpc_idle_timeout_s < 0:
             raise ConfigError("grpc_idle_timeout_s must be >= 0 (0: never)")
+        if not self.grpc_read_timeout_s > 0:
+            raise ConfigError("grpc_read_timeout_s must be positive")
         self._check_engine_token_pools(names)
         if self.max_message_bytes < 1024:
             raise ConfigError("max_message_bytes must be at least 1024")

@@ -39,7 +39,7 @@ import logging
 import os
 import socket
 import ssl
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -59,6 +59,7 @@ from kvsvc.ports import (
 from kvsvc.server.config import join_host_port, split_host_port
 from kvsvc.server.errors import CallObserver
 from kvsvc.server.namespace import current_engine, current_pools
+from kvsvc.server.request_caps import SMALL_REQUEST_BYTES, RequestCaps
 from kvsvc.server.seclog import RateLimitedLog
 from kvsvc.server.transports.auth import (
     Credential,
@@ -70,6 +71,7 @@ from kvsvc.server.transports.auth import (
     report_refusal,
     roles_for_method,
 )
+from kvsvc.server.transports.budget import RequestBudget
 from kvsvc.wire.frames import (
     MAGIC,
     MAX_HEADER_BYTES,
@@ -142,7 +144,7 @@ class FrameLimits:
 
 
 # What a connection is waiting for (the sweep's bound depends on it).
-_HELLO, _IDLE, _FRAME, _CALL, _REPLY = range(5)
+_HELLO, _IDLE, _FRAME, _CALL, _REPLY, _BUDGET = range(6)
 _WAITING_FOR = {
     _HELLO: "the hello",
     _IDLE: "a frame (idle)",
@@ -222,11 +224,16 @@ class FrameServer:
         limits: FrameLimits | None = None,
         ssl_context: Callable[[], ssl.SSLContext] | None = None,
         unix_socket_mode: int = DEFAULT_UNIX_SOCKET_MODE,
+        budget: RequestBudget | None = None,
+        caps: RequestCaps | None = None,
     ) -> None:
         """``ssl_context``: the server's current TLS context (re-read on each handshake,
         so a renewed certificate is used from the next connection on); TCP listeners serve
         TLS with it. Unix sockets are plaintext: their file mode, ``unix_socket_mode``
-        (whatever the umask), guards them."""
+        (whatever the umask), guards them. ``budget``: the server's request budget,
+        shared with the gRPC listener (by default one of its own, of 4 x
+        ``max_message_bytes``): a frame's bytes are reserved there before they are read.
+        ``caps``: each method's request bound (a body over it is refused unread)."""
         self._methods = {m.path: m for m in methods}
         self._credentials = credentials
         self._observer = observer
@@ -234,6 +241,8 @@ class FrameServer:
         self._limits = limits or FrameLimits()
         self._ssl_context = ssl_context
         self._unix_socket_mode = unix_socket_mode
+        self._budget = budget or RequestBudget(4 * max_message_bytes, max_message_bytes)
+        self._caps = caps
         self._servers: list[asyncio.AbstractServer] = []
         # Every open connection; the pending ones (no hello yet), oldest first.
         self._connections: dict[asyncio.Task[None], _Conn] = {}
@@ -414,10 +423,17 @@ class FrameServer:
         credential = await self._hello(conn, reader, writer, peer)
         if credential is None:
             return
+        # Whose request budget its frames are read under: its token's; without tokens,
+        # the connection's own (it reads one frame at a time, whose size it knows, so
+        # only the total bounds it: one host's connections are not made to wait for each
+        # other's large frames).
+        caller: Hashable = credential.credential or conn
+        budget = self._budget
         methods = self._methods
         read = reader.readexactly
         unpack = PREFIX.unpack
         clock = asyncio.get_running_loop().time
+        max_body = self._max_message_bytes
         while True:
             # The sweep closes a connection that stays in a phase too long (idle between
             # frames, a frame half sent): setting the phase is all it costs a frame.
@@ -426,6 +442,7 @@ class FrameServer:
             header_size, body_size = unpack(await read(PREFIX.size))
             conn.phase = _FRAME
             conn.since = clock()
+            reserved = held = 0
             try:
                 if header_size > MAX_HEADER_BYTES:
                     raise _Closing(
@@ -433,24 +450,64 @@ class FrameServer:
                         f"a frame header of {header_size} bytes is over the bound of "
                         f"{MAX_HEADER_BYTES}",
                     )
+                # The frame's bytes are reserved before any is read (a body past
+                # max_message_bytes is refused below, unread, so it reserves only that).
+                # A small frame (an engine's Step, Lookup, Free) is read at once: each
+                # connection reads one at a time, so they are bounded by the connections,
+                # and large frames (of a client that sends all but their last byte) never
+                # hold up the engines' small ones.
+                wanted = min(header_size + min(body_size, max_body), budget.per_caller)
+                if wanted > SMALL_REQUEST_BYTES:
+                    # One gRPC read's worth (its size unknown) is left to gRPC.
+                    leave = min(budget.per_caller, budget.total - budget.per_caller)
+                    if not budget.try_reserve(caller, wanted, leave):
+                        conn.phase = _BUDGET  # its bytes wait in the socket, unread
+                        await budget.reserve(caller, wanted, leave)
+                        conn.phase = _FRAME
+                        conn.since = clock()  # the frame's time starts when it may be read
+                    reserved = wanted
                 header = _parse_header(await read(header_size))
                 method = methods.get(header.method)
                 if method is None:
                     raise _Closing(grpc.StatusCode.UNIMPLEMENTED, _unknown_method(header.method))
                 engine, pools = self._check_call(credential, method, peer)
-                if body_size > self._max_message_bytes:
+                if body_size > max_body:
                     raise _Closing(
                         grpc.StatusCode.RESOURCE_EXHAUSTED,
                         f"a request message of {body_size} bytes is over the server's "
-                        f"max_message_bytes ({self._max_message_bytes})",
+                        f"max_message_bytes ({max_body})",
                     )
+                if body_size > SMALL_REQUEST_BYTES and self._caps is not None:
+                    cap = self._caps(method.path)
+                    if body_size > cap:
+                        raise _Closing(
+                            grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            self._caps.refusal(method.path, body_size, cap),
+                        )
                 body = await read(body_size)
+                if reserved:
+                    taken = budget.received(caller, reserved, body_size)
+                    reserved = 0
+                    if not taken:
+                        details = _held_details(budget, body_size)
+                        writer.write(frame(reply_header(_number(_EXHAUSTED), details)))
+                        continue
+                    held = body_size
                 conn.phase = _CALL
-                writer.write(await self._call(method, body, engine, pools, peer))
+                reply = await self._call(method, body, engine, pools, peer)
+                del body
+                budget.release(held)
+                held = 0
+                writer.write(reply)
             except _Closing as exc:
                 writer.write(frame(reply_header(_number(exc.code), exc.details, close=True)))
                 await _drain(conn, writer, clock())
                 return
+            finally:
+                if reserved:
+                    budget.cancel(caller, reserved)
+                if held:
+                    budget.release(held)
             if self._closing:
                 return
             if writer.transport.get_write_buffer_size() > _WRITE_HIGH_WATER:
@@ -612,6 +669,17 @@ async def _drain(conn: _Conn, writer: asyncio.StreamWriter, now: float) -> None:
     conn.since = now
     with contextlib.suppress(ConnectionError):
         await writer.drain()
+
+
+_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def _held_details(budget: RequestBudget, size: int) -> str:
+    return (
+        f"the server holds {budget.held} bytes of requests in flight; this one's {size} "
+        f"would pass its bound (max_inflight_request_bytes={budget.total}); retry, or "
+        "raise it"
+    )
 
 
 def _number(code: grpc.StatusCode) -> int:
