@@ -19,9 +19,11 @@ What it bounds:
   most ``total`` (``max_inflight_request_bytes``), and one caller's at most
   ``per_caller`` (``max_message_bytes``): a caller reads one gRPC message at a time (its
   size is not known), so a client that sends many large messages at once has them read
-  one after another, and cannot take the reads from the others. A caller is its
-  credential (every connection of one token is one caller) or, on a server without
-  tokens, its peer's host. :meth:`RequestBudget.reserve` waits until both hold;
+  one after another, and cannot take the reads from the others. Over gRPC a caller is
+  a credential on one host (every connection of one token from that host; without
+  tokens, the host); over frames, a credential (without tokens, the connection: it reads
+  one frame at a time, whose size it knows). :meth:`RequestBudget.reserve` waits until
+  both hold;
 - bytes held by calls in flight, their requests read: at most ``total`` too; a request
   that would pass it once read is refused (:meth:`RequestBudget.received` says so), as
   a call past a bound is: nothing runs with it. Reads do not wait for held bytes, so a

@@ -16,7 +16,7 @@ read that does not complete within ``grpc_read_timeout_s`` ends the call
 RESOURCE_EXHAUSTED (a client that sent all but the last byte holds nothing for long).
 Every method reads this way, health and reflection (which anyone may call) included; a
 caller is its credential (:data:`current_caller`, set by the auth interceptor) or its
-peer's host.
+peer's host (a credential's callers on several hosts read each on their own).
 
 **Malformed bodies.** Bytes that do not parse as the method's request message are
 answered INVALID_ARGUMENT (one rate-limited line on the security log by
@@ -303,9 +303,9 @@ class CallGate:
         """The next request message's bytes (None: the client sent no more), read once
         the budget grants what it may be; they are held from then on (released by the
         caller)."""
-        caller = current_caller.get()
-        if caller is None:
-            caller = peer_host(context.peer() or "?")
+        # A token's callers on one host read one message at a time (the same token on
+        # other hosts does not wait for them); without a token, a host's.
+        caller: Hashable = (current_caller.get(), peer_host(context.peer() or "?"))
         reserved = self.limits.max_message_bytes
         await self.budget.reserve(caller, reserved)
         try:
