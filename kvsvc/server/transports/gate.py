@@ -307,9 +307,12 @@ class CallGate:
         # other hosts does not wait for them); without a token, a host's.
         caller: Hashable = (current_caller.get(), peer_host(context.peer() or "?"))
         reserved = self.limits.max_message_bytes
-        await self.budget.reserve(caller, reserved)
+        if not self.budget.try_reserve(caller, reserved):
+            await self.budget.reserve(caller, reserved)
         try:
-            data = await asyncio.wait_for(context.read(), self.limits.grpc_read_timeout_s)
+            # asyncio.timeout, not wait_for: no task of its own for every read.
+            async with asyncio.timeout(self.limits.grpc_read_timeout_s):
+                data = await context.read()
         except TimeoutError:
             self.budget.cancel(caller, reserved)
             await self._refuse(
