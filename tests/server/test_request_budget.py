@@ -28,18 +28,23 @@ async def _started(
     return task
 
 
-def test_a_caller_reads_one_unknown_message_at_a_time_and_others_go_on() -> None:
+def test_a_caller_reads_and_runs_one_large_message_at_a_time_and_others_go_on() -> None:
     async def scenario(budget: RequestBudget) -> None:
         await budget.reserve("attacker", 64 * MiB)  # its first read
         second = await _started(budget, "attacker", 64 * MiB)
         engine = await _started(budget, "engine", 64 * MiB)
         assert not second.done() and engine.done()  # the engine is not behind it
         assert budget.reading == {"attacker": 64 * MiB, "engine": 64 * MiB}
-        assert budget.received("engine", 64 * MiB, 100)  # a small Step
-        assert budget.received("attacker", 64 * MiB, 60 * MiB)  # its first is in
+        assert budget.received("engine", 64 * MiB, 100)  # a small Step: the engine is free
+        assert budget.reading == {"attacker": 64 * MiB}
+        # The attacker's first is in: a large request, its own until its call ends.
+        assert budget.received("attacker", 64 * MiB, 60 * MiB)
+        await asyncio.sleep(0)
+        assert not second.done() and budget.reading == {"attacker": 60 * MiB}
+        budget.release("attacker", 60 * MiB)  # refused, or run: done
         await asyncio.sleep(0)
         assert second.done() and budget.reading == {"attacker": 64 * MiB}
-        assert budget.held == 60 * MiB + 100 and budget.num_waited == 1
+        assert budget.held == 100 and budget.num_waited == 1
 
     run(scenario, total=256 * MiB, per_caller=64 * MiB)
 
@@ -90,8 +95,8 @@ def test_a_request_past_the_held_bound_is_refused_and_holds_nothing() -> None:
         assert budget.held == 40 * MiB and budget.num_refused == 1
         await budget.reserve("c", 64 * MiB)
         assert budget.received("c", 64 * MiB, 1 * MiB)  # a small one still fits
-        budget.release(40 * MiB)
-        budget.release(1 * MiB)
+        budget.release("a", 40 * MiB)
+        budget.release("c", 1 * MiB)
         assert budget.held == 0 and budget.reading_total == 0 and budget.reading == {}
 
     run(scenario, total=64 * MiB, per_caller=64 * MiB)

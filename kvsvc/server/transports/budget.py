@@ -19,11 +19,15 @@ What it bounds:
   most ``total`` (``max_inflight_request_bytes``), and one caller's at most
   ``per_caller`` (``max_message_bytes``): a caller reads one gRPC message at a time (its
   size is not known), so a client that sends many large messages at once has them read
-  one after another, and cannot take the reads from the others. Over gRPC a caller is
-  a credential on one host (every connection of one token from that host; without
-  tokens, the host); over frames, a credential (without tokens, the connection: it reads
-  one frame at a time, whose size it knows). :meth:`RequestBudget.reserve` waits until
-  both hold;
+  one after another, and cannot take the reads from the others. A caller is a
+  credential on one host (every connection of one token from that host, on either
+  transport; without tokens, the host): one client reads one large request at a time,
+  whichever transport it sends it on. :meth:`RequestBudget.reserve` waits until both
+  hold;
+- a caller's large requests (over 1 MiB) read and running count with its reads: the
+  caller reads its next large request once the last has run (a client whose large
+  requests are refused back to back, or that sends them on both transports at once, has
+  one in memory at a time); its small ones are read and run beside them;
 - bytes held by calls in flight, their requests read: at most ``total`` too; a request
   that would pass it once read is refused (:meth:`RequestBudget.received` says so), as
   a call past a bound is: nothing runs with it. Reads do not wait for held bytes, so a
@@ -45,6 +49,9 @@ from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+# A request over this is large: its caller reads and runs one at a time.
+LARGE_REQUEST_BYTES = 1 << 20
+
 
 @dataclass(slots=True)
 class _Waiter:
@@ -57,12 +64,15 @@ class _Waiter:
 class RequestBudget:
     """Request bytes being read and held, both listeners together (one event loop)."""
 
-    def __init__(self, total: int, per_caller: int) -> None:
+    def __init__(self, total: int, per_caller: int, large: int = LARGE_REQUEST_BYTES) -> None:
         assert 0 < per_caller <= total, "a request of per_caller bytes must fit the total"
         self.total = total
         self.per_caller = per_caller
+        self.large = large
         self.reading_total = 0  # reserved for reads in progress
-        self.reading: dict[Hashable, int] = {}  # the same, per caller
+        # Per caller: its reads in progress, and its large requests (over ``large``)
+        # read and running: a caller reads and runs one large request at a time.
+        self.reading: dict[Hashable, int] = {}
         self.held = 0  # requests read, their calls in flight
         self.peak_reading = 0  # the most reserved for reads at once (tests, benchmarks)
         self.peak_held = 0
@@ -117,18 +127,21 @@ class RequestBudget:
     def received(self, caller: Hashable, reserved: int, size: int) -> bool:
         """The read of ``reserved`` bytes is done and brought ``size`` bytes. True: the
         call holds them until :meth:`release`; False: they would pass the held bound, the
-        call must be refused (nothing is held)."""
-        self.cancel(caller, reserved)
+        call must be refused (nothing is held). A large request stays its caller's until
+        it is released: the caller's next large one is not read before."""
         if self.held + size > self.total and self.held:
             self.num_refused += 1
+            self.cancel(caller, reserved)
             return False
         self.held += size
         self.peak_held = max(self.peak_held, self.held)
+        self.cancel(caller, reserved, keep=size if size > self.large else 0)
         return True
 
-    def cancel(self, caller: Hashable, reserved: int) -> None:
-        """The read of ``reserved`` bytes is over (or did not happen): give it back."""
-        left = self.reading[caller] - reserved
+    def cancel(self, caller: Hashable, reserved: int, keep: int = 0) -> None:
+        """The read of ``reserved`` bytes is over (or did not happen): give it back (but
+        ``keep`` of the caller's, a large request now running)."""
+        left = self.reading[caller] - reserved + keep
         if left:
             self.reading[caller] = left
         else:
@@ -136,9 +149,11 @@ class RequestBudget:
         self.reading_total -= reserved
         self._wake()
 
-    def release(self, size: int) -> None:
-        """A call that held ``size`` request bytes is done."""
+    def release(self, caller: Hashable, size: int) -> None:
+        """``caller``'s call that held ``size`` request bytes is done."""
         self.held -= size
+        if size > self.large:
+            self.cancel(caller, 0, keep=-size)
 
     def _wake(self) -> None:
         """Grant the waiters that fit now, in arrival order; one that waits for its own

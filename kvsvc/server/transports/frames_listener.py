@@ -423,11 +423,10 @@ class FrameServer:
         credential = await self._hello(conn, reader, writer, peer)
         if credential is None:
             return
-        # Whose request budget its frames are read under: its token's; without tokens,
-        # the connection's own (it reads one frame at a time, whose size it knows, so
-        # only the total bounds it: one host's connections are not made to wait for each
-        # other's large frames).
-        caller: Hashable = credential.credential or conn
+        # Whose reads its large frames count with: its token's on its host (without
+        # tokens, its host's), the same caller as that client's gRPC calls, so one client
+        # reads one large request at a time whichever transport it sends it on.
+        caller: Hashable = (credential.credential, peer_host(peer))
         budget = self._budget
         methods = self._methods
         read = reader.readexactly
@@ -496,7 +495,7 @@ class FrameServer:
                 conn.phase = _CALL
                 reply = await self._call(method, body, engine, pools, peer)
                 del body
-                budget.release(held)
+                budget.release(caller, held)
                 held = 0
                 writer.write(reply)
             except _Closing as exc:
@@ -507,7 +506,7 @@ class FrameServer:
                 if reserved:
                     budget.cancel(caller, reserved)
                 if held:
-                    budget.release(held)
+                    budget.release(caller, held)
             if self._closing:
                 return
             if writer.transport.get_write_buffer_size() > _WRITE_HIGH_WATER:

@@ -205,9 +205,8 @@ class CallGate:
             async def both(_: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 await gate._enter(kind, method, context)
                 try:
-                    async for message in inner_both(
-                        gate._messages(method, parse, context), context
-                    ):
+                    messages = gate._messages(method, parse, context, _caller(context))
+                    async for message in inner_both(messages, context):
                         yield message
                 except BaseException as exc:
                     forget_frames(exc)
@@ -221,16 +220,17 @@ class CallGate:
 
             async def unary(_: Any, context: grpc.aio.ServicerContext) -> Any:
                 await gate._enter(kind, method, context)
+                caller = _caller(context)
                 size = 0  # held once read
                 try:
-                    request, size = await gate._receive(method, parse, context)
+                    request, size = await gate._receive(method, parse, context, caller)
                     return await inner(request, context)
                 except BaseException as exc:
                     request = None  # not kept by this frame, which the error refers to
                     forget_frames(exc)
                     raise
                 finally:
-                    gate.budget.release(size)
+                    gate.budget.release(caller, size)
                     gate._leave(kind)
 
             return grpc.stream_unary_rpc_method_handler(unary, None, serialize)
@@ -240,10 +240,11 @@ class CallGate:
             async def stream(_: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 await gate._enter(kind, method, context)
                 try:
-                    request, size = await gate._receive(method, parse, context)
+                    caller = _caller(context)
+                    request, size = await gate._receive(method, parse, context, caller)
                     # A stream's request is small and read at its start: it is held
                     # while the stream lives only in the count of streams.
-                    gate.budget.release(size)
+                    gate.budget.release(caller, size)
                     async for message in inner_stream(request, context):
                         yield message
                 except BaseException as exc:
@@ -260,8 +261,9 @@ class CallGate:
             # WatchEvents).
             await gate._enter(kind, method, context)
             try:
-                request, size = await gate._receive(method, parse, context)
-                gate.budget.release(size)
+                caller = _caller(context)
+                request, size = await gate._receive(method, parse, context, caller)
+                gate.budget.release(caller, size)
                 await inner_stream(request, context)
             except BaseException as exc:
                 request = None
@@ -273,39 +275,46 @@ class CallGate:
         return grpc.stream_stream_rpc_method_handler(writer, None, serialize)
 
     async def _receive(
-        self, method: str, parse: Callable[[bytes], Any], context: grpc.aio.ServicerContext
+        self,
+        method: str,
+        parse: Callable[[bytes], Any],
+        context: grpc.aio.ServicerContext,
+        caller: Hashable,
     ) -> tuple[Any, int]:
         """Read the call's one message under the budget; the parsed request and the bytes
-        it holds (the caller releases them when the call ends)."""
-        data = await self._read(method, context)
+        it holds (released with ``caller`` when the call ends)."""
+        data = await self._read(method, context, caller)
         if data is None:
             await self._refuse_malformed(method, Malformed("no request message was sent"), context)
         assert data is not None
-        await self._check_cap(method, len(data), context)
-        return await self._parse(method, parse, data, context), len(data)
+        await self._check_cap(method, len(data), context, caller)
+        return await self._parse(method, parse, data, context, caller), len(data)
 
     async def _messages(
-        self, method: str, parse: Callable[[bytes], Any], context: grpc.aio.ServicerContext
+        self,
+        method: str,
+        parse: Callable[[bytes], Any],
+        context: grpc.aio.ServicerContext,
+        caller: Hashable,
     ) -> AsyncIterator[Any]:
         """The messages of a request stream, each read under the budget and held until the
         handler asks for the next."""
         while True:
-            data = await self._read(method, context)
+            data = await self._read(method, context, caller)
             if data is None:
                 return
-            await self._check_cap(method, len(data), context)
+            await self._check_cap(method, len(data), context, caller)
             try:
-                yield await self._parse(method, parse, data, context)
+                yield await self._parse(method, parse, data, context, caller)
             finally:
-                self.budget.release(len(data))
+                self.budget.release(caller, len(data))
 
-    async def _read(self, method: str, context: grpc.aio.ServicerContext) -> bytes | None:
+    async def _read(
+        self, method: str, context: grpc.aio.ServicerContext, caller: Hashable
+    ) -> bytes | None:
         """The next request message's bytes (None: the client sent no more), read once
         the budget grants what it may be; they are held from then on (released by the
         caller)."""
-        # A token's callers on one host read one message at a time (the same token on
-        # other hosts does not wait for them); without a token, a host's.
-        caller: Hashable = (current_caller.get(), peer_host(context.peer() or "?"))
         reserved = self.limits.max_message_bytes
         if not self.budget.try_reserve(caller, reserved):
             await self.budget.reserve(caller, reserved)
@@ -338,7 +347,9 @@ class CallGate:
             )
         return data
 
-    async def _check_cap(self, method: str, size: int, context: grpc.aio.ServicerContext) -> None:
+    async def _check_cap(
+        self, method: str, size: int, context: grpc.aio.ServicerContext, caller: Hashable
+    ) -> None:
         """Refuse a request over its method's cap (:mod:`kvsvc.server.request_caps`)
         before it is parsed; its bytes are let go."""
         caps = self.caps
@@ -346,7 +357,7 @@ class CallGate:
             return
         cap = caps(method)
         if size > cap:
-            self.budget.release(size)
+            self.budget.release(caller, size)
             await self._refuse(method, context, caps.refusal(method, size, cap))
 
     async def _parse(
@@ -355,10 +366,11 @@ class CallGate:
         parse: Callable[[bytes], Any],
         data: bytes,
         context: grpc.aio.ServicerContext,
+        caller: Hashable,
     ) -> Any:
         request = parse(data)
         if type(request) is Malformed:
-            self.budget.release(len(data))
+            self.budget.release(caller, len(data))
             await self._refuse_malformed(method, request, context)
         return request
 
@@ -403,6 +415,13 @@ class CallGate:
         self._log.warning(f"inflight:{short}", "bound hit: %s: %s", short, details)
         self._observer.observe(short, grpc.StatusCode.RESOURCE_EXHAUSTED, 0.0)
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, details)
+
+
+def _caller(context: grpc.aio.ServicerContext) -> Hashable:
+    """Whose reads the call's count with: its credential (None without) on its host. One
+    client reads one large request at a time; the same token on other hosts does not wait
+    for it."""
+    return (current_caller.get(), peer_host(context.peer() or "?"))
 
 
 def forget_frames(error: BaseException) -> None:
