@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import ctypes
+import ctypes.util
 import inspect
 import logging
 import traceback
@@ -58,7 +60,7 @@ from kvsvc.server.errors import CallObserver
 from kvsvc.server.request_caps import SMALL_REQUEST_BYTES, RequestCaps
 from kvsvc.server.seclog import RateLimitedLog
 from kvsvc.server.transports.auth import peer_host, report_malformed
-from kvsvc.server.transports.budget import RequestBudget
+from kvsvc.server.transports.budget import LARGE_REQUEST_BYTES, RequestBudget
 
 log = logging.getLogger("kvsvc.server")
 
@@ -337,6 +339,8 @@ class CallGate:
             self.budget.cancel(caller, reserved)
             return None
         assert isinstance(data, bytes)
+        if len(data) > LARGE_REQUEST_BYTES:
+            trim_heap()
         if not self.budget.received(caller, reserved, len(data)):
             await self._refuse(
                 method,
@@ -415,6 +419,33 @@ class CallGate:
         self._log.warning(f"inflight:{short}", "bound hit: %s: %s", short, details)
         self._observer.observe(short, grpc.StatusCode.RESOURCE_EXHAUSTED, 0.0)
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, details)
+
+
+def _find_malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, where the C library is glibc (None elsewhere)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim: Callable[[int], int] = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    return trim
+
+
+_malloc_trim = _find_malloc_trim()
+
+
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the system, once a large message is in.
+
+    gRPC assembles a message in many small buffers on its own threads, each thread
+    allocating from its own malloc arena; freed once the message is a Python bytes object,
+    they stay resident in that arena, and the next large message, assembled on another
+    thread, adds its own: sixteen 60 MiB messages read one after another grew the server
+    by 250 MiB where one grows it by 180. The buffers of the message just read are free by
+    now; trimming costs well under a millisecond and runs once per large message.
+    """
+    if _malloc_trim is not None:
+        _malloc_trim(0)
 
 
 def _caller(context: grpc.aio.ServicerContext) -> Hashable:
