@@ -26,16 +26,26 @@ say hello and then hold their slot, a fresh framed client that tries one Step a 
 engine that restarts), one admission whose ``lora_name`` is ``--abuse-string-bytes`` long,
 and ``--abuse-prompts`` admissions of a whole ``max_model_len`` prompt with nothing
 scheduled (no block each, the whole prompt held); and, back to back for the whole
-measured time (issue 32), free-queue pages far into the queue (the offset attack), and
-Steps with fresh call ids that each ask for a 65,536-id page (the reply-cache attack: a
-kept reply is bounded in bytes per caller and per pool, a read-only one not kept). The
-table puts the engines' Step p50/p99
-and the server's peak RSS of both runs side by side, and what each abuse got: a refusal is
-reported as one (its status code), not as a crash. Goal: the engines are served throughout,
-and the server's RSS stays bounded.
+measured time (issue 32), free-queue pages far into the queue (the offset attack), Steps
+with fresh call ids that each ask for a 65,536-id page (the reply-cache attack: a kept
+reply is bounded in bytes per caller and per pool, a read-only one not kept), and the big
+bodies: ``--abuse-big`` threads each sending ``--abuse-big-bytes`` Lookups over gRPC one
+after another, and as many framed connections each sending all but the last byte of a
+Step body that size and waiting (the server closes it after frames_frame_timeout_s; it
+connects again). The table puts the engines' Step p50/p99 and the server's peak RSS
+(VmHWM) of both runs side by side, and what each abuse got: a refusal is reported as one
+(its status code), not as a crash. Goal: the engines are served throughout, and the
+server's peak RSS with the abuse stays within 256 MiB of the run without it (docs/serving.md,
+"Memory under large requests").
+
+``--tokens``: the server has tokens: the engines share one engine token, the abuser has an
+engine token of its own (its big bodies are then read one at a time while the engines' are
+not held up); the slot holders' made-up token is refused at the hello. Without it the
+server is open, and every gRPC caller of this host shares one reading turn.
 
 Usage: python benchmarks/load_bench.py [--clients 64] [--seconds 30] [--warmup 10] [--json]
-       [--abuse [--abuse-framed 64] [--abuse-string-bytes 1MiB] [--abuse-prompts 1000]]
+       [--abuse [--abuse-framed 64] [--abuse-string-bytes 1MiB] [--abuse-prompts 1000]
+       [--abuse-big 16] [--abuse-big-bytes 60MiB]] [--tokens]
 """
 
 from __future__ import annotations
@@ -45,7 +55,7 @@ import array
 import contextlib
 import json
 import multiprocessing as mp
-import random
+import os
 import re
 import socket
 import statistics
@@ -63,16 +73,18 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from kvsvc_client import KVCacheClient  # noqa: E402
+from load_procs import BLOCK, POOL, engine_main, subscribers_main  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from kvsvc.demo.processes import Child, spawn, stop_all, wait_for_ports  # noqa: E402
 from kvsvc.units import parse_bytes  # noqa: E402
 from kvsvc.v1 import frames_pb2, kvcache_pb2, kvcache_pb2_grpc  # noqa: E402
-from kvsvc.wire.frames import MAGIC, PREFIX, frame, hello_header  # noqa: E402
+from kvsvc.wire.frames import MAGIC, PREFIX, call_header, frame, hello_header  # noqa: E402
 
-POOL = "load"
 GOAL_RSS_GROWTH_PCT = 5.0
-BLOCK = 16
+# What the abuse may add to the server's peak RSS (docs/serving.md, "Memory under large
+# requests").
+GOAL_ABUSE_RSS_MIB = 256
 TINY_SPECS = {
     "model.layers.0.self_attn.attn": {
         "type": "full_attention",
@@ -82,9 +94,6 @@ TINY_SPECS = {
         "dtype": "float16",
     }
 }
-SYSTEM_PROMPTS = [[(p * 7919 + t) % 30000 + 1 for t in range(256)] for p in range(4)]
-# What a stuck router looks like to the server: HTTP/2's initial window, never read.
-SMALL_WINDOW = (("grpc.http2.bdp_probe", 0),)
 MAX_MODEL_LEN = 2048
 # The framed transport's connection cap in this benchmark (the server's
 # frames_max_connections): small, so that --abuse-framed connections can reach it.
@@ -96,210 +105,20 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def rss_bytes(pid: int) -> int:
+def rss_bytes(pid: int, field: str = "VmRSS") -> int:
+    """The process's resident memory now (VmRSS), or its peak so far (VmHWM)."""
     with open(f"/proc/{pid}/status") as status:
         for line in status:
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+    raise RuntimeError(f"no {field} for pid {pid}")
 
 
-class Engine:
-    """One engine's scheduler loop (see the module docstring)."""
-
-    def __init__(self, kv: KVCacheClient, index: int, requests: int, seed: int) -> None:
-        self.kv = kv
-        self.index = index
-        self.requests = requests
-        self.rng = random.Random(seed)
-        self.running: dict[str, int] = {}  # request id -> output tokens still to make
-        self.finished: list[str] = []
-        self.preempted: list[str] = []
-        self.waiting: list[tuple[str, list[int]]] = []
-        self.serial = 0
-        self.counts = {
-            "admissions": 0,
-            "decodes": 0,
-            "frees": 0,
-            "preemptions": 0,
-            "no_space_admissions": 0,
-        }
-
-    def _new_request(self) -> tuple[str, list[int]]:
-        self.serial += 1
-        own = self.rng.randint(32, 512)
-        salt = self.index * 1_000_003 + self.serial * 7_919
-        prompt = self.rng.choice(SYSTEM_PROMPTS) + [(salt + t) % 30000 + 1 for t in range(own)]
-        return f"e{self.index}-{self.serial}", prompt
-
-    def step(self) -> tuple[float, int]:
-        """One scheduling step; returns its latency (s) and the operations it rejected."""
-        step = self.kv.step()
-        kinds: list[tuple[str, str]] = []
-        for request_id in self.finished:
-            step.free(request_id)
-            kinds.append(("free", request_id))
-        for request_id in self.preempted:
-            step.preempt(request_id)
-            kinds.append(("preempt", request_id))
-        self.finished, self.preempted = [], []
-        for request_id in self.running:
-            step.allocate(request_id, [self.rng.randint(1, 30000)], 1)
-            kinds.append(("decode", request_id))
-        while len(self.running) + len(self.waiting) < self.requests:
-            self.waiting.append(self._new_request())
-        admitting = self.waiting
-        self.waiting = []
-        for request_id, prompt in admitting:
-            step.allocate(request_id, prompt, len(prompt), start=True)
-            kinds.append(("admit", request_id))
-        started = time.perf_counter()
-        results = step.send(timeout=60)
-        latency = time.perf_counter() - started
-        rejected = set(results.error_indices())
-        no_space = set(results.no_space_indices())
-        prompts = dict(admitting)
-        for i, (kind, request_id) in enumerate(kinds):
-            if i in rejected:
-                continue
-            if kind == "decode":
-                if i in no_space:
-                    del self.running[request_id]
-                    self.preempted.append(request_id)
-                    self.counts["preemptions"] += 1
-                    continue
-                self.counts["decodes"] += 1
-                self.running[request_id] -= 1
-                if self.running[request_id] <= 0:
-                    del self.running[request_id]
-                    self.finished.append(request_id)
-            elif kind == "admit":
-                if i in no_space:
-                    self.waiting.append((request_id, prompts[request_id]))
-                    self.counts["no_space_admissions"] += 1
-                    continue
-                self.counts["admissions"] += 1
-                self.running[request_id] = self.rng.randint(16, 128)
-            else:
-                self.counts["frees"] += 1
-        return latency, len(rejected)
-
-    def drain(self) -> None:
-        """Free everything this engine holds (every block goes back)."""
-        ids = [*self.running, *self.finished]
-        if ids:
-            self.kv.free(*ids)
-        if self.preempted:
-            self.kv.free(*self.preempted, preempted=True)
-        self.running, self.finished, self.preempted = {}, [], []
-
-
-def engine_main(
-    index: int,
-    address: str,
-    requests: int,
-    ready: Any,
-    start: Any,
-    times: Any,
-    results: Any,
-) -> None:
-    """An engine process: ready, wait for the start, warm up, measure, drain, report."""
-    steps = errors = 0
-    latencies = array.array("d")
-    error_text = ""
-    try:
-        with KVCacheClient(address, pool=POOL) as kv:
-            engine = Engine(kv, index, requests, seed=index)
-            kv.usage()  # connected
-            ready.put(index)
-            start.wait()
-            measure_from, until = times[0], times[1]
-            while (now := time.monotonic()) < until:
-                try:
-                    latency, rejected = engine.step()
-                except Exception as exc:  # an RPC that failed: counted, and reported once
-                    errors += 1
-                    error_text = error_text or f"{type(exc).__name__}: {exc}"
-                    time.sleep(0.01)
-                    continue
-                errors += rejected
-                if now >= measure_from:
-                    steps += 1
-                    latencies.append(latency)
-            engine.drain()
-            counts = engine.counts
-    except Exception as exc:
-        errors += 1
-        error_text = error_text or f"{type(exc).__name__}: {exc}"
-        counts = {}
-    results.put((index, steps, errors, latencies.tobytes(), counts, error_text))
-
-
-def subscribers_main(
-    address: str, readers: int, stuck: int, ready: Any, stop: Any, results: Any
-) -> None:
-    """Readers that take every message and check the sequence; streams that never read."""
-    channel = grpc.insecure_channel(address)
-    stub = kvcache_pb2_grpc.KVCacheServiceStub(channel)
-    stuck_channel = grpc.insecure_channel(address, options=SMALL_WINDOW)
-    stuck_stub = kvcache_pb2_grpc.KVCacheServiceStub(stuck_channel)
-    reports: list[dict[str, Any]] = [{} for _ in range(readers)]
-    calls: list[Any] = []
-
-    def read(slot: int, call: Any) -> None:
-        report = reports[slot] = {"batches": 0, "gaps": 0, "breaks": 0, "end": "open"}
-        expected = 0
-        try:
-            for message in call:
-                if message.gap:
-                    report["gaps"] += 1
-                    expected = message.oldest_available_sequence
-                    continue
-                if expected and message.sequence != expected:
-                    report["breaks"] += 1
-                expected = message.sequence + 1
-                report["batches"] += 1
-        except grpc.RpcError as exc:
-            report["end"] = exc.code().name
-
-    threads = []
-    for slot in range(readers):
-        call = stub.WatchEvents(kvcache_pb2.WatchEventsRequest(pool=POOL, from_sequence=1))
-        calls.append(call)
-        threads.append(threading.Thread(target=read, args=(slot, call), daemon=True))
-        threads[-1].start()
-    stuck_calls = [
-        stuck_stub.WatchEvents(kvcache_pb2.WatchEventsRequest(pool=POOL, from_sequence=1))
-        for _ in range(stuck)
-    ]
-    ready.put("subscribers")
-    stop.wait()
-    # Now the stuck ones read what the server had under way, and how their stream ended.
-    stuck_reports: list[dict[str, Any]] = []
-    for call in stuck_calls:
-        report: dict[str, Any] = {"messages": 0, "end": "still open", "details": ""}
-
-        def drain(call: Any = call, report: dict[str, Any] = report) -> None:
-            try:
-                for _ in call:
-                    report["messages"] += 1
-            except grpc.RpcError as exc:
-                report["end"] = exc.code().name
-                report["details"] = exc.details() or ""
-
-        reader = threading.Thread(target=drain, daemon=True)
-        reader.start()
-        reader.join(10)
-        call.cancel()
-        reader.join(5)
-        stuck_reports.append(report)
-    for call in calls:
-        call.cancel()
-    for thread in threads:
-        thread.join(5)
-    results.put((reports, stuck_reports))
-    channel.close()
-    stuck_channel.close()
+# Tokens of --tokens (each at least 16 characters).
+ENGINE_TOKEN = "load-bench-engines-0123456789"
+ABUSER_TOKEN = "load-bench-abuser-0123456789"
+AGENT_TOKEN = "load-bench-agent-0123456789"
+ADMIN_TOKEN = "load-bench-admin-0123456789"
 
 
 def _status(exc: BaseException) -> str:
@@ -411,6 +230,104 @@ def _reply_cache_attack(address: str, until: float, report: dict[str, int]) -> N
                 stub.Free(free, timeout=30)
 
 
+def abuser_options(args: argparse.Namespace) -> Any:
+    """The abuser's client options: with --tokens, an engine token of its own."""
+    from kvsvc_client import ClientOptions
+
+    return ClientOptions(token=ABUSER_TOKEN if args.tokens else None)
+
+
+class BigBodies:
+    """The big-body attacks, from the start of the measured time to ``until``: threads
+    each sending ``--abuse-big-bytes`` Lookups over gRPC, one after another, and as many
+    framed connections each sending all but the last byte of a Step body that size, then
+    waiting for the server to close it (and connecting again). Counts what each got."""
+
+    def __init__(self, address: str, frames: str, args: argparse.Namespace, until: float):
+        self.address = address
+        self.frames = frames
+        self.size = args.abuse_big_bytes
+        self.count = args.abuse_big
+        self.token = ABUSER_TOKEN if args.tokens else None
+        self.until = until
+        self.lookups: dict[str, int] = {}
+        self.bodies: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        for target in (self._lookups, self._stalled_bodies):
+            for _ in range(self.count):
+                thread = threading.Thread(target=target, daemon=True)
+                thread.start()
+                self._threads.append(thread)
+
+    def join(self) -> dict[str, Any]:
+        for thread in self._threads:
+            thread.join(max(1.0, self.until - time.monotonic() + 60))
+        return {"big_lookups": dict(self.lookups), "big_bodies": dict(self.bodies)}
+
+    def _count(self, where: dict[str, int], outcome: str) -> None:
+        with self._lock:
+            where[outcome] = where.get(outcome, 0) + 1
+
+    def _lookups(self) -> None:
+        body = kvcache_pb2.LookupRequest(
+            pool=POOL, packed_token_ids=bytes(self.size // 4 * 4)
+        ).SerializeToString()
+        metadata = (("authorization", f"Bearer {self.token}"),) if self.token else None
+        options = [
+            ("grpc.max_send_message_length", 2 * self.size),
+            ("grpc.use_local_subchannel_pool", 1),  # a connection each
+        ]
+        with grpc.insecure_channel(self.address, options=options) as channel:
+            lookup = channel.unary_unary("/kvsvc.v1.KVCacheService/Lookup")
+            while time.monotonic() < self.until:
+                try:
+                    lookup(body, metadata=metadata, timeout=60)
+                    outcome = "served"
+                except grpc.RpcError as exc:
+                    outcome = exc.code().name
+                self._count(self.lookups, outcome)
+
+    def _stalled_bodies(self) -> None:
+        host, _, port = self.frames.rpartition(":")
+        header = call_header("/kvsvc.v1.KVCacheService/Step")
+        chunk = bytes(1 << 20)
+        hello = (("authorization", f"Bearer {self.token}"),) if self.token else None
+        while time.monotonic() < self.until:
+            left = self.size - 1
+            try:
+                with socket.create_connection((host, int(port)), timeout=5) as sock:
+                    sock.sendall(MAGIC + frame(hello_header(hello)))
+                    sock.recv(4096)
+                    sock.sendall(PREFIX.pack(len(header), self.size) + header)
+                    sock.settimeout(max(0.1, self.until - time.monotonic()))
+                    while left:
+                        left -= sock.send(chunk[: min(len(chunk), left)])
+                    sock.recv(1)  # until the server closes it
+                outcome = "all but the last byte read, then closed by the server"
+            except TimeoutError:
+                outcome = (
+                    "all but the last byte read, open at the end"
+                    if not left
+                    else "waiting, unread, at the end"
+                )
+            except OSError as exc:
+                outcome = f"closed by the server ({type(exc).__name__})"
+            self._count(self.bodies, outcome)
+
+
+def big_bodies_main(
+    address: str, frames: str, args: argparse.Namespace, start: Any, until: float, results: Any
+) -> None:
+    """The big-body attacks (:class:`BigBodies`), from the start of the measured time."""
+    start.wait()
+    big = BigBodies(address, frames, args, until)
+    big.start()
+    results.put(big.join())
+
+
 def abuser_main(
     address: str, frames: str, args: argparse.Namespace, start: Any, until: float, results: Any
 ) -> None:
@@ -439,7 +356,7 @@ def abuser_main(
         if sock is not None:
             held.append(sock)
     report["framed_hellos"] = hellos
-    with KVCacheClient(address, pool=POOL) as kv:
+    with KVCacheClient(address, pool=POOL, options=abuser_options(args)) as kv:
         from kvsvc_client import HashingContext, RequestStart
 
         name = "x" * args.abuse_string_bytes
@@ -478,7 +395,9 @@ def abuser_main(
         probes: dict[str, int] = {}
         while time.monotonic() < until:
             try:
-                with KVCacheClient(f"frames:{frames}", pool=POOL) as fresh:
+                with KVCacheClient(
+                    f"frames:{frames}", pool=POOL, options=abuser_options(args)
+                ) as fresh:
                     fresh.usage()
                 outcome = "served"
             except Exception as exc:
@@ -517,6 +436,30 @@ def scrape(metrics_port: int) -> dict[str, float]:
     return out
 
 
+def with_tokens(tmp: Path) -> list[str]:
+    """--tokens: token files for the server (the engines' token unnamed, the abuser's
+    named); their flags."""
+    files = {
+        "engine": f"{ENGINE_TOKEN}\nabuser {ABUSER_TOKEN}\n",
+        "agent": f"{AGENT_TOKEN}\n",
+        "admin": f"{ADMIN_TOKEN}\n",
+    }
+    flags = []
+    for role, text in files.items():
+        (tmp / f"{role}-tokens").write_text(text)
+        flags += [f"--{role}-token-file", str(tmp / f"{role}-tokens")]
+    return flags
+
+
+def clients_use_tokens() -> None:
+    """--tokens: the processes spawned from now on (the worker, the engines, the
+    subscribers) and this one's clients read their tokens from the environment (set
+    after the server started: it would take them as tokens of its own)."""
+    os.environ["KVSVC_ENGINE_TOKEN"] = ENGINE_TOKEN
+    os.environ["KVSVC_AGENT_TOKEN"] = AGENT_TOKEN
+    os.environ["KVSVC_ADMIN_TOKEN"] = ADMIN_TOKEN
+
+
 def run(args: argparse.Namespace, abuse: bool = False) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     children: list[Child] = []
@@ -526,6 +469,9 @@ def run(args: argparse.Namespace, abuse: bool = False) -> dict[str, Any]:
         spec_file.write_text(json.dumps(TINY_SPECS))
         server_config = Path(tmp) / "server.toml"
         server_config.write_text(f"frames_max_connections = {FRAMES_MAX_CONNECTIONS}\n")
+        token_flags = with_tokens(Path(tmp)) if args.tokens else []
+        for name in ("KVSVC_ENGINE_TOKEN", "KVSVC_AGENT_TOKEN", "KVSVC_ADMIN_TOKEN"):
+            os.environ.pop(name, None)  # the previous run's (see clients_use_tokens)
         try:
             server = spawn(
                 "server",
@@ -536,9 +482,12 @@ def run(args: argparse.Namespace, abuse: bool = False) -> dict[str, Any]:
                     "--subscriber-write-timeout", str(args.stuck_timeout),
                     "--event-buffer", str(args.event_buffer),
                     "--frames-listen", "127.0.0.1:0", "--config", str(server_config),
+                    *token_flags,
                 ],
             )  # fmt: skip
             children.append(server)
+            if args.tokens:
+                clients_use_tokens()
             port, metrics_port = wait_for_ports(server)
             address = f"127.0.0.1:{port}"
             frames = next(
@@ -553,6 +502,7 @@ def run(args: argparse.Namespace, abuse: bool = False) -> dict[str, Any]:
             with KVCacheClient(address, pool=POOL) as kv:
                 kv.wait_until_ready(timeout=120)
                 num_blocks = kv.usage().num_blocks
+            rss_idle = rss_bytes(server.process.pid)
 
             ready, results, sub_results = ctx.Queue(), ctx.Queue(), ctx.Queue()
             start, stop_subscribers = ctx.Event(), ctx.Event()
@@ -577,12 +527,15 @@ def run(args: argparse.Namespace, abuse: bool = False) -> dict[str, Any]:
             times[1] = began + args.warmup + args.seconds
             abuse_results, abuse_start = ctx.Queue(), ctx.Event()
             if abuse:
-                abuser = ctx.Process(
-                    target=abuser_main,
-                    args=(address, frames, args, abuse_start, times[1], abuse_results),
-                )
-                abuser.start()
-                processes.append(abuser)
+                # The big bodies in a process of their own: their threads would slow the
+                # abuser's other parts down (one interpreter lock).
+                for target in (abuser_main, big_bodies_main):
+                    abuser = ctx.Process(
+                        target=target,
+                        args=(address, frames, args, abuse_start, times[1], abuse_results),
+                    )
+                    abuser.start()
+                    processes.append(abuser)
             start.set()
             time.sleep(args.warmup)
             abuse_start.set()
@@ -592,8 +545,12 @@ def run(args: argparse.Namespace, abuse: bool = False) -> dict[str, Any]:
                 time.sleep(min(1.0, max(0.0, times[1] - time.monotonic())))
                 rss_max = max(rss_max, rss_bytes(server.process.pid))
             rss_end = rss_bytes(server.process.pid)
+            rss_peak = rss_bytes(server.process.pid, "VmHWM")
             outcomes = [results.get(timeout=120) for _ in range(args.clients)]
-            abuse_report = abuse_results.get(timeout=120) if abuse else {}
+            abuse_report: dict[str, Any] = {}
+            if abuse:
+                for _ in range(2):
+                    abuse_report.update(abuse_results.get(timeout=120))
             stop_subscribers.set()
             readers, stuck = sub_results.get(timeout=60)
             server_figures = scrape(metrics_port)
@@ -640,6 +597,8 @@ def run(args: argparse.Namespace, abuse: bool = False) -> dict[str, Any]:
         "rss_warm_mib": round(rss_warm / 2**20, 1),
         "rss_end_mib": round(rss_end / 2**20, 1),
         "rss_max_mib": round(rss_max / 2**20, 1),
+        "rss_idle_mib": round(rss_idle / 2**20, 1),
+        "rss_peak_mib": round(rss_peak / 2**20, 1),
         "rss_growth_pct": round((rss_end - rss_warm) / rss_warm * 100, 2),
         "readers": readers,
         "stuck": stuck,
@@ -664,9 +623,10 @@ def print_abuse_table(quiet: dict[str, Any], abused: dict[str, Any], args: Any) 
             f"({abused['errors']} errors) with",
         ),
         (
-            "server peak RSS",
-            f"{quiet['rss_max_mib']:.1f} MiB without abuse, "
-            f"{abused['rss_max_mib']:.1f} MiB with it",
+            "server peak RSS (VmHWM; idle)",
+            f"{quiet['rss_peak_mib']:.1f} MiB without abuse, {abused['rss_peak_mib']:.1f} MiB "
+            f"with it: {abused['rss_peak_mib'] - quiet['rss_peak_mib']:+.1f} MiB (goal within "
+            f"{GOAL_ABUSE_RSS_MIB} MiB; idle {abused['rss_idle_mib']:.1f} MiB)",
         ),
         (
             f"{args.abuse_framed} framed slot holders (cap {FRAMES_MAX_CONNECTIONS})",
@@ -686,6 +646,19 @@ def print_abuse_table(quiet: dict[str, Any], abused: dict[str, Any], args: Any) 
             ", ".join(f"{n:,} {k}" for k, n in report.get("reply_cache_attack", {}).items()),
         ),
     ]
+    big = f"{args.abuse_big} x {args.abuse_big_bytes / 2**20:g} MiB"
+    rows.append(
+        (
+            f"{big} Lookups over gRPC, over and over",
+            ", ".join(f"{n} {k}" for k, n in report.get("big_lookups", {}).items()) or "none",
+        )
+    )
+    rows.append(
+        (
+            f"{big} framed Step bodies short of their last byte",
+            ", ".join(f"{n} {k}" for k, n in report.get("big_bodies", {}).items()) or "none",
+        )
+    )
     zero = report.get("zero_block_prompts", {})
     refused = ", ".join(f"{n} {k}" for k, n in zero.get("refused", {}).items()) or "none"
     rows.append(
@@ -697,7 +670,7 @@ def print_abuse_table(quiet: dict[str, Any], abused: dict[str, Any], args: Any) 
     print(
         f"kvsvc load benchmark, abuse mode: {quiet['clients']} engine processes x "
         f"{quiet['requests_per_client']} running requests, {quiet['seconds']:g} s measured "
-        "per run"
+        f"per run; {'tokens: the engines one, the abuser its own' if args.tokens else 'no tokens'}"
     )
     width = max(len(r[0]) for r in rows)
     for name, text in rows:
@@ -805,6 +778,23 @@ def main() -> int:
     )
     parser.add_argument(
         "--abuse-prompts", type=int, default=1000, help="zero-block max_model_len admissions"
+    )
+    parser.add_argument(
+        "--abuse-big",
+        type=int,
+        default=16,
+        help="big-body attackers of each transport (0: none)",
+    )
+    parser.add_argument(
+        "--abuse-big-bytes",
+        type=parse_bytes,
+        default=60 * 2**20,
+        help="each big body's bytes (default 60MiB)",
+    )
+    parser.add_argument(
+        "--tokens",
+        action="store_true",
+        help="the server has tokens: one for the engines, one for the abuser",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()

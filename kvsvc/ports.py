@@ -14,11 +14,12 @@ for, and the flag that moves it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
 import stat
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 
@@ -229,3 +230,31 @@ def check_unix_bindable(address: str, *, what: str, flag: str) -> None:
         except OSError:
             return  # stale: nothing accepts on it
     raise ListenError(address, what, flag, "a running server listens on this socket")
+
+
+# The mode of the Unix sockets a server listens on, unless configured: the owner only.
+DEFAULT_UNIX_SOCKET_MODE = 0o600
+
+
+@contextlib.contextmanager
+def private_umask() -> Iterator[None]:
+    """While a listener creates its Unix socket: the socket file is the owner's alone
+    whatever the process's umask, until :func:`set_unix_socket_mode` gives it its
+    configured mode (connecting needs write permission on the file).
+
+    The umask is the process's, so files other threads create meanwhile are made with it
+    too: 077 only takes permissions away from them (directories keep their owner's
+    rwx), never the other way round.
+    """
+    previous = os.umask(0o077)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+def set_unix_socket_mode(address: str, mode: int) -> None:
+    """Give the socket of ``address`` (``unix:PATH``) its configured ``mode``; the mode is
+    set on the file itself, so it does not depend on the umask (a 000 umask made the
+    sockets world-writable: anyone on the host could connect)."""
+    os.chmod(unix_path(address), mode)

@@ -70,8 +70,9 @@ class ClientOptions:
     token: bearer token sent as ``authorization`` metadata ("" = send none).
     token_file: a file holding the token (its first line that is not blank or a comment).
     role: whose token to look for in the environment when neither is given: ``engine``
-        (``KVSVC_ENGINE_TOKEN``), ``admin`` or ``agent``; ``KVSVC_AUTH_TOKEN`` (one token
-        for every role) after it. See :func:`resolve_token`.
+        (``KVSVC_ENGINE_TOKEN``), ``admin``, ``agent`` or ``indexer``;
+        ``KVSVC_AUTH_TOKEN`` (one token for every role) after it. See
+        :func:`resolve_token`.
     tls_ca: PEM CA bundle that verifies the server (default: $KVSVC_TLS_CA); setting it
         (or a client certificate) makes the channel TLS. "" = plaintext whatever the
         environment says.
@@ -186,7 +187,7 @@ class ClientOptions:
         return None
 
 
-ROLES = ("engine", "agent", "admin")
+ROLES = ("engine", "agent", "admin", "indexer")
 
 
 def read_token_file(path: str) -> str:

@@ -117,8 +117,9 @@ def add_indexer_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--token-file",
         metavar="FILE",
-        help="the sources' operator (admin) token (default: env KVSVC_ADMIN_TOKEN[_FILE], "
-        "KVSVC_AUTH_TOKEN[_FILE])",
+        help="the sources' indexer token (the servers' --indexer-token-file role: their "
+        "event streams and index snapshots, nothing else; default: env "
+        "KVSVC_INDEXER_TOKEN[_FILE], KVSVC_AUTH_TOKEN[_FILE])",
     )
     parser.add_argument(
         "--lease-ttl",
@@ -202,7 +203,7 @@ def run_indexer(args: argparse.Namespace) -> int:
         print(f"kvsvc indexer: {exc}", file=sys.stderr)
         return 2
     client_options = ClientOptions(
-        role="admin",
+        role="indexer",
         token_file=args.token_file,
         unavailable_timeout=0.0,
         tls_ca=(tls.ca or "") if tls else "",

@@ -322,7 +322,7 @@ class Follower(SourceThread):
     def _client_options(self) -> Any:
         from kvsvc_client import ClientOptions
 
-        return self.options.client_options or ClientOptions(role="admin")
+        return self.options.client_options or ClientOptions(role="indexer")
 
     # -- following -----------------------------------------------------------------------
 

@@ -33,8 +33,9 @@ class IndexerOptions:
         a thread of its own: :class:`kvsvc.cluster.lease.LeaseKeeper`).
     purge_after_s: a source unreachable this long is purged from the index.
     max_batch_events: block events applied in one script call at most.
-    client_options: how to reach the sources (token of the admin role, TLS); a
-        :class:`kvsvc_client.ClientOptions`, None for its defaults with ``role="admin"``.
+    client_options: how to reach the sources (token of the indexer role, TLS); a
+        :class:`kvsvc_client.ClientOptions`, None for its defaults with
+        ``role="indexer"``.
     keys: the key layout (prefix).
     """
 

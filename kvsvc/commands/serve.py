@@ -75,6 +75,12 @@ def add_parser(subparsers: Any) -> None:
         "again for more; TLS on TCP when the server has --tls-cert",
     )
     server.add_argument(
+        "--unix-socket-mode",
+        metavar="MODE",
+        help="file mode of the unix:PATH sockets of --listen and --frames-listen, octal "
+        "(default 0600: the server's user alone; 0660 lets its group connect)",
+    )
+    server.add_argument(
         "--metrics-listen",
         help=f"/metrics address HOST:PORT (default {DEFAULT_METRICS_LISTEN}); 'off' disables",
     )
@@ -82,14 +88,22 @@ def add_parser(subparsers: Any) -> None:
     auth = parser.add_argument_group(
         "credentials (secrets come from files or the environment, never from argv)",
         "Each role has its own tokens: engines (the KVCache API), agents (the Worker API), "
-        "operators (the Admin API). A token file holds one token per line; an engine line "
-        "may be 'ENGINE_NAME TOKEN', which gives that engine its own request-id namespace. "
-        "Environment: KVSVC_{AUTH,ENGINE,AGENT,ADMIN}_TOKEN (one token) and "
-        "KVSVC_{AUTH,ENGINE,AGENT,ADMIN}_TOKEN_FILE. No token at all: every call is open.",
+        "operators (the Admin API), cluster indexers (the event stream and the index "
+        "snapshot). A token file holds one token per line; an engine line may be "
+        "'[ENGINE_NAME] TOKEN [pools=POOL,...]': a name gives that engine its own request-id "
+        "namespace, pools= lets it use those pools only. Environment: "
+        "KVSVC_{AUTH,ENGINE,AGENT,ADMIN,INDEXER}_TOKEN (one token) and "
+        "KVSVC_{AUTH,ENGINE,AGENT,ADMIN,INDEXER}_TOKEN_FILE. No token at all: every call is "
+        "open.",
     )
     auth.add_argument("--engine-token-file", metavar="FILE", help="engine tokens")
     auth.add_argument("--agent-token-file", metavar="FILE", help="worker-agent tokens")
     auth.add_argument("--admin-token-file", metavar="FILE", help="operator tokens")
+    auth.add_argument(
+        "--indexer-token-file",
+        metavar="FILE",
+        help="cluster indexers' tokens (kvsvc indexer: WatchEvents and SnapshotIndex only)",
+    )
     auth.add_argument("--auth-token-file", metavar="FILE", help="one token valid for every role")
     auth.add_argument(
         "--auth-token",
@@ -292,10 +306,12 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         overrides["metrics_listen"] = args.metrics_listen  # "off": none (the config's rule)
     if args.frames_listen:
         overrides["frames_listen"] = ",".join(args.frames_listen)
+    if args.unix_socket_mode is not None:
+        overrides["unix_socket_mode"] = args.unix_socket_mode  # octal text: the config's rule
     overrides.update(env_tokens())
     if args.auth_token:
         overrides["auth_token"] = args.auth_token
-    for role in ("auth", "engine", "agent", "admin"):
+    for role in ("auth", "engine", "agent", "admin", "indexer"):
         path = getattr(args, f"{role}_token_file")
         if path:
             overrides[f"{role}_token_file"] = path

@@ -25,8 +25,10 @@ from kvsvc.server.addresses import METRICS_LISTEN_FLAG, check_server_addresses
 from kvsvc.server.config import ConfigFileError, ServerConfig, listen_addresses
 from kvsvc.server.plugins import NO_EVENT_SINKS, EventSinkFactory, EventSinks, check_event_sinks
 from kvsvc.server.pool import Pool, PoolState
+from kvsvc.server.request_caps import RequestCaps
 from kvsvc.server.servicers import AdminServicer, KVCacheServicer, Pools, WorkerServicer
 from kvsvc.server.transports.auth import load_credentials
+from kvsvc.server.transports.budget import RequestBudget
 from kvsvc.server.transports.frames_listener import (
     FrameLimits,
     FrameServer,
@@ -235,14 +237,22 @@ class KvsvcServer:
         # Every handler is wrapped: a body that does not parse is INVALID_ARGUMENT, and
         # calls in flight are bounded per kind of caller (kvsvc.server.transports.gate).
         config = self.config
+        # One request budget for both listeners (kvsvc.server.transports.budget).
+        self.budget = RequestBudget(config.max_inflight_request_bytes, config.max_message_bytes)
+        # Each method's request bound, from the documented caps (kvsvc.server.request_caps).
+        self.request_caps = RequestCaps(self.pools.by_name, config.max_message_bytes)
         self.gate = gate = CallGate(
             InflightLimits(
                 max_inflight_calls=config.max_inflight_calls,
                 max_inflight_request_bytes=config.max_inflight_request_bytes,
                 max_inflight_agent_calls=config.max_inflight_agent_calls,
                 max_inflight_streams=config.max_inflight_streams,
+                max_message_bytes=config.max_message_bytes,
+                grpc_read_timeout_s=config.grpc_read_timeout_s,
             ),
             observer,
+            self.budget,
+            self.request_caps,
         )
         services = (
             # WatchEvents: bytes serialized once for all subscribers.
@@ -263,7 +273,9 @@ class KvsvcServer:
             health_pb2_grpc.add_HealthServicer_to_server, self.health
         )
         register_services(server, gate, services, (HEALTH_SERVICE, health_handlers))
-        self.port, self.unix_sockets = await bind_grpc_addresses(server, addresses, self.tls)
+        self.port, self.unix_sockets = await bind_grpc_addresses(
+            server, addresses, self.tls, self.config.unix_socket_mode
+        )
         await self._update_health()
         await server.start()
         self._server = server
@@ -317,6 +329,9 @@ class KvsvcServer:
                 frame_timeout_s=self.config.frames_frame_timeout_s,
             ),
             ssl_context=self.tls.ssl_context if self.tls is not None else None,
+            unix_socket_mode=self.config.unix_socket_mode,
+            budget=self.budget,
+            caps=self.request_caps,
         )
         self.frames_addresses = await bind_frames_addresses(self._frames, addresses)
 

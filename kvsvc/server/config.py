@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kvsvc.keepalive import SERVER_MIN_PING_INTERVAL_S
-from kvsvc.ports import is_unix_address, unix_path
+from kvsvc.ports import DEFAULT_UNIX_SOCKET_MODE, is_unix_address, unix_path
 from kvsvc.tls import ServerTls, TlsFileError
 
 HASH_ALGOS = ("xxh3_128", "sha256_cbor")
@@ -54,6 +54,9 @@ DEFAULT_MAX_INFLIGHT_CALLS = 256
 DEFAULT_MAX_INFLIGHT_REQUEST_BYTES = 256 * 1024 * 1024
 DEFAULT_MAX_INFLIGHT_AGENT_CALLS = 1024
 DEFAULT_MAX_INFLIGHT_STREAMS = 1024
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# A gRPC request message being read (see kvsvc.server.transports.gate).
+DEFAULT_GRPC_READ_TIMEOUT_S = 30.0
 
 
 class ConfigError(ValueError):
@@ -234,17 +237,36 @@ class ServerConfig:
         frames_idle_timeout_s: a framed connection that sends nothing this long between
             frames is closed (0: never); kvsvc's clients then open a new one.
         frames_frame_timeout_s: a framed connection that leaves a frame half sent this
-            long (from its first byte) is closed.
+            long (from its first byte), or leaves its replies unread this long once they
+            fill the socket and 1 MiB more, is closed.
+        grpc_max_connections: connections the gRPC listener holds at once (all its
+            addresses together); one past it is closed before its handshake. None: 1024, or
+            half the process's open-file limit where that is lower (so connections cannot
+            use up the descriptors the server needs for its state and its other listeners).
+        grpc_handshake_timeout_s: a gRPC connection that has not finished its handshake
+            (TLS, HTTP/2's preface) this long after connecting is closed.
+        grpc_idle_timeout_s: a gRPC connection with no call in progress this long is closed
+            (GOAWAY; 0: never): idle channels, a caller's that never made a call
+            included, give their slot back (kvsvc's clients reconnect on their next call).
+        unix_socket_mode: the file mode of every Unix socket the server listens on (gRPC's
+            and the framed transport's), whatever the umask: connecting needs write
+            permission on it. Default 0o600, the server's user alone; 0o660 lets its group
+            in (an engine in another container of the pod, sharing a group). A config file
+            may write it as an octal string ("0660").
         pools: the pools served (names unique).
         auth_token: one token for every role (compatibility; prefer the per-role token
             files): every kvsvc call must carry ``authorization: Bearer <token>`` (health
             and reflection stay open for probes). See :mod:`kvsvc.server.transports.auth`.
         auth_token_file: a file holding that all-roles token.
-        engine_token, agent_token, admin_token: one token of that role only (set from the
-            ``KVSVC_<ROLE>_TOKEN`` environment variables, not from argv).
-        engine_token_file, agent_token_file, admin_token_file: files of that role's tokens,
-            one per line; an engine line may be ``ENGINE_NAME TOKEN``, which gives that
-            engine its own request-id namespace.
+        engine_token, agent_token, admin_token, indexer_token: one token of that role only
+            (set from the ``KVSVC_<ROLE>_TOKEN`` environment variables, not from argv).
+        engine_token_file, agent_token_file, admin_token_file, indexer_token_file: files of
+            that role's tokens,
+            one per line; an engine line may be ``[ENGINE_NAME] TOKEN [pools=a,b]``: a name
+            gives that engine its own request-id namespace, ``pools=`` lets it use those
+            pools only (PERMISSION_DENIED on any other; without it, every pool).
+        engine_token_pools: the pools ``engine_token`` may use (a list, or "a,b"; from
+            ``KVSVC_ENGINE_TOKEN_POOLS``); None: every pool.
         max_message_bytes: largest request or response message.
         heartbeat_timeout_s: a rank silent this long makes its pool DEGRADED.
         event_buffer_batches: event batches kept for WatchEvents replay, per pool.
@@ -259,10 +281,18 @@ class ServerConfig:
             a quiet connection; more often twice over, and the connection is ended
             (GOAWAY too_many_pings). kvsvc's clients ping every 30 s (see
             :mod:`kvsvc.keepalive`).
-        max_inflight_calls, max_inflight_request_bytes: the engines' and operators' unary
-            gRPC calls (KVCache and Admin services) in flight at once, and the request
-            bytes they hold; past either, RESOURCE_EXHAUSTED (see
+        max_inflight_calls: the engines' and operators' unary gRPC calls (KVCache and
+            Admin services) in flight at once; past it, RESOURCE_EXHAUSTED (see
             kvsvc.server.transports.gate).
+        max_inflight_request_bytes: request bytes the server holds, both transports
+            together: reserved before a request is read (a gRPC message counts
+            ``max_message_bytes`` until it is in, its size is not known before; a framed
+            one its frame's size), then held until its call ends. A request waits to be
+            read while it would pass this, and a caller (a token; without tokens, a peer
+            host) reads one gRPC message at a time (see
+            kvsvc.server.transports.budget).
+        grpc_read_timeout_s: a gRPC request message whose read, once granted, has not
+            completed after this long ends its call RESOURCE_EXHAUSTED.
         max_inflight_agent_calls: the agents' calls in flight, their WatchPlan streams
             included (Worker service).
         max_inflight_streams: the subscribers' streams open at once (WatchEvents,
@@ -322,15 +352,23 @@ class ServerConfig:
     frames_hello_timeout_s: float = 5.0
     frames_idle_timeout_s: float = 300.0
     frames_frame_timeout_s: float = 30.0
+    unix_socket_mode: int = DEFAULT_UNIX_SOCKET_MODE
+    grpc_max_connections: int | None = None
+    grpc_handshake_timeout_s: float = 5.0
+    grpc_idle_timeout_s: float = 60.0
+    grpc_read_timeout_s: float = DEFAULT_GRPC_READ_TIMEOUT_S
     auth_token: str | None = None
     auth_token_file: str | None = None
     engine_token: str | None = None
     agent_token: str | None = None
     admin_token: str | None = None
+    indexer_token: str | None = None
     engine_token_file: str | None = None
     agent_token_file: str | None = None
     admin_token_file: str | None = None
-    max_message_bytes: int = 64 * 1024 * 1024
+    indexer_token_file: str | None = None
+    engine_token_pools: tuple[str, ...] | None = None
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     heartbeat_timeout_s: float = 10.0
     event_buffer_batches: int = 10000
     event_buffer_events: int = 200_000
@@ -394,6 +432,19 @@ class ServerConfig:
                 raise ConfigError(f"{key} must be positive")
         if self.frames_idle_timeout_s < 0:
             raise ConfigError("frames_idle_timeout_s must be >= 0 (0: never)")
+        object.__setattr__(self, "unix_socket_mode", _socket_mode(self.unix_socket_mode))
+        if (
+            self.grpc_max_connections is not None
+            and not 1 <= self.grpc_max_connections <= 1_000_000
+        ):
+            raise ConfigError("grpc_max_connections must be in [1, 1000000]")
+        if not self.grpc_handshake_timeout_s > 0:
+            raise ConfigError("grpc_handshake_timeout_s must be positive")
+        if self.grpc_idle_timeout_s < 0:
+            raise ConfigError("grpc_idle_timeout_s must be >= 0 (0: never)")
+        if not self.grpc_read_timeout_s > 0:
+            raise ConfigError("grpc_read_timeout_s must be positive")
+        self._check_engine_token_pools(names)
         if self.max_message_bytes < 1024:
             raise ConfigError("max_message_bytes must be at least 1024")
         if self.heartbeat_timeout_s <= 0:
@@ -421,6 +472,29 @@ class ServerConfig:
         self._check_kv_events()
         self._check_tls()
         self._check_state()
+
+    def _check_engine_token_pools(self, known: list[str]) -> None:
+        scope = self.engine_token_pools
+        if scope is None:
+            return
+        if isinstance(scope, str):
+            scope = tuple(name.strip() for name in scope.split(","))
+        if not isinstance(scope, (list, tuple)) or not all(
+            isinstance(name, str) and name for name in scope
+        ):
+            raise ConfigError(f'engine_token_pools must list pool names (or "a,b"), got {scope!r}')
+        if not self.engine_token:
+            raise ConfigError(
+                "engine_token_pools scopes engine_token (KVSVC_ENGINE_TOKEN), which is not "
+                "set; scope a token file's line with pools= instead"
+            )
+        unknown = sorted(set(scope) - set(known))
+        if unknown:
+            raise ConfigError(
+                f"engine_token_pools names {', '.join(map(repr, unknown))}, which the server "
+                f"does not serve (pools: {', '.join(sorted(known))})"
+            )
+        object.__setattr__(self, "engine_token_pools", tuple(scope))
 
     def _check_state(self) -> None:
         if self.state_dir is not None and (
@@ -506,6 +580,27 @@ class ServerConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         kv_events_targets(self)  # endpoint syntax, port range and collisions
+
+
+def _socket_mode(value: object) -> int:
+    """``unix_socket_mode`` as an int: given as one, or as an octal string ("0660")."""
+    mode = value
+    if isinstance(value, str):
+        try:
+            mode = int(value, 8)
+        except ValueError:
+            mode = None
+    if type(mode) is not int or not 0 <= mode <= 0o777:
+        raise ConfigError(
+            f'unix_socket_mode must be a file mode such as 0o600 (or the string "0600"), '
+            f"got {value!r}"
+        )
+    if mode & 0o600 != 0o600:
+        raise ConfigError(
+            f"unix_socket_mode {mode:#o} must let the server's own user read and write "
+            "(0o600 at least)"
+        )
+    return mode
 
 
 def listen_addresses(listen: str, what: str = "listen") -> list[str]:

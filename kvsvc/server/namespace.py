@@ -1,4 +1,4 @@
-"""Engine namespaces of request ids.
+"""What an engine's call runs as: its namespace of request ids, and the pools it may use.
 
 A named engine (``ENGINE_NAME TOKEN`` in the engine token file) keeps its request ids in
 its own namespace: the server stores ``ENGINE_NAME + NUL + request_id``, so two engines
@@ -9,11 +9,18 @@ token use the default namespace: the id as sent.
 Both listeners (:mod:`kvsvc.server.transports`) set :data:`current_engine` for the call;
 the servicers scope ids with :func:`scoped_request_id` and strip the prefix again from
 every message that goes back (:func:`unscope_message`).
+
+An engine token may name its pools (``pools=a,b``): the listeners set
+:data:`current_pools` too, and every engine call that names a pool resolves it through
+:func:`check_pool_allowed` first (the servicers' ``Pools.get``), so a call on another
+pool is PERMISSION_DENIED before it reads or changes anything, whichever method it is.
 """
 
 from __future__ import annotations
 
 import contextvars
+
+from kvsvc.errors import PermissionDenied, quoted
 
 NAMESPACE_SEPARATOR = "\x00"
 # How the separator looks inside a message that quotes an id: kvsvc.errors.quoted (JSON
@@ -44,3 +51,23 @@ def unscope_message(message: str, engine: str | None = None) -> str:
     for separator in (*_QUOTED_SEPARATORS, NAMESPACE_SEPARATOR):
         message = message.replace(engine + separator, "")
     return message
+
+
+# The pools the call's engine token may use (None: every pool; operators, agents,
+# unscoped engine tokens).
+current_pools: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar(
+    "kvsvc_pools", default=None
+)
+
+
+def check_pool_allowed(pool: str) -> None:
+    """Raise PermissionDenied, naming ``pool``, when the calling engine's token does not
+    name it (checked before the pool is looked up: a scoped token learns nothing of the
+    pools it may not use, not even whether they exist)."""
+    allowed = current_pools.get()
+    if allowed is not None and pool not in allowed:
+        raise PermissionDenied(
+            f"this engine token may not use pool {quoted(pool)}; it is scoped to "
+            f"{', '.join(quoted(p) for p in sorted(allowed))} (pools= in its token file "
+            "line)"
+        )

@@ -34,7 +34,12 @@ from kvsvc.server.calls import (
     journal_units,
 )
 from kvsvc.server.errors import CallObserver, OpenStreams, rpc_handler, rpc_stream_handler
-from kvsvc.server.namespace import current_engine, scoped_request_id
+from kvsvc.server.namespace import (
+    check_pool_allowed,
+    current_engine,
+    current_pools,
+    scoped_request_id,
+)
 from kvsvc.server.persistence.records import JournalKind
 from kvsvc.server.pool import Pool, PoolState
 from kvsvc.server.registration import MemoryReport, Registration
@@ -102,6 +107,10 @@ class Pools:
         self.streams = OpenStreams()
 
     def get(self, name: str) -> Pool:
+        """The pool ``name``, for a call allowed to use it (every pool-naming call of every
+        service resolves its pool here, so an engine token's pool scope holds on each)."""
+        if name:
+            check_pool_allowed(name)
         pool = self.by_name.get(name)
         if pool is None:
             if not name:
@@ -605,8 +614,13 @@ class AdminServicer(_Base, admin_pb2_grpc.AdminServiceServicer):
     @rpc_handler("ListPools")
     async def ListPools(self, request: Any, context: Any) -> admin_pb2.ListPoolsResponse:
         now = self._clock()
+        allowed = current_pools.get()  # an engine scoped to its pools sees those only
         return admin_pb2.ListPoolsResponse(
-            pools=[pool_summary(p, now) for _, p in sorted(self._pools.by_name.items())]
+            pools=[
+                pool_summary(p, now)
+                for name, p in sorted(self._pools.by_name.items())
+                if allowed is None or name in allowed
+            ]
         )
 
     @rpc_handler("GetPlan")

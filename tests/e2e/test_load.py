@@ -64,3 +64,20 @@ def test_load_short() -> None:
 def test_load_64_engines() -> None:
     figures = load_bench("--clients", "64", "--seconds", "30", "--warmup", "10", timeout=900)
     check(figures, max_rss_growth_pct=5.0)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("KVSVC_SLOW"), reason="abuse run: set KVSVC_SLOW=1")
+@pytest.mark.parametrize("tokens", [True, False], ids=["tokens", "open"])
+def test_the_engines_are_served_under_abuse_within_the_memory_bound(tokens: bool) -> None:
+    """--abuse, big bodies included (docs/serving.md, "Memory under large requests"): no
+    engine call fails, and the abuse adds at most 256 MiB to the server's peak RSS."""
+    flags = ["--abuse", "--clients", "8", "--seconds", "10", "--warmup", "3"]
+    flags += ["--abuse-big", "8", "--abuse-big-bytes", "40MiB", "--abuse-prompts", "200"]
+    flags += ["--abuse-framed", "40", *(["--tokens"] if tokens else [])]
+    figures = load_bench(*flags, timeout=900)
+    quiet, abused = figures["without_abuse"], figures["with_abuse"]
+    assert quiet["errors"] == 0 and abused["errors"] == 0, abused["first_error"]
+    assert abused["steps"] > 0
+    assert abused["rss_peak_mib"] - quiet["rss_peak_mib"] < 256, (quiet, abused)
+    assert set(abused["abuse"]["big_lookups"]) == {"RESOURCE_EXHAUSTED"}

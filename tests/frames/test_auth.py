@@ -75,7 +75,8 @@ def test_an_unknown_token_is_unauthenticated(server: ServerThread) -> None:
 def test_an_agent_token_cannot_make_engine_calls(server: ServerThread) -> None:
     with client(server, AGENT) as agent, pytest.raises(PermissionDeniedError) as caught:
         agent.allocate("x", [1, 2, 3], 3, start=True)
-    assert "Allocate" in caught.value.details and "engine" in caught.value.details
+    # Refused at the hello: an agent's token may make no framed call at all.
+    assert "needs the admin/engine role; this token is agent" in caught.value.details
     assert AGENT not in caught.value.details
     assert live_requests(server) == []
 
@@ -152,7 +153,7 @@ def test_a_refused_call_with_a_token_of_another_role_is_not_read_either(
     server: ServerThread,
 ) -> None:
     with RawClient(server.server.frames_addresses[0]) as raw:
-        raw.hello((("authorization", f"Bearer {AGENT}"),))
+        raw.hello((("authorization", f"Bearer {ADMIN}"),))
         header = call_header(KVCACHE + "Allocate")
         raw.send(PREFIX.pack(len(header), 48 << 20) + header)
         reply, _ = raw.read()
@@ -189,3 +190,20 @@ def test_refusals_from_new_connections_of_one_host_are_logged_once(
     refused = [r for r in caplog.records if "auth refused" in r.getMessage()]
     assert len(refused) == 1, [r.getMessage() for r in refused]
     assert "from 127.0.0.1:" in refused[0].getMessage()
+
+
+def test_a_bad_magic_flood_from_one_host_is_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Connections that do not speak the protocol (a gRPC client, a port scanner) are
+    closed with one rate-limited line per host: keyed by the peer's port, a flood of
+    connections wrote a line each."""
+    with frames_server("127.0.0.1:0", ready=False) as fresh:
+        caplog.set_level("WARNING", logger="kvsvc.security")
+        for _ in range(5):
+            with RawClient(f"127.0.0.1:{fresh.server.frames_port}") as raw:
+                raw.send(b"PRI * HTTP/2.0\r\n")
+                assert raw.closed_by_server()
+    lines = [r.getMessage() for r in caplog.records if "connected from" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert lines[0] == "frames: a gRPC (HTTP/2) client connected from 127.0.0.1; closed"

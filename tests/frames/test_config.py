@@ -54,3 +54,25 @@ def test_frames_max_connections_is_bounded(bound: int) -> None:
 def test_no_frames_listen_is_the_default() -> None:
     config = ServerConfig(pools=(PoolConfig(name="p"),), metrics_listen=None)
     assert config.frames_listen is None and config.frames_max_connections == 1024
+
+
+def test_the_wire_contract_and_the_limits_table_give_the_hello_timeout_the_code_has() -> None:
+    """frames.proto is what a client in another language reads: it must state the bound
+    the server applies (it said 10 s while the server closed the connection after 5)."""
+    import re
+    from pathlib import Path
+
+    from kvsvc.server.transports.frames_listener import DEFAULT_HELLO_TIMEOUT_S
+
+    repo = Path(__file__).resolve().parents[2]
+    default = make(None).frames_hello_timeout_s
+    assert default == DEFAULT_HELLO_TIMEOUT_S
+    proto = " ".join((repo / "protos/kvsvc/v1/frames.proto").read_text().split())
+    stated = re.findall(r"hello within [^;.]*?(\d+(?:\.\d+)?) s\b", proto.replace("// ", ""))
+    assert stated == [f"{default:g}"], stated
+    row = next(
+        line
+        for line in (repo / "docs/serving.md").read_text().splitlines()
+        if "`frames_hello_timeout_s`" in line
+    )
+    assert f"| {default:g} s |" in row, row

@@ -10,17 +10,21 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from kvsvc_client import AsyncKVCacheClient, ClientOptions, KVCacheClient
+from kvsvc_client import AsyncKVCacheClient, ClientOptions, KVCacheClient, ResourceExhaustedError
 
 from kvsvc.v1 import kvcache_pb2
-from kvsvc.wire.frames import MAGIC, PREFIX, call_header
+from kvsvc.v1.admin_pb2 import GetPlanRequest
+from kvsvc.wire.frames import MAGIC, PREFIX, call_header, frame
+from tests.frames.helpers import ADMIN as ADMIN_PATH
 from tests.frames.helpers import KVCACHE, POOL, RawClient, short_dir, token_server, unix_target
 from tests.server.harness import ServerThread
 
 ENGINE = "engine-token-0123456789abc"
 AGENT = "agent-token-0123456789abc"
+ADMIN = "admin-token-0123456789abc"
 UNAUTHENTICATED = 16
 RESOURCE_EXHAUSTED = 8
+PERMISSION_DENIED = 7
 MAX_CONNECTIONS = 3
 MAX_PENDING = 2
 HELLO_TIMEOUT_S = 0.6
@@ -37,7 +41,7 @@ def server() -> Iterator[ServerThread]:
         token_server(
             "unix:{tmp}/l.sock",
             tmp,
-            {"engine": f"{ENGINE}\n", "agent": f"{AGENT}\n"},
+            {"engine": f"{ENGINE}\n", "agent": f"{AGENT}\n", "admin": f"{ADMIN}\n"},
             frames_max_connections=MAX_CONNECTIONS,
             frames_max_pending_connections=MAX_PENDING,
             frames_hello_timeout_s=HELLO_TIMEOUT_S,
@@ -78,6 +82,25 @@ def test_bad_credentials_take_no_slot_and_the_engine_is_served(server: ServerThr
             assert raw.closed_by_server()
     with engine(server) as kv:
         assert kv.usage().pool == POOL
+
+
+def test_agent_tokens_take_no_slot_and_the_engine_is_served(server: ServerThread) -> None:
+    """An agent's token may make no framed call (the Worker service is gRPC's): its hello is
+    refused PERMISSION_DENIED and closed, so agents' tokens cannot fill the engines' slots."""
+    held = []
+    try:
+        for _ in range(MAX_CONNECTIONS + 2):
+            raw = RawClient(address(server))
+            held.append(raw)
+            answer = raw.hello((("authorization", f"Bearer {AGENT}"),))
+            assert answer.code == PERMISSION_DENIED and answer.close, answer
+            assert "agent" in answer.details and AGENT not in answer.details
+            assert raw.closed_by_server()
+        with engine(server) as kv:
+            assert kv.usage().pool == POOL
+    finally:
+        for raw in held:
+            raw.close()
 
 
 def test_silent_connections_do_not_lock_out_an_engine(server: ServerThread) -> None:
@@ -155,3 +178,49 @@ def test_a_client_whose_idle_connection_was_closed_reconnects(server: ServerThre
             assert (await kv.usage()).pool == POOL
 
     asyncio.run(pause_between_calls())
+
+
+def _read_to_the_end(raw: RawClient, timeout: float) -> bool:
+    """Read what the server sent until it closes the connection (True) or ``timeout``
+    passes without a byte (False)."""
+    raw.sock.settimeout(timeout)
+    try:
+        while raw.sock.recv(1 << 16):
+            pass
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        return False
+    return True
+
+
+def test_connections_that_never_read_their_replies_are_closed(server: ServerThread) -> None:
+    """Clients that pipeline calls and never read the replies: once the replies they left
+    fill the socket and the server's high-water mark, each connection waits for its client
+    to read, which the sweep bounds by frames_frame_timeout_s. Before, a connection stuck
+    there kept its slot for ever, and with all slots held a new engine got
+    RESOURCE_EXHAUSTED."""
+    plan = ADMIN_PATH + "GetPlan"  # ~2 KiB replies: a few hundred fill the buffers
+    body = GetPlanRequest(pool=POOL).SerializeToString()
+    calls = frame(call_header(plan), body) * 1500
+    stuck: list[RawClient] = []
+    try:
+        for _ in range(MAX_CONNECTIONS):
+            raw = RawClient(address(server))
+            stuck.append(raw)
+            assert raw.hello((("authorization", f"Bearer {ADMIN}"),)).code == 0
+            raw.send(calls)
+        deadline = time.monotonic() + FRAME_TIMEOUT_S + 4 * SLACK_S
+        while True:
+            try:
+                with engine(server) as kv:
+                    assert kv.usage().pool == POOL
+                break
+            except ResourceExhaustedError:
+                assert time.monotonic() < deadline, "the stuck connections kept every slot"
+                time.sleep(0.1)
+        for raw in stuck:
+            assert _read_to_the_end(raw, SLACK_S), "a connection stuck on its replies stayed"
+    finally:
+        for raw in stuck:
+            raw.close()

@@ -45,8 +45,13 @@ from tests.server.harness import ServerThread, bring_up, running_server
 ENGINE_A = "engine-a-token-0123456789"
 ENGINE_B = "engine-b-token-0123456789"
 ENGINE_ANON = "engine-unnamed-0123456789"
+# Engine tokens scoped to pools (pools= in their line): one to the other pool q only (every
+# call naming p must be refused), one to both.
+ENGINE_Q = "engine-q-only-token-0123456789"
+ENGINE_PQ = "engine-p-and-q-token-0123456789"
 AGENT = "agent-token-0123456789abc"
 ADMIN = "admin-token-0123456789abc"
+INDEXER = "indexer-token-0123456789ab"
 ALL_ROLES = "all-roles-token-0123456789"
 UNKNOWN = "not-a-token-0123456789"
 
@@ -66,10 +71,10 @@ SHARED = {
     "ResetPrefixCache": {Role.ENGINE, Role.ADMIN},
     "ListPools": {Role.ENGINE, Role.ADMIN},
     "GetUsage": {Role.ENGINE, Role.ADMIN},
-    "WatchEvents": {Role.ADMIN},
-    "SnapshotIndex": {Role.ADMIN},
+    "WatchEvents": {Role.ADMIN, Role.INDEXER},
+    "SnapshotIndex": {Role.ADMIN, Role.INDEXER},
 }
-TOKEN_OF = {Role.ENGINE: ENGINE_A, Role.AGENT: AGENT, Role.ADMIN: ADMIN}
+TOKEN_OF = {Role.ENGINE: ENGINE_A, Role.AGENT: AGENT, Role.ADMIN: ADMIN, Role.INDEXER: INDEXER}
 METHODS = [
     (service, method, role) for service, role in SERVICES.items() for method in service.methods
 ]
@@ -88,22 +93,27 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     tmp = tmp_path_factory.mktemp("tokens")
     config = {
         "engine_token_file": _write(
-            tmp / "engine", f"# engines\nengine-a {ENGINE_A}\nengine-b {ENGINE_B}\n{ENGINE_ANON}\n"
+            tmp / "engine",
+            f"# engines\nengine-a {ENGINE_A}\nengine-b {ENGINE_B}\n{ENGINE_ANON}\n"
+            f"engine-q {ENGINE_Q} pools=q\n{ENGINE_PQ} pools=p,q\n",
         ),
         "agent_token_file": _write(tmp / "agent", f"{AGENT}\n"),
         "admin_token_file": _write(tmp / "admin", f"{ADMIN}\n"),
+        "indexer_token_file": _write(tmp / "indexer", f"{INDEXER}\n"),
         "auth_token": ALL_ROLES,
     }
     with (
         short_dir() as sockets,
         running_server(
             PoolConfig(name="p", max_model_len=256),
+            PoolConfig(name="q", max_model_len=256),
             listen=f"127.0.0.1:0,unix:{sockets}/g.sock",
             frames_listen=f"unix:{sockets}/f.sock,127.0.0.1:0",
             **config,
         ) as srv,
     ):
         ranks = bring_up(srv, "p", kv_cache_bytes=64 * 32 * 1024, token=AGENT)
+        ranks += bring_up(srv, "q", kv_cache_bytes=64 * 32 * 1024, token=AGENT)
         yield srv
         for rank in ranks:
             rank.close()
@@ -258,7 +268,12 @@ def test_every_method_checks_the_credential_and_its_role_on_every_transport(
         for token in (None, UNKNOWN):
             code, details = call(address, service, method, token, real)
             assert code == grpc.StatusCode.UNAUTHENTICATED, (token, code, details)
-        for token in (*TOKEN_OF.values(), ALL_ROLES):
+        # An agent's or an indexer's token may make no framed call: refused at the hello
+        # (it takes no connection slot).
+        for token in (AGENT, INDEXER):
+            code, details = call(address, service, method, token, real)
+            assert code == grpc.StatusCode.PERMISSION_DENIED, (token, code, details)
+        for token in (ENGINE_A, ADMIN, ALL_ROLES):
             code, details = call(address, service, method, token, real)
             assert code == grpc.StatusCode.UNIMPLEMENTED, (token, code, details)
             assert "not served over frames" in details
@@ -272,6 +287,10 @@ def test_every_method_checks_the_credential_and_its_role_on_every_transport(
         for other in Role
         if other not in allowed
     ]
+    names_a_pool = "pool" in method.input_type.fields_by_name
+    if Role.ENGINE in allowed and names_a_pool:
+        # An engine token scoped to pool q may not touch pool p, by any method.
+        refusals.append((ENGINE_Q, grpc.StatusCode.PERMISSION_DENIED))
     for token, expected in refusals:
         before = _pool_fingerprint(server)
         code, details = call(address, service, method, token, real)
@@ -279,9 +298,12 @@ def test_every_method_checks_the_credential_and_its_role_on_every_transport(
         assert _pool_fingerprint(server) == before, f"a refused {method.name} changed the pool"
         if token is not None:
             assert token not in details  # the secret is not echoed back
+        if token == ENGINE_Q and Role.ENGINE in allowed:
+            assert 'may not use pool "p"' in details, details
     # Served: an empty request gets the same answer over every transport, never a refusal.
     empty = _request(method, "")
-    for token in (*(TOKEN_OF[r] for r in allowed), ALL_ROLES):
+    scoped = (ENGINE_PQ,) if Role.ENGINE in allowed else ()
+    for token in (*(TOKEN_OF[r] for r in allowed), ALL_ROLES, *scoped):
         code, details = call(address, service, method, token, empty)
         assert code not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED), (
             token,
@@ -358,6 +380,50 @@ def test_engines_have_their_own_request_namespaces(server: ServerThread) -> None
         assert anon.allocate("d1", prompt, 40, start=RequestStart()).ok
         assert shared.block_table("d1").num_tokens == 40
         assert shared.free("d1") > 0
+
+
+@pytest.mark.parametrize("listener", LISTENERS)
+def test_an_engine_token_scoped_to_its_pools_cannot_touch_another_pool(
+    server: ServerThread, held_state: None, listener: str
+) -> None:
+    """The attack of issue 32: an engine token meant for one pool allocated another down
+    to a few free blocks, read its free queue and reset its prefix cache. Scoped with
+    pools=q, every call of it on pool p is PERMISSION_DENIED naming the pool and changes
+    nothing there; on q it is served, and ListPools shows it q alone."""
+    address = _listener(server, listener)
+    target = f"frames:{address}" if listener.startswith("frames") else address
+    options = ClientOptions(token=ENGINE_Q, retries=0, timeout=5)
+    before = _pool_fingerprint(server)
+    with KVCacheClient(target, pool="p", options=options) as foreign:
+        attempts = {
+            "Allocate": lambda: foreign.allocate("x", list(range(64)), 64, start=RequestStart()),
+            "Step": lambda: foreign.step().allocate("x", list(range(64)), 64, start=True).send(),
+            "free queue": lambda: _free_queue_read(foreign),
+            "Lookup": lambda: foreign.lookup(list(range(7000, 7040))),
+            "ResetPrefixCache": foreign.reset_prefix_cache,
+            "GetUsage": foreign.usage,
+            "GetBlockTable": lambda: foreign.block_table("held"),
+            "Free": lambda: foreign.free("held"),
+        }
+        for what, attempt in attempts.items():
+            with pytest.raises(PermissionDeniedError) as refused:
+                attempt()
+            assert 'may not use pool "p"' in refused.value.details, (what, refused.value)
+            assert '"q"' in refused.value.details and ENGINE_Q not in refused.value.details
+        assert [pool.name for pool in foreign.list_pools()] == ["q"]
+    assert _pool_fingerprint(server) == before, "a refused call changed pool p"
+    with KVCacheClient(target, pool="q", options=options) as own:
+        rid = f"own-{listener}"
+        assert own.allocate(rid, list(range(100, 132)), 32, start=RequestStart()).ok
+        assert own.usage().num_requests == 1
+        assert own.free(rid) > 0
+
+
+def _free_queue_read(client: KVCacheClient) -> Any:
+    """A Step that only reads the head of the pool's free queue (the eviction order)."""
+    step = client.step()
+    step.free_queue_head_limit = 16
+    return step.send()
 
 
 def _live_ids(server: ServerThread, request_id: str) -> set[str]:
@@ -566,7 +632,7 @@ def test_an_agent_token_cannot_drive_the_engine_api(server: ServerThread) -> Non
 
 def test_token_files_are_parsed_strictly(tmp_path: Path) -> None:
     assert read_token_file(_write(tmp_path / "a", f"# c\n\n e1 {ENGINE_A} \n"), "engine") == [
-        ("e1", ENGINE_A)
+        ("e1", ENGINE_A, None, f"engine token file {tmp_path / 'a'}, line 3")
     ]
     with pytest.raises(ConfigError, match="holds no token"):
         read_token_file(_write(tmp_path / "b", "# nothing\n\n"), "agent")
@@ -574,6 +640,39 @@ def test_token_files_are_parsed_strictly(tmp_path: Path) -> None:
         read_token_file(_write(tmp_path / "c", f"name {AGENT}\n"), "agent")
     with pytest.raises(ConfigError, match="engine name"):
         read_token_file(_write(tmp_path / "d", f"bad/name {ENGINE_A}\n"), "engine")
+    scoped = read_token_file(
+        _write(tmp_path / "s", f"{ENGINE_A} pools=p\ne2 {ENGINE_B} pools=p,q\n"), "engine"
+    )
+    assert [(t.engine, t.token, t.pools) for t in scoped] == [
+        ("", ENGINE_A, frozenset({"p"})),
+        ("e2", ENGINE_B, frozenset({"p", "q"})),
+    ]
+    for bad in (f"{ENGINE_A} pools=", f"{ENGINE_A} pools=p,,q", f"pools=p {ENGINE_A}"):
+        with pytest.raises(ConfigError, match=r"line 1: .*pools="):
+            read_token_file(_write(tmp_path / "bad", bad + "\n"), "engine")
+    with pytest.raises(ConfigError, match="line 1: expected 'TOKEN'"):
+        read_token_file(_write(tmp_path / "ap", f"{AGENT} pools=p\n"), "agent")
+    with pytest.raises(ConfigError, match="'nope', which the server does not serve"):
+        load_credentials(
+            ServerConfig(
+                pools=(PoolConfig(name="p"),),
+                engine_token_file=_write(tmp_path / "u", f"{ENGINE_A} pools=p,nope\n"),
+            )
+        )
+    inline = ServerConfig(
+        pools=(PoolConfig(name="p"), PoolConfig(name="q")),
+        engine_token=ENGINE_A,
+        engine_token_pools="q",  # type: ignore[arg-type]
+    )
+    assert load_credentials(inline).lookup(f"Bearer {ENGINE_A}") == Credential(
+        frozenset({Role.ENGINE}), source="engine_token", pools=frozenset({"q"})
+    )
+    with pytest.raises(ConfigError, match="engine_token_pools names 'r'"):
+        ServerConfig(
+            pools=(PoolConfig(name="p"),), engine_token=ENGINE_A, engine_token_pools=("r",)
+        )
+    with pytest.raises(ConfigError, match="engine_token_pools scopes engine_token"):
+        ServerConfig(pools=(PoolConfig(name="p"),), engine_token_pools=("p",))
     with pytest.raises(ConfigError, match="No such file"):
         read_token_file(str(tmp_path / "missing"), "admin")
     pools = (PoolConfig(name="p"),)
@@ -624,6 +723,9 @@ def test_clients_resolve_their_role_token_in_order(tmp_path: Path) -> None:
     assert resolve_token("agent", token_file=path, environ=env) == AGENT
     assert resolve_token("agent", token="", environ=env) is None
     assert resolve_token("agent", environ={}) is None
+    # An indexer reads its own role's token, never the operator's.
+    assert resolve_token("indexer", environ=env) == ALL_ROLES
+    assert resolve_token("indexer", environ={**env, "KVSVC_INDEXER_TOKEN": INDEXER}) == INDEXER
     with pytest.raises(ValueError, match="role"):
         resolve_token("router")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -184,3 +185,52 @@ def test_serve_announces_the_socket(tmp_path: Path) -> None:
         assert check_grpc(sock).healthy
     finally:
         stop_all([child])
+
+
+@contextmanager
+def _umask(mask: int) -> Iterator[None]:
+    previous = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+@pytest.mark.parametrize(("configured", "expected"), [(None, 0o600), ("0660", 0o660)])
+def test_sockets_get_their_configured_mode_whatever_the_umask(
+    tmp_path: Path, configured: str | None, expected: int
+) -> None:
+    """Connecting to a Unix socket needs write permission on its file. Under a umask of
+    000 the sockets used to be world-writable (anyone on the host could call the server);
+    the gRPC and the framed socket both get unix_socket_mode (0600 unless configured),
+    and an engine is served over both."""
+    grpc_sock, frames_sock = tmp_path / "g.sock", tmp_path / "f.sock"
+    extra = {} if configured is None else {"unix_socket_mode": configured}
+    config = ServerConfig(
+        pools=(PoolConfig(name=POOL, world_size=1, max_model_len=1024),),
+        listen=f"unix:{grpc_sock}",
+        frames_listen=f"unix:{frames_sock}",
+        metrics_listen=None,
+        **extra,  # type: ignore[arg-type]
+    )
+    with _umask(0):
+        thread = ServerThread(config)
+    try:
+        for path in (grpc_sock, frames_sock):
+            assert stat.S_IMODE(path.stat().st_mode) == expected, (path, oct(path.stat().st_mode))
+        rank = _ready(f"unix:{grpc_sock}")
+        for target in (f"unix:{grpc_sock}", f"frames:unix:{frames_sock}"):
+            with KVCacheClient(target, pool=POOL) as kv:
+                assert kv.usage().pool == POOL
+        rank.close()
+    finally:
+        thread.stop()
+
+
+@pytest.mark.parametrize(
+    ("mode", "message"),
+    [("0400", "read and write"), ("999", "file mode"), (0o1777, "file mode"), ("rw", "file mode")],
+)
+def test_a_bad_socket_mode_is_a_config_error(mode: object, message: str) -> None:
+    with pytest.raises(ConfigError, match=f"unix_socket_mode.*{message}"):
+        ServerConfig(pools=(PoolConfig(name=POOL),), unix_socket_mode=mode)  # type: ignore[arg-type]

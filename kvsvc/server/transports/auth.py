@@ -1,19 +1,23 @@
 """Who may call what, on either transport: bearer credentials per role, and the refusals.
 
-Three roles (DESIGN, "Who may do what"):
+Four roles (DESIGN, "Who may do what"):
 
 - ``engine``: the KVCache API's calls on its own requests (Allocate, Step, Free, Lookup,
   GetBlockTable), GetUsage, ResetPrefixCache and ListPools (to wait for its pool);
 - ``agent``: the Worker API (Register, WatchPlan, ReportAllocation, Heartbeat);
 - ``admin``: the Admin API (ListPools, GetPlan, ...), and the KVCache API's views of the
-  whole pool and its reset (GetUsage, WatchEvents, SnapshotIndex, ResetPrefixCache).
+  whole pool and its reset (GetUsage, WatchEvents, SnapshotIndex, ResetPrefixCache);
+- ``indexer``: exactly what ``kvsvc indexer`` calls: WatchEvents and SnapshotIndex. Not
+  SnapshotPool (a pool's whole state, its hash seed included: SnapshotIndex carries only
+  the seed's fingerprint, and the cluster's routers get the seed from their operator),
+  not the resets: an indexer's token that leaks cannot invalidate a pool.
 
-WatchEvents and SnapshotIndex are the operator's (and an indexer's, which runs with the
-admin token): a stored block's event carries the token ids and LoRA name of the request
-that filled it, whichever engine sent it, and the index lists every engine's cached
-hashes. An engine that could follow them would read the prompts of every other engine of
-the pool, cache salt or not; so an engine token is refused (PERMISSION_DENIED, saying
-why), and engines cannot learn each other's prompts, adapters or salts through a stream.
+WatchEvents and SnapshotIndex are the operator's and the indexers': a stored block's
+event carries the token ids and LoRA name of the request that filled it, whichever
+engine sent it, and the index lists every engine's cached hashes. An engine that could
+follow them would read the prompts of every other engine of the pool, cache salt or not;
+so an engine token is refused (PERMISSION_DENIED, saying why), and engines cannot learn
+each other's prompts, adapters or salts through a stream.
 
 A credential of one role is refused by the others' services (PERMISSION_DENIED); no or an
 unknown credential is UNAUTHENTICATED. Health and reflection stay open for probes.
@@ -38,9 +42,10 @@ from __future__ import annotations
 import enum
 import hmac
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import grpc
 
@@ -56,6 +61,7 @@ class Role(enum.Enum):
     ENGINE = "engine"
     AGENT = "agent"
     ADMIN = "admin"
+    INDEXER = "indexer"
 
 
 ALL_ROLES = frozenset(Role)
@@ -68,6 +74,8 @@ class Credential:
     roles: frozenset[Role]
     engine: str = ""  # the engine's namespace ("" = the shared default one)
     source: str = ""  # where it was configured (for the log; never the secret)
+    # The pools an engine token may use (``pools=a,b`` in its line); None: every pool.
+    pools: frozenset[str] | None = None
 
 
 _KVCACHE = "kvsvc.v1.KVCacheService"
@@ -79,6 +87,7 @@ _SERVICE_ROLES: dict[str, frozenset[Role]] = {
     _ADMIN: frozenset({Role.ADMIN}),
 }
 _ENGINE_OR_ADMIN = frozenset({Role.ENGINE, Role.ADMIN})
+_ADMIN_OR_INDEXER = frozenset({Role.ADMIN, Role.INDEXER})
 _METHOD_ROLES: dict[str, frozenset[Role]] = {
     # vLLM's engine resets its own cache (LLM.reset_prefix_cache); an operator may too.
     f"/{_KVCACHE}/ResetPrefixCache": _ENGINE_OR_ADMIN,
@@ -86,15 +95,15 @@ _METHOD_ROLES: dict[str, frozenset[Role]] = {
     # shape; an operator (kvsvc ctl) reads usage.
     f"/{_ADMIN}/ListPools": _ENGINE_OR_ADMIN,
     f"/{_KVCACHE}/GetUsage": _ENGINE_OR_ADMIN,
-    # Every engine's requests, as the pool sees them: operators and indexers (which run
-    # with the admin token: `kvsvc indexer`, `kvsvc ctl events`) only.
-    f"/{_KVCACHE}/WatchEvents": frozenset({Role.ADMIN}),
-    f"/{_KVCACHE}/SnapshotIndex": frozenset({Role.ADMIN}),
+    # Every engine's requests, as the pool sees them: operators (`kvsvc ctl events`) and
+    # indexers (`kvsvc indexer`) only.
+    f"/{_KVCACHE}/WatchEvents": _ADMIN_OR_INDEXER,
+    f"/{_KVCACHE}/SnapshotIndex": _ADMIN_OR_INDEXER,
 }
 # Why a method is not an engine's, added to its PERMISSION_DENIED message.
 _WHOLE_POOL = (
-    " (it carries every engine's token ids and LoRA names; follow the events with the "
-    "operator's token, as kvsvc indexer and kvsvc ctl events do)"
+    " (it carries every engine's token ids and LoRA names; follow the events with an "
+    "indexer's token, as kvsvc indexer does, or the operator's, as kvsvc ctl events does)"
 )
 _REFUSAL_NOTES: dict[str, str] = {
     f"/{_KVCACHE}/WatchEvents": _WHOLE_POOL,
@@ -119,35 +128,79 @@ def check_engine_name(name: str, where: str) -> None:
         )
 
 
-def read_token_file(path: str, role: str) -> list[tuple[str, str]]:
-    """``(engine name or "", token)`` per line of a token file.
+class TokenLine(NamedTuple):
+    """One token of a token file, with what its line says about it."""
 
-    A line is ``TOKEN`` or (engine tokens) ``ENGINE_NAME TOKEN``; blank lines and lines
-    starting with ``#`` are skipped. A file without any token is an error: a server that
-    silently ran open because a secret volume was empty would be worse than one that stops.
+    engine: str  # "" for an unnamed token
+    token: str
+    pools: frozenset[str] | None  # ``pools=a,b``; None: every pool
+    where: str  # "engine token file PATH, line N" (for errors; never the secret)
+
+
+# The option of an engine token line that scopes it to pools.
+POOLS_OPTION = "pools="
+
+
+def read_token_file(path: str, role: str) -> list[TokenLine]:
+    """The tokens of a token file, one per line.
+
+    A line is ``TOKEN``; an engine line may name its engine and its pools:
+    ``[ENGINE_NAME] TOKEN [pools=POOL,POOL...]``. A named engine's request ids live in
+    its own namespace; an engine token with ``pools=`` may only use those pools (without
+    it, every pool: what such lines always meant). Blank lines and lines starting with
+    ``#`` are skipped. A file without any token is an error: a server that silently ran
+    open because a secret volume was empty would be worse than one that stops.
     """
     try:
         text = Path(path).read_text()
     except OSError as exc:
         raise ConfigError(f"{role} token file {path}: {exc.strerror}") from None
-    entries: list[tuple[str, str]] = []
+    entries: list[TokenLine] = []
+    expected = (
+        "'TOKEN' or 'ENGINE_NAME TOKEN', each optionally followed by 'pools=POOL,...'"
+        if role == "engine"
+        else "'TOKEN'"
+    )
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
         parts = line.split()
         where = f"{role} token file {path}, line {number}"
+        pools: frozenset[str] | None = None
+        if role == "engine" and parts[-1].startswith(POOLS_OPTION):
+            pools = parse_pool_list(parts.pop()[len(POOLS_OPTION) :], where)
+        if any(part.startswith(POOLS_OPTION) for part in parts):
+            raise ConfigError(f"{where}: expected {expected} (a token may not start with 'pools=')")
         if len(parts) == 1:
-            entries.append(("", parts[0]))
+            entries.append(TokenLine("", parts[0], pools, where))
         elif len(parts) == 2 and role == "engine":
             check_engine_name(parts[0], where)
-            entries.append((parts[0], parts[1]))
+            entries.append(TokenLine(parts[0], parts[1], pools, where))
         else:
-            expected = "'TOKEN' or 'ENGINE_NAME TOKEN'" if role == "engine" else "'TOKEN'"
             raise ConfigError(f"{where}: expected {expected}")
     if not entries:
         raise ConfigError(f"{role} token file {path} holds no token")
     return entries
+
+
+def parse_pool_list(text: str, where: str) -> frozenset[str]:
+    """``a,b`` -> {"a", "b"}: the pools of a scoped engine token (at least one)."""
+    names = [name.strip() for name in text.split(",")]
+    if not all(names):
+        raise ConfigError(f"{where}: pools= needs pool names separated by commas, got {text!r}")
+    return frozenset(names)
+
+
+def check_pools_known(pools: frozenset[str] | None, known: Iterable[str], where: str) -> None:
+    """A token scoped to a pool the server does not serve is a typo: refuse it at start
+    (it would be refused on every call)."""
+    unknown = sorted(set(pools or ()) - set(known))
+    if unknown:
+        raise ConfigError(
+            f"{where}: pools= names {', '.join(map(repr, unknown))}, which the server does "
+            f"not serve (pools: {', '.join(sorted(known))})"
+        )
 
 
 class Credentials:
@@ -194,41 +247,53 @@ def load_credentials(config: ServerConfig) -> Credentials:
             across roles.
     """
     credentials = Credentials()
+    known = [pool.name for pool in config.pools]
     if config.auth_token:
         credentials.add(config.auth_token, Credential(ALL_ROLES, source="auth_token"))
     if config.auth_token_file:
-        for _, token in read_token_file(config.auth_token_file, "auth"):
-            credentials.add(token, Credential(ALL_ROLES, source="auth_token_file"))
+        for line in read_token_file(config.auth_token_file, "auth"):
+            credentials.add(line.token, Credential(ALL_ROLES, source="auth_token_file"))
     for role in Role:
         inline = getattr(config, f"{role.value}_token")
         if inline:
-            credentials.add(inline, Credential(frozenset({role}), source=f"{role.value}_token"))
+            scope = config.engine_token_pools if role is Role.ENGINE else None
+            pools = frozenset(scope) if scope is not None else None
+            credentials.add(
+                inline,
+                Credential(frozenset({role}), source=f"{role.value}_token", pools=pools),
+            )
         path = getattr(config, f"{role.value}_token_file")
         if path:
-            for engine, token in read_token_file(path, role.value):
+            for line in read_token_file(path, role.value):
+                check_pools_known(line.pools, known, line.where)
                 credentials.add(
-                    token,
+                    line.token,
                     Credential(
                         frozenset({role}),
-                        engine=engine,
+                        engine=line.engine,
                         source=f"{role.value}_token_file"
-                        + (f" (engine {engine})" if engine else ""),
+                        + (f" (engine {line.engine})" if line.engine else ""),
+                        pools=line.pools,
                     ),
                 )
     return credentials
 
 
 def env_tokens(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """Server config overrides from ``KVSVC_AUTH_TOKEN``/``KVSVC_{ENGINE,AGENT,ADMIN}_TOKEN``
-    and their ``*_FILE`` forms."""
+    """Server config overrides from ``KVSVC_AUTH_TOKEN``,
+    ``KVSVC_{ENGINE,AGENT,ADMIN,INDEXER}_TOKEN`` and their ``*_FILE`` forms."""
     overrides: dict[str, str] = {}
-    for key in ("auth", "engine", "agent", "admin"):
+    for key in ("auth", *(role.value for role in Role)):
         value = environ.get(f"KVSVC_{key.upper()}_TOKEN")
         if value:
             overrides[f"{key}_token"] = value
         path = environ.get(f"KVSVC_{key.upper()}_TOKEN_FILE")
         if path:
             overrides[f"{key}_token_file"] = path
+    # The pools of KVSVC_ENGINE_TOKEN ("a,b"), as pools= scopes a token file's line.
+    scope = environ.get("KVSVC_ENGINE_TOKEN_POOLS")
+    if scope:
+        overrides["engine_token_pools"] = scope
     return overrides
 
 

@@ -23,9 +23,12 @@ a new one past the cap pushes out the oldest (a real client says hello within a 
 so a crowd of silent connections cannot keep it out). When the server has tokens, a hello
 without a known one is answered UNAUTHENTICATED and the connection closed: only a
 credential holder gets one of the ``max_connections`` slots (RESOURCE_EXHAUSTED in the
-hello's answer past it). A slot is held while the connection is used: one that sends
-nothing for ``idle_timeout_s`` between frames, or leaves a frame half sent for
-``frame_timeout_s``, is closed (a call in progress has no bound: it runs to its end).
+hello's answer past it), and only one of a role the framed methods take (an engine's or an
+operator's: an agent's token is answered PERMISSION_DENIED at the hello). A slot is held
+while the connection is used: one that sends nothing for ``idle_timeout_s`` between frames,
+leaves a frame half sent for ``frame_timeout_s``, or leaves its replies unread that long
+once they pass the socket's buffers and ``_WRITE_HIGH_WATER`` (a client that pipelines
+calls and never reads), is closed (a call in progress has no bound: it runs to its end).
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import ssl
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -44,10 +48,18 @@ from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
 
 from kvsvc.errors import quoted
-from kvsvc.ports import ListenError, is_unix_address, unix_path
+from kvsvc.ports import (
+    DEFAULT_UNIX_SOCKET_MODE,
+    ListenError,
+    is_unix_address,
+    private_umask,
+    set_unix_socket_mode,
+    unix_path,
+)
 from kvsvc.server.config import join_host_port, split_host_port
 from kvsvc.server.errors import CallObserver
-from kvsvc.server.namespace import current_engine
+from kvsvc.server.namespace import current_engine, current_pools
+from kvsvc.server.request_caps import SMALL_REQUEST_BYTES, RequestCaps
 from kvsvc.server.seclog import RateLimitedLog
 from kvsvc.server.transports.auth import (
     Credential,
@@ -59,6 +71,7 @@ from kvsvc.server.transports.auth import (
     report_refusal,
     roles_for_method,
 )
+from kvsvc.server.transports.budget import RequestBudget
 from kvsvc.wire.frames import (
     MAGIC,
     MAX_HEADER_BYTES,
@@ -131,8 +144,13 @@ class FrameLimits:
 
 
 # What a connection is waiting for (the sweep's bound depends on it).
-_HELLO, _IDLE, _FRAME, _CALL = range(4)
-_WAITING_FOR = {_HELLO: "the hello", _IDLE: "a frame (idle)", _FRAME: "the rest of a frame"}
+_HELLO, _IDLE, _FRAME, _CALL, _REPLY, _BUDGET = range(6)
+_WAITING_FOR = {
+    _HELLO: "the hello",
+    _IDLE: "a frame (idle)",
+    _FRAME: "the rest of a frame",
+    _REPLY: "its client to read its replies",
+}
 
 
 class _Conn:
@@ -205,16 +223,26 @@ class FrameServer:
         max_message_bytes: int,
         limits: FrameLimits | None = None,
         ssl_context: Callable[[], ssl.SSLContext] | None = None,
+        unix_socket_mode: int = DEFAULT_UNIX_SOCKET_MODE,
+        budget: RequestBudget | None = None,
+        caps: RequestCaps | None = None,
     ) -> None:
         """``ssl_context``: the server's current TLS context (re-read on each handshake,
         so a renewed certificate is used from the next connection on); TCP listeners serve
-        TLS with it. Unix sockets are plaintext (their file mode guards them)."""
+        TLS with it. Unix sockets are plaintext: their file mode, ``unix_socket_mode``
+        (whatever the umask), guards them. ``budget``: the server's request budget,
+        shared with the gRPC listener (by default one of its own, of 4 x
+        ``max_message_bytes``): a frame's bytes are reserved there before they are read.
+        ``caps``: each method's request bound (a body over it is refused unread)."""
         self._methods = {m.path: m for m in methods}
         self._credentials = credentials
         self._observer = observer
         self._max_message_bytes = max_message_bytes
         self._limits = limits or FrameLimits()
         self._ssl_context = ssl_context
+        self._unix_socket_mode = unix_socket_mode
+        self._budget = budget or RequestBudget(4 * max_message_bytes, max_message_bytes)
+        self._caps = caps
         self._servers: list[asyncio.AbstractServer] = []
         # Every open connection; the pending ones (no hello yet), oldest first.
         self._connections: dict[asyncio.Task[None], _Conn] = {}
@@ -236,7 +264,17 @@ class FrameServer:
             path = unix_path(address)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)  # stale: the caller checked that nothing listens on it
-            server = await asyncio.start_unix_server(self._serve, path=path)
+            # Bound, given its mode, then listened on: no connection comes in before the
+            # file has its mode.
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                with private_umask():
+                    sock.bind(path)
+                set_unix_socket_mode(address, self._unix_socket_mode)
+                server = await asyncio.start_unix_server(self._serve, sock=sock)
+            except BaseException:
+                sock.close()
+                raise
             self._servers.append(server)
             self.unix_sockets.append(address)
             return 0
@@ -322,7 +360,12 @@ class FrameServer:
             self._pending.pop(task, None)
             if conn.authenticated:
                 self._num_authenticated -= 1
-            writer.close()
+            if writer.transport.get_write_buffer_size():
+                # Replies its client never read (the sweep cut it): a plain close would
+                # wait for them to be read, holding the socket, for ever.
+                writer.transport.abort()
+            else:
+                writer.close()
 
     def _admit_pending(self, conn: _Conn, peer: str) -> None:
         """Count a new connection as pending; past ``max_pending`` the oldest pending one
@@ -343,12 +386,16 @@ class FrameServer:
 
     async def _sweep(self) -> None:
         """Close the connections that waited past their phase's bound: for the hello, for
-        the next frame (idle), for the rest of a frame. A call in progress is never cut."""
+        the next frame (idle), for the rest of a frame, for their client to read the
+        replies it has not read (it pipelines calls and never reads: the replies would
+        pile up, and the connection keep its slot, for ever). A call in progress is never
+        cut."""
         limits = self._limits
         bounds = {
             _HELLO: limits.hello_timeout_s,
             _IDLE: limits.idle_timeout_s,
             _FRAME: limits.frame_timeout_s,
+            _REPLY: limits.frame_timeout_s,
         }
         shortest = min(b for b in bounds.values() if b > 0)
         interval = min(1.0, max(0.01, shortest / 4))
@@ -376,10 +423,16 @@ class FrameServer:
         credential = await self._hello(conn, reader, writer, peer)
         if credential is None:
             return
+        # Whose reads its large frames count with: its token's on its host (without
+        # tokens, its host's), the same caller as that client's gRPC calls, so one client
+        # reads one large request at a time whichever transport it sends it on.
+        caller: Hashable = (credential.credential, peer_host(peer))
+        budget = self._budget
         methods = self._methods
         read = reader.readexactly
         unpack = PREFIX.unpack
         clock = asyncio.get_running_loop().time
+        max_body = self._max_message_bytes
         while True:
             # The sweep closes a connection that stays in a phase too long (idle between
             # frames, a frame half sent): setting the phase is all it costs a frame.
@@ -388,6 +441,7 @@ class FrameServer:
             header_size, body_size = unpack(await read(PREFIX.size))
             conn.phase = _FRAME
             conn.since = clock()
+            reserved = held = 0
             try:
                 if header_size > MAX_HEADER_BYTES:
                     raise _Closing(
@@ -395,31 +449,68 @@ class FrameServer:
                         f"a frame header of {header_size} bytes is over the bound of "
                         f"{MAX_HEADER_BYTES}",
                     )
+                # The frame's bytes are reserved before any is read (a body past
+                # max_message_bytes is refused below, unread, so it reserves only that).
+                # A small frame (an engine's Step, Lookup, Free) is read at once: each
+                # connection reads one at a time, so they are bounded by the connections,
+                # and large frames (of a client that sends all but their last byte) never
+                # hold up the engines' small ones.
+                wanted = min(header_size + min(body_size, max_body), budget.per_caller)
+                if wanted > SMALL_REQUEST_BYTES:
+                    # One gRPC read's worth (its size unknown) is left to gRPC.
+                    leave = min(budget.per_caller, budget.total - budget.per_caller)
+                    if not budget.try_reserve(caller, wanted, leave):
+                        conn.phase = _BUDGET  # its bytes wait in the socket, unread
+                        await budget.reserve(caller, wanted, leave)
+                        conn.phase = _FRAME
+                        conn.since = clock()  # the frame's time starts when it may be read
+                    reserved = wanted
                 header = _parse_header(await read(header_size))
                 method = methods.get(header.method)
                 if method is None:
                     raise _Closing(grpc.StatusCode.UNIMPLEMENTED, _unknown_method(header.method))
-                engine = self._check_call(credential, method, peer)
-                if body_size > self._max_message_bytes:
+                engine, pools = self._check_call(credential, method, peer)
+                if body_size > max_body:
                     raise _Closing(
                         grpc.StatusCode.RESOURCE_EXHAUSTED,
                         f"a request message of {body_size} bytes is over the server's "
-                        f"max_message_bytes ({self._max_message_bytes})",
+                        f"max_message_bytes ({max_body})",
                     )
+                if body_size > SMALL_REQUEST_BYTES and self._caps is not None:
+                    cap = self._caps(method.path)
+                    if body_size > cap:
+                        raise _Closing(
+                            grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            self._caps.refusal(method.path, body_size, cap),
+                        )
                 body = await read(body_size)
+                if reserved:
+                    taken = budget.received(caller, reserved, body_size)
+                    reserved = 0
+                    if not taken:
+                        details = _held_details(budget, body_size)
+                        writer.write(frame(reply_header(_number(_EXHAUSTED), details)))
+                        continue
+                    held = body_size
                 conn.phase = _CALL
-                writer.write(await self._call(method, body, engine, peer))
+                reply = await self._call(method, body, engine, pools, peer)
+                del body
+                budget.release(caller, held)
+                held = 0
+                writer.write(reply)
             except _Closing as exc:
-                conn.phase = _CALL  # its answer goes out whole
                 writer.write(frame(reply_header(_number(exc.code), exc.details, close=True)))
-                with contextlib.suppress(ConnectionError):
-                    await writer.drain()
+                await _drain(conn, writer, clock())
                 return
+            finally:
+                if reserved:
+                    budget.cancel(caller, reserved)
+                if held:
+                    budget.release(caller, held)
             if self._closing:
                 return
-            transport = writer.transport
-            if transport.get_write_buffer_size() > _WRITE_HIGH_WATER:
-                await writer.drain()
+            if writer.transport.get_write_buffer_size() > _WRITE_HIGH_WATER:
+                await _drain(conn, writer, clock())
 
     async def _hello(
         self,
@@ -433,7 +524,10 @@ class FrameServer:
         magic = await reader.readexactly(len(MAGIC))
         if magic != MAGIC:
             what = "a gRPC (HTTP/2) client" if magic.startswith(b"PRI * ") else "another protocol"
-            self._log.warning(f"magic:{peer}", "frames: %s connected from %s; closed", what, peer)
+            # Keyed by host: every connection has a port of its own, and a flood of them
+            # must not write a line each.
+            host = peer_host(peer)
+            self._log.warning(f"magic:{host}", "frames: %s connected from %s; closed", what, host)
             return None
         header_size, body_size = PREFIX.unpack(await reader.readexactly(PREFIX.size))
         try:
@@ -453,12 +547,15 @@ class FrameServer:
                 )
             header = next((m.value for m in hello.metadata if m.key == "authorization"), None)
             found = self._credentials.lookup(header) if header is not None else None
-            if found is None and self._credentials.enabled:
-                # No call of this connection could be allowed: it gets no slot.
-                refusal = decide(None, header is not None, _HELLO_PATH, _FRAMED_ROLES)
-                assert isinstance(refusal, Refusal)
-                report_refusal(self._log, self._observer, _HELLO_PATH, refusal, peer)
-                raise _Closing(refusal.code, refusal.reason)
+            if self._credentials.enabled:
+                # A connection none of whose calls could be allowed gets no slot: no known
+                # token, or one of a role the framed methods do not take (an agent's).
+                decision = decide(found, header is not None, _HELLO_PATH, _FRAMED_ROLES)
+                if isinstance(decision, Refusal):
+                    report_refusal(self._log, self._observer, _HELLO_PATH, decision, peer)
+                    raise _Closing(
+                        decision.code, decision.reason + _HELLO_NOTES.get(decision.code, "")
+                    )
             if self._num_authenticated >= self._limits.max_connections:
                 raise _Closing(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -469,25 +566,37 @@ class FrameServer:
             writer.write(
                 frame(reply_header(_number(exc.code), exc.details, close=True, version=VERSION))
             )
-            await writer.drain()
+            await _drain(conn, writer, asyncio.get_running_loop().time())
             return None
         conn.authenticated = True
         self._num_authenticated += 1
         writer.write(frame(reply_header(0, version=VERSION)))
         return _PeerAuth(found, header is not None)
 
-    def _check_call(self, peer_auth: _PeerAuth, method: FrameMethod, peer: str) -> str:
-        """The engine namespace the call runs in; raises _Closing when it is refused."""
+    def _check_call(
+        self, peer_auth: _PeerAuth, method: FrameMethod, peer: str
+    ) -> tuple[str, frozenset[str] | None]:
+        """The engine namespace the call runs in and the pools it may use (None: every
+        one); raises _Closing when it is refused."""
         allowed = method.roles
         if allowed is None or not self._credentials.enabled:
-            return ""
+            return "", None
         decision = decide(peer_auth.credential, peer_auth.header_given, method.path, allowed)
         if isinstance(decision, Refusal):
             report_refusal(self._log, self._observer, method.path, decision, peer)
             raise _Closing(decision.code, decision.reason)
-        return decision.engine if Role.ENGINE in allowed else ""
+        if Role.ENGINE not in allowed:
+            return "", None
+        return decision.engine, decision.pools
 
-    async def _call(self, method: FrameMethod, body: bytes, engine: str, peer: str) -> bytes:
+    async def _call(
+        self,
+        method: FrameMethod,
+        body: bytes,
+        engine: str,
+        pools: frozenset[str] | None,
+        peer: str,
+    ) -> bytes:
         """Run one call; the reply frame's bytes."""
         try:
             request = method.parse(body)
@@ -500,6 +609,7 @@ class FrameServer:
             )
         context = FrameCallContext(peer)
         current_engine.set(engine)
+        current_pools.set(pools)
         try:
             response = await method.handler(request, context)
         except grpc.aio.AbortError:
@@ -543,6 +653,32 @@ async def bind_frames_addresses(frames: FrameServer, addresses: Iterable[str]) -
 # may hold (those of the services it serves: KVCache's and Admin's unary methods).
 _HELLO_PATH = "/kvsvc.frames/Hello"
 _FRAMED_ROLES = frozenset({Role.ENGINE, Role.ADMIN})
+_HELLO_NOTES = {
+    grpc.StatusCode.PERMISSION_DENIED: (
+        " (the framed transport serves the unary calls of the KVCache and Admin services; "
+        "agents and indexers call the server over gRPC)"
+    )
+}
+
+
+async def _drain(conn: _Conn, writer: asyncio.StreamWriter, now: float) -> None:
+    """Wait until the client has read enough of the replies written: the sweep closes the
+    connection when that takes past ``frame_timeout_s``."""
+    conn.phase = _REPLY
+    conn.since = now
+    with contextlib.suppress(ConnectionError):
+        await writer.drain()
+
+
+_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def _held_details(budget: RequestBudget, size: int) -> str:
+    return (
+        f"the server holds {budget.held} bytes of requests in flight; this one's {size} "
+        f"would pass its bound (max_inflight_request_bytes={budget.total}); retry, or "
+        "raise it"
+    )
 
 
 def _number(code: grpc.StatusCode) -> int:

@@ -24,18 +24,20 @@ generated one (the same message, serialized by protobuf), only the work is share
 
 from __future__ import annotations
 
+import resource
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
 
 from kvsvc.keepalive import server_options as server_keepalive_options
-from kvsvc.ports import ListenError, is_unix_address
+from kvsvc.ports import ListenError, is_unix_address, private_umask, set_unix_socket_mode
 from kvsvc.server.config import ServerConfig, join_host_port, split_host_port
 from kvsvc.server.errors import CallObserver
-from kvsvc.server.namespace import current_engine
+from kvsvc.server.namespace import current_engine, current_pools
 from kvsvc.server.seclog import RateLimitedLog
 from kvsvc.server.transports.auth import (
+    Credential,
     Credentials,
     Refusal,
     Role,
@@ -43,8 +45,8 @@ from kvsvc.server.transports.auth import (
     report_refusal,
     roles_for_method,
 )
-from kvsvc.server.transports.gate import CallGate
-from kvsvc.server.transports.reflection import enable_reflection
+from kvsvc.server.transports.gate import CallGate, current_caller
+from kvsvc.server.transports.reflection import reflection_services
 from kvsvc.tls import ServerTlsSource
 from kvsvc.v1 import kvcache_pb2, kvcache_pb2_grpc
 
@@ -54,18 +56,56 @@ LISTEN_FLAG = "--listen (config key listen)"
 Handlers = dict[str, grpc.RpcMethodHandler]
 
 
+# grpc_max_connections when not set: this many, or half the open-file limit if lower.
+DEFAULT_GRPC_MAX_CONNECTIONS = 1024
+
+
+def grpc_max_connections(config: ServerConfig) -> int:
+    """The gRPC listener's connection cap: ``grpc_max_connections``, else 1024 or half the
+    process's open-file limit (RLIMIT_NOFILE), whichever is lower. Past the descriptor
+    limit accept() fails and gRPC retries it in a loop, so a crowd of bare connections
+    made every new one, an engine's included, wait for ever; under the cap the extra ones
+    are closed at once and the server keeps descriptors for its state and its other
+    listeners."""
+    if config.grpc_max_connections is not None:
+        return config.grpc_max_connections
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return DEFAULT_GRPC_MAX_CONNECTIONS
+    return max(16, min(DEFAULT_GRPC_MAX_CONNECTIONS, soft // 2))
+
+
 def create_grpc_server(
     config: ServerConfig, credentials: Credentials, observer: CallObserver
 ) -> grpc.aio.Server:
-    """The gRPC server of ``config``: its message bound and keepalive policy, and auth as
-    one interceptor over every kvsvc method (none when no token is configured)."""
+    """The gRPC server of ``config``: its message bound and keepalive policy, who holds a
+    connection and for how long, and auth as one interceptor over every kvsvc method (none
+    when no token is configured).
+
+    Connections (what the framed listener bounds with its own settings): at most
+    :func:`grpc_max_connections`, each given ``grpc_handshake_timeout_s`` to finish its
+    handshake (a bare TCP connection that says nothing goes then, instead of after
+    gRPC's 120 s) and closed after ``grpc_idle_timeout_s`` without a call in progress.
+    gRPC does not tell a connection's credential before its first call, so the idle bound
+    is for every connection: a client reconnects on its next call.
+    """
     options = [
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
+        ("grpc.max_allowed_incoming_connections", grpc_max_connections(config)),
+        ("grpc.server_handshake_timeout_ms", _ms(config.grpc_handshake_timeout_s)),
+        # No BDP probing: a request whose message the server has not asked for (the gate
+        # reads one only once the request budget allows) holds one HTTP/2 stream window,
+        # 64 KiB; with it the window grew to ~16 MiB a stream (16 unread 60 MiB calls on
+        # one connection: +258 MB, +2 MB without). gRPC widens a stream's window to
+        # the whole message once it is read, so large requests are not slowed.
+        ("grpc.http2.bdp_probe", 0),
         # The clients' keepalive pings are welcome (kvsvc.keepalive).
         *server_keepalive_options(config.keepalive_min_ping_interval_s),
     ]
+    if config.grpc_idle_timeout_s > 0:
+        options.append(("grpc.max_connection_idle_ms", _ms(config.grpc_idle_timeout_s)))
     interceptors = [AuthInterceptor(credentials, observer)] if credentials.enabled else []
     return grpc.aio.server(options=options, interceptors=interceptors)
 
@@ -76,23 +116,30 @@ def register_services(
     services: Sequence[tuple[str, Handlers]],
     health: tuple[str, Handlers],
 ) -> None:
-    """Register ``services`` (name, handlers), every handler wrapped by ``gate``: a body
-    that does not parse is INVALID_ARGUMENT, and calls in flight are bounded per kind of
-    caller; the ``health`` service gets the malformed-body answer only (probes are not
-    bounded). Reflection (``grpc.reflection.v1`` and ``v1alpha``) describes them all."""
+    """Register ``services`` (name, handlers), every handler wrapped by ``gate``: its
+    request read under the request budget, a body that does not parse INVALID_ARGUMENT,
+    and calls in flight bounded per kind of caller; the ``health`` service and reflection
+    (``grpc.reflection.v1`` and ``v1alpha``, describing them all) are not counted in flight
+    (probes), but their requests are read under the same budget."""
     for service, handlers in services:
         add_service(server, service, gate.guard(service, handlers))
     health_service, health_handlers = health
     add_service(server, health_service, gate.guard(health_service, health_handlers, bounded=False))
-    enable_reflection((*(service for service, _ in services), health_service), server)
+    described = (*(service for service, _ in services), health_service)
+    for service, handlers in reflection_services(described):
+        add_service(server, service, gate.guard(service, handlers, bounded=False))
 
 
 async def bind_grpc_addresses(
-    server: grpc.aio.Server, addresses: Iterable[str], tls: ServerTlsSource | None
+    server: grpc.aio.Server,
+    addresses: Iterable[str],
+    tls: ServerTlsSource | None,
+    unix_socket_mode: int,
 ) -> tuple[int, list[str]]:
     """Bind ``server`` to ``addresses`` (``HOST:PORT`` or ``unix:PATH``), with TLS when
     ``tls`` is given. Returns the first TCP port bound (0: none) and the ``unix:PATH``
-    addresses.
+    addresses. A socket is created the owner's alone and then given
+    ``unix_socket_mode``, before the server starts accepting on it.
 
     Raises:
         ListenError: an address cannot be bound (taken since it was checked); the server
@@ -106,12 +153,15 @@ async def bind_grpc_addresses(
             host, port = split_host_port(address, "listen")
         target = address if unix else join_host_port(host, port)
         try:
-            if tls is not None:
-                bound = server.add_secure_port(target, tls.grpc_credentials())
-            else:
-                bound = server.add_insecure_port(target)
+            with private_umask():
+                if tls is not None:
+                    bound = server.add_secure_port(target, tls.grpc_credentials())
+                else:
+                    bound = server.add_insecure_port(target)
         except RuntimeError:  # taken since the check: gRPC says "Failed to bind to address"
             bound = 0
+        if bound and unix:
+            set_unix_socket_mode(address, unix_socket_mode)
         if bound == 0:
             await server.stop(None)  # else its finaliser runs on a closed loop
             raise ListenError(address, "gRPC", LISTEN_FLAG, "the address cannot be bound")
@@ -120,6 +170,10 @@ async def bind_grpc_addresses(
         elif not first_port:
             first_port = bound
     return first_port, unix_sockets
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
 
 
 def _passthrough(message: bytes) -> bytes:
@@ -212,9 +266,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         decision = authorize(self._credentials, header, method, allowed)
         if isinstance(decision, Refusal):
             return self._deny(handler, method, decision)
-        if decision.engine and Role.ENGINE in allowed:
-            return _with_engine(handler, decision.engine)
-        return handler
+        if Role.ENGINE in allowed:
+            return _as_caller(handler, decision, decision.engine, decision.pools)
+        return _as_caller(handler, decision, "", None)
 
     def _deny(
         self, handler: grpc.RpcMethodHandler, method: str, refusal: Refusal
@@ -240,25 +294,34 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return grpc.stream_unary_rpc_method_handler(deny, request_deserializer=skip)
 
 
-def _with_engine(handler: grpc.RpcMethodHandler, engine: str) -> grpc.RpcMethodHandler:
-    """``handler`` run with :data:`current_engine` set to ``engine``."""
-    request_deserializer = handler.request_deserializer  # type: ignore[attr-defined]
-    response_serializer = handler.response_serializer  # type: ignore[attr-defined]
+def _as_caller(
+    handler: grpc.RpcMethodHandler,
+    credential: Credential,
+    engine: str,
+    pools: frozenset[str] | None,
+) -> grpc.RpcMethodHandler:
+    """``handler`` (as the gate registered it: its requests read by the handler) run for
+    ``credential``: :data:`current_caller` (whose request budget it reads under),
+    :data:`current_engine` (its request-id namespace) and :data:`current_pools` (the pools
+    its token may use) set for the call."""
+    serializer = handler.response_serializer  # type: ignore[attr-defined]
     if handler.response_streaming:  # type: ignore[attr-defined]
-        inner_stream = handler.unary_stream  # type: ignore[attr-defined]
+        inner_stream = handler.stream_stream  # type: ignore[attr-defined]
 
-        async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            current_caller.set(credential)
             current_engine.set(engine)
-            async for message in inner_stream(request, context):
+            current_pools.set(pools)
+            async for message in inner_stream(requests, context):
                 yield message
 
-        return grpc.unary_stream_rpc_method_handler(
-            stream, request_deserializer, response_serializer
-        )
-    inner = handler.unary_unary  # type: ignore[attr-defined]
+        return grpc.stream_stream_rpc_method_handler(stream, None, serializer)
+    inner = handler.stream_unary  # type: ignore[attr-defined]
 
-    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        current_caller.set(credential)
         current_engine.set(engine)
-        return await inner(request, context)
+        current_pools.set(pools)
+        return await inner(requests, context)
 
-    return grpc.unary_unary_rpc_method_handler(unary, request_deserializer, response_serializer)
+    return grpc.stream_unary_rpc_method_handler(unary, None, serializer)

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool
-from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 V1ALPHA_PACKAGE = "grpc.reflection.v1alpha"
 V1_PACKAGE = "grpc.reflection.v1"
@@ -47,22 +47,23 @@ def _register_v1_descriptor() -> None:
     pool.Add(file)
 
 
-def enable_reflection(service_names: Iterable[str], server: grpc.aio.Server) -> None:
-    """Serve reflection for ``service_names`` (plus both reflection services) on ``server``."""
+def reflection_services(
+    service_names: Iterable[str],
+) -> list[tuple[str, dict[str, grpc.RpcMethodHandler]]]:
+    """Both reflection services, describing ``service_names`` and themselves: (name,
+    method handlers) each, for the server to register (behind its gate: reflection is
+    open to anyone, and its requests are read under the same budget as every other)."""
     _register_v1_descriptor()
     names = (*service_names, V1ALPHA_SERVICE_NAME, V1_SERVICE_NAME)
     from grpc_reflection.v1alpha import _async
 
     servicer = _async.ReflectionServicer(names)
-    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
-    v1 = grpc.method_handlers_generic_handler(
-        V1_SERVICE_NAME,
-        {
-            "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
-                servicer.ServerReflectionInfo,
-                request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
-                response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
-            )
-        },
+    handler = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
     )
-    server.add_generic_rpc_handlers((v1,))
+    return [
+        (name, {"ServerReflectionInfo": handler})
+        for name in (V1ALPHA_SERVICE_NAME, V1_SERVICE_NAME)
+    ]
