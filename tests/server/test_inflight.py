@@ -131,7 +131,7 @@ def test_the_bytes_of_calls_that_ended_leave_the_bound(server: ServerThread) -> 
         stub = kvcache_pb2_grpc.KVCacheServiceStub(channel)
         for _ in range(3):  # 3 x 40 KB, one at a time, past the 64 KB bound in all
             assert _lookup(stub, BIG_PROMPT) == grpc.StatusCode.OK
-        assert server.run(lambda: server.server.gate.inflight_bytes) == 0  # type: ignore[union-attr]
+        assert server.run(lambda: server.server.gate.budget.held) == 0  # type: ignore[union-attr]
         with _Held(server):
             first = pool.submit(_lookup, stub, 8)
             _wait_inflight(server, "engine", 1)
