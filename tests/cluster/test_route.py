@@ -169,11 +169,14 @@ def test_candidates_and_no_engine(index: Index) -> None:
     with pytest.raises(FailedPrecondition, match="none is indexed"):
         index.router().route(TokenPrompt(prompt(2)))
     index.engine(A, running=3)
-    answer = index.router().route(TokenPrompt(prompt(2)), [A, "10.9.9.9:1/new"])
+    index.engine(B, running=9)
+    router = index.router()
+    router.route(TokenPrompt(prompt(2)))  # every engine: A and B
+    answer = router.route(TokenPrompt(prompt(2, 500)), [A, "10.9.9.9:1/new"])
     assert answer.num_candidates == 2
     new = answer.chosen if answer.chosen.engine != A else answer.runner_up
     assert new is not None and new.engine == "10.9.9.9:1/new" and new.report is None
-    assert new.load == 3.0
+    assert new.load == 3.0  # the mean of the candidates that reported: A's, not B's
 
 
 @pytest.mark.parametrize(
