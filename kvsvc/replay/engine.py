@@ -153,7 +153,9 @@ class SimEngine:
         budget = model.max_batched_tokens
         decoding = [r for r in self.running if r.prefilled]
         prefilling = [r for r in self.running if not r.prefilled]
-        admitting = bool(self.waiting) and not self.blocked
+        admitting = (
+            bool(self.waiting) and not self.blocked and len(self.running) < model.max_num_seqs
+        )
         prefill_work = bool(prefilling) or admitting
         if prefill_work:
             iterations = 1

@@ -58,6 +58,7 @@ class PolicyResult:
         queue_p50_s / queue_p99_s: from arrival to admission, trace seconds.
         ttft_p50_s / ttft_p99_s: from arrival to the first token, trace seconds.
         requests: requests replayed.
+        completed: of those, requests that generated their last token and were freed.
         decided_by: Route's answers by the term that decided (Route policies only).
         late_max_s: the most an event ran after its time (wall seconds; 0: the replay
             kept up).
@@ -74,6 +75,7 @@ class PolicyResult:
     ttft_p50_s: float
     ttft_p99_s: float
     requests: int
+    completed: int = 0
     decided_by: dict[str, int] = field(default_factory=dict)
     late_max_s: float = 0.0
     wall_s: float = 0.0
@@ -201,6 +203,7 @@ def summarize(
         ttft_p50_s=statistics.median(ttft) if ttft else 0.0,
         ttft_p99_s=percentile(ttft, 0.99),
         requests=len(requests),
+        completed=sum(1 for r in requests if r.trace.output_length - r.outputs <= 0 and not r.live),
         decided_by=decided,
         late_max_s=late,
         wall_s=wall,

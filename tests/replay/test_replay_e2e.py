@@ -55,3 +55,29 @@ def test_prefix_only_collapses_and_route_spreads_the_load(tmp_path: Path) -> Non
     assert route["decided_by"].get("load", 0) > 0
     assert all(engine["computed_tokens"] > 0 for engine in route["engines"])
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_pool_too_small_for_its_batch_preempts_and_every_request_finishes(
+    tmp_path: Path,
+) -> None:
+    """Prompts of 4 blocks that grow 4 more while decoding, two engines of 12 blocks:
+    two requests fit at admission, not at their end. The engine preempts its newest
+    running request (freed on the pool, admitted again with its outputs), and every
+    request still finishes."""
+    require_tool("redis-server", "kvsvc replay starts one: apt-get install redis-server")
+    rows = shared_first_block(12, 16, every_ms=20, output=64)
+    trace = write_trace(tmp_path / "long-outputs.jsonl", rows)
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "kvsvc", "replay", str(trace), "--trace-block-size", "16",
+            "--engines", "2", "--kv-tokens", "192", "--policies", "round-robin",
+            "--time-scale", "20", "--decode-ms", "5", "--step-iterations", "4",
+            "--json", "--quiet",
+        ],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (run,) = json.loads(result.stdout)["runs"]
+    rr = run["policies"]["round-robin"]
+    assert rr["preemptions"] > 0
+    assert rr["requests"] == rr["completed"] == 12
