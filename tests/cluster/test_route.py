@@ -130,6 +130,11 @@ def test_equal_scores_rotate_over_the_tied_engines(index: Index) -> None:
     counts = {name: sum(a.chosen.engine == name for a in answers) for name in (A, B, C, D)}
     assert counts == {A: 2, B: 2, C: 2, D: 2}
     assert answers[0].decided_by == "tie"
+    # Prefix only (load weight 0): nothing tells the engines apart but the rotation.
+    prefix_only = index.router(RoutePolicy(1.0, 0.0))
+    chosen = [prefix_only.route(TokenPrompt(prompt(2, 5000 + 100 * i))) for i in range(4)]
+    assert sorted(a.chosen.engine for a in chosen) == sorted((A, B, C, D))
+    assert {a.decided_by for a in chosen} == {"tie"}
 
 
 def test_routes_count_as_load_until_the_next_report(index: Index) -> None:
