@@ -226,7 +226,8 @@ class Router:
         if engines is not None:
             check_candidates(list(engines))
         wanted = set(engines) if engines else None
-        prepared = self.scorer.prepare(prompt, wanted)
+        registry = self.scorer.registry()
+        prepared = self.scorer.prepare(prompt, wanted, registry=registry)
         bitmaps, vector, now_ms = self._read(prepared.order)
         result = self.scorer.finish(prepared, bitmaps)
         names = list(result.scores)
@@ -238,7 +239,6 @@ class Router:
                 if wanted is None
                 else "no engine to route to"
             )
-        registry = self.scorer.registry()
         chosen, runner_up = self._weigh(
             names, result, registry, vector, now_ms, policy, prompt.num_tokens, wanted is None
         )

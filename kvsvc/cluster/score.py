@@ -300,17 +300,24 @@ class Scorer:
         prompt: Prompt,
         engines: Collection[str] | None = None,
         max_registry_age: float = REGISTRY_MAX_AGE_S,
+        registry: Registry | None = None,
     ) -> PreparedScore:
         """The first half of a score: the engines to score and the bitmap keys to read
         (:meth:`finish` is the second; a caller that reads more in the same round trip,
         as Route reads the engines' loads, reads ``order`` itself).
+
+        Args:
+            registry: the engines as read (None: :meth:`registry`, at most
+                ``max_registry_age`` old); a caller that needs the same read after
+                passes it.
 
         Raises:
             InvalidArgument: see :meth:`score`; for block hashes, a bad count, size or
                 block size.
         """
         prompt.check()
-        registry = self.registry(max_registry_age)
+        if registry is None:
+            registry = self.registry(max_registry_age)
         plan = self._plan(registry, engines)
         scores = dict.fromkeys(plan.names, 0)
         num_tokens = prompt.num_tokens
