@@ -349,7 +349,8 @@ def add_policy_flags(parser: Any) -> None:
     group = parser.add_argument_group(
         "Route's policy",
         "score = prefix weight x cached tokens - load weight x relative load x prompt "
-        "tokens; relative load = load / max(mean load, load floor) (docs/cluster.md, "
+        "tokens; relative load = load / max(the other engines' mean load, load floor) "
+        "(docs/cluster.md, "
         "Routing). Flags win over --config's [route] table.",
     )
     group.add_argument(
@@ -373,7 +374,8 @@ def add_policy_flags(parser: Any) -> None:
         "--load-floor",
         type=float,
         metavar="N",
-        help="least mean load (requests) relative loads are taken against (default "
+        help="least mean load of the other engines (requests) relative loads are taken "
+        "against (default "
         f"{DEFAULT_LOAD_FLOOR:g})",
     )
 

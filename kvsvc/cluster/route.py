@@ -7,13 +7,16 @@ engines never cache anything (docs/cluster.md, "Routing", has the replay's numbe
 weighs both::
 
     score(e) = prefix_weight x cached(e) - load_weight x relative(e) x prompt tokens
-    relative(e) = load(e) / max(mean load of the candidates, load_floor)
+    relative(e) = load(e) / max(mean load of the other candidates, load_floor)
     load(e) = running requests its server last reported + prompts routed to it since
 
-and answers the highest score. The load term is in tokens too: an engine at twice the mean
-load costs ``load_weight`` x the prompt more than one at the mean. ``load_floor`` (in
-requests) keeps a lightly loaded fleet from scattering prompts away from their cache: one
-running request where the others have none is no reason to recompute a whole prompt.
+and answers the highest score. The load term is in tokens too: an engine at twice the
+others' mean load costs ``load_weight`` x the prompt more than one at it. Against the
+others' mean (not all candidates', which an engine's own load raises) the penalty of an
+engine that takes more and more of the load grows without bound, however long the prefix
+it caches and however few the engines. ``load_floor`` (in requests) keeps a lightly loaded
+fleet from scattering prompts away from their cache: one running request where the
+others have none is no reason to recompute a whole prompt.
 
 What keeps a stale or missing load from sending everything to one engine:
 
@@ -44,7 +47,7 @@ from kvsvc.cluster.store import Registry
 from kvsvc.errors import FailedPrecondition, InvalidArgument
 
 DEFAULT_PREFIX_WEIGHT = 1.0
-DEFAULT_LOAD_WEIGHT = 0.5
+DEFAULT_LOAD_WEIGHT = 0.25
 DEFAULT_LOAD_FLOOR = 1.0
 # Weights past this are refused (their products would lose all precision).
 MAX_WEIGHT = 1e6
@@ -76,8 +79,8 @@ class RoutePolicy:
         prefix_weight: weight of the cached prefix tokens (>= 0).
         load_weight: weight of the load penalty, in prompt lengths per unit of relative
             load (>= 0).
-        load_floor: the least mean load relative loads are taken against, in requests
-            (> 0).
+        load_floor: the least mean load (of the other candidates) relative loads are
+            taken against, in requests (> 0).
     """
 
     prefix_weight: float = DEFAULT_PREFIX_WEIGHT
@@ -116,7 +119,7 @@ class Candidate:
             the last MISSING_LOAD_WINDOW_S seconds).
         load: the load weighed: running requests (or the candidates' mean without a
             report) plus ``routed_since``.
-        relative: ``load`` / max(mean load, load_floor).
+        relative: ``load`` / max(the other candidates' mean load, load_floor).
         score: prefix_weight x cached - load_weight x relative x prompt tokens.
         age_s: seconds since the report (Redis's clock; 0 without one).
     """
@@ -307,12 +310,16 @@ class Router:
         with self._lock:
             routed = self._pending.counts(ids, since, names, now_ms)
         loads += routed
-        mean = float(loads.mean())
-        scale = 1.0 / max(mean, policy.load_floor)
-        load_cost = policy.load_weight * tokens * scale
+        others = len(loads) - 1
+        if others:
+            mean_others = (loads.sum() - loads) / others
+            relative = loads / np.maximum(mean_others, policy.load_floor)
+        else:
+            relative = loads / policy.load_floor
+        load_cost = policy.load_weight * tokens
         scores = result.scores
         cached = np.fromiter(map(scores.get, names, repeat(0)), dtype=np.float64, count=len(names))
-        values = policy.prefix_weight * cached - load_cost * loads
+        values = policy.prefix_weight * cached - load_cost * relative
         best = values.max()
         tied = np.flatnonzero(values == best)
         pick = int(tied[next(self._turn) % len(tied)] if len(tied) > 1 else tied[0])
@@ -335,7 +342,7 @@ class Router:
                 report,
                 int(routed[i]),
                 float(loads[i]),
-                float(loads[i]) * scale,
+                float(relative[i]),
                 float(values[i]),
                 (now_ms - report.stamp_ms) / 1000 if report is not None else 0.0,
             )

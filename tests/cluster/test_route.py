@@ -77,7 +77,7 @@ def prompt(blocks: int, base: int = 0) -> list[int]:
 
 def test_a_busy_engine_loses_a_short_prefix_to_an_idle_one(index: Index) -> None:
     """A caches 1 block of a 4-block prompt but runs 4 requests, B runs none: the load
-    term (0.5 x relative load x 64 tokens: 64 for A) outweighs 16 cached tokens. Routing
+    term (0.25 x relative load x 64 tokens: 4 x 16 for A) outweighs 16 cached tokens. Routing
     by the prefix alone (load weight 0) would pick A."""
     p = prompt(4)
     index.engine(A, p[:16], running=4)
@@ -86,7 +86,7 @@ def test_a_busy_engine_loses_a_short_prefix_to_an_idle_one(index: Index) -> None
     assert (answer.chosen.engine, answer.decided_by) == (B, "load")
     assert answer.runner_up is not None and answer.runner_up.engine == A
     assert answer.runner_up.cached == 16 and answer.runner_up.report is not None
-    assert answer.runner_up.report.running == 4 and answer.runner_up.relative == 2.0
+    assert answer.runner_up.report.running == 4 and answer.runner_up.relative == 4.0
     prefix_only = index.router(RoutePolicy(1.0, 0.0)).route(TokenPrompt(p))
     assert (prefix_only.chosen.engine, prefix_only.decided_by) == (A, "prefix")
 

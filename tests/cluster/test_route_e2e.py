@@ -99,7 +99,7 @@ def test_ctl_route_asks_from_a_shell(fleet: Fleet, tmp_path: Path) -> None:
     assert answer["chosen"]["engine"] == a and answer["decided_by"] == "prefix"
     assert answer["chosen"]["num_cached_tokens"] == 16
     assert answer["chosen"]["load"]["reported"] is True
-    assert answer["policy"] == {"prefix_weight": 1.0, "load_weight": 0.5, "load_floor": 1.0}
+    assert answer["policy"] == {"prefix_weight": 1.0, "load_weight": 0.25, "load_floor": 1.0}
     # The plain form, with another weight: the cache ignored, the load alone decides.
     result = subprocess.run(
         [*common, "--prefix-weight", "0"], capture_output=True, text=True, timeout=60
