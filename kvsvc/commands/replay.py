@@ -9,7 +9,9 @@ bounds kvsvc's core computes for the same memory (an infinite cache; one cache o
 whole memory). A capacity-planning tool as much as a benchmark: docs/cluster.md,
 "Routing".
 
-Exit status: 0 done; 1 a process failed; 2 bad flags or a bad trace.
+Ctrl-C or SIGTERM stops the fleet it started (servers, indexer, router, its redis-server)
+before it exits. Exit status: 0 done; 1 a process failed; 2 bad flags or a bad trace; 130
+interrupted.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -287,12 +290,17 @@ def run(args: argparse.Namespace) -> int:
         "load_interval_s": args.load_interval,
         "load_ttl_s": args.load_ttl,
     }
+
+    def terminate(*_: object) -> None:
+        raise KeyboardInterrupt  # the fleet's processes are stopped on the way out
+
+    signal.signal(signal.SIGTERM, terminate)
     say(f"{len(trace)} requests over {span / 60:.1f} min; bounds first (kvsvc's core)")
-    infinite = cache_bound(trace, block, None)
     redis = None
     runs: list[FleetRun] = []
     started = time.monotonic()
     try:
+        infinite = cache_bound(trace, block, None)
         redis_url = args.redis
         if redis_url is None:
             redis = PrivateRedis()

@@ -6,8 +6,10 @@ engines' live load, spreads the prompts. Fails if Route ignores the load."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -81,3 +83,49 @@ def test_a_pool_too_small_for_its_batch_preempts_and_every_request_finishes(
     rr = run["policies"]["round-robin"]
     assert rr["preemptions"] > 0
     assert rr["requests"] == rr["completed"] == 12
+
+
+def _children(pid: int) -> set[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+def test_sigterm_stops_the_fleet_it_started(tmp_path: Path) -> None:
+    """A replay stopped with SIGTERM (or Ctrl-C) stops its servers, indexer, router and
+    redis-server before it exits 130: nothing is left running."""
+    require_tool("redis-server", "kvsvc replay starts one: apt-get install redis-server")
+    trace = write_trace(tmp_path / "slow.jsonl", shared_first_block(20, 16, every_ms=2000))
+    replay = subprocess.Popen(
+        [
+            sys.executable, "-m", "kvsvc", "replay", str(trace), "--trace-block-size", "16",
+            "--engines", "2", "--kv-tokens", "4096", "--policies", "route", "--time-scale", "1",
+        ],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert replay.stderr is not None
+        for line in replay.stderr:  # the fleet is up once the first request is routed
+            if "starting the fleet" in line:
+                break
+        deadline = time.monotonic() + 60
+        while len(_children(replay.pid)) < 5:  # redis, 2 servers, indexer, router
+            assert replay.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        started = _children(replay.pid)
+        replay.send_signal(signal.SIGTERM)
+        assert replay.wait(60) == 130
+        assert "interrupted" in replay.stderr.read()
+        alive = [pid for pid in started if Path(f"/proc/{pid}").exists()]
+        assert not alive, f"left running: {alive}"
+    finally:
+        if replay.poll() is None:
+            replay.kill()
+            replay.wait(10)
