@@ -484,6 +484,32 @@ def bench_real_servers(url: str, servers: int, seconds: float) -> dict[str, Any]
 # -- main --------------------------------------------------------------------------------
 
 
+def route_only(args: argparse.Namespace) -> int:
+    """Route and Score over the same engines, with one Redis round trip (PING) measured
+    in the same run."""
+    redis = Redis()
+    try:
+        prompt = list(range(100, 100 + 4096))
+        expected = populate_for_score(redis.url, args.engines, prompt)
+        publish_loads(redis.url, list(expected))
+        parsers = [True, False] if has_hiredis() else [False]
+        pings = [bench_score(redis.url, prompt, expected, args.score_calls, h) for h in parsers]
+        route = [bench_route(redis.url, prompt, expected, args.score_calls, h) for h in parsers]
+    finally:
+        redis.stop()
+    if args.json:
+        print(json.dumps({"cpus": os.cpu_count(), "score": pings, "route": route}, indent=2))
+        return 0
+    for r, p in zip(route, pings, strict=True):
+        print(
+            f"{args.engines} engines, {r['parser']} parser: Route p50 / p99 "
+            f"{r['route_p50_ms']:.2f} / {r['route_p99_ms']:.2f} ms; Score in the same loop "
+            f"{r['score_p50_ms']:.2f} / {r['score_p99_ms']:.2f} ms; PING "
+            f"{p['rtt_p50_ms']:.3f} / {p['rtt_p99_ms']:.3f} ms"
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -493,9 +519,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=4, help="indexer writer threads")
     parser.add_argument("--servers", type=int, default=2, help="real kvsvc servers (0: none)")
     parser.add_argument("--score-calls", type=int, default=2000)
+    parser.add_argument(
+        "--route-only",
+        action="store_true",
+        help="only Route and Score side by side, with PING (a minute: for a quiet moment "
+        "on a shared machine)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.engines, args.batches, args.servers, args.score_calls = 100, 10, 0, 200
+    if args.route_only:
+        return route_only(args)
     redis = Redis()
     try:
         base = redis_memory(redis.url)
