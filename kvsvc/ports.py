@@ -1,12 +1,15 @@
-"""Listening addresses that cannot be bound, reported as one line naming the flag to change.
+"""Listening addresses that cannot be bound, reported as one line each naming the flag to
+change.
 
-A port someone else holds is the most common start-up failure of ``kvsvc serve``, ``kvsvc
-worker --metrics-listen`` and ``kvsvc demo``. Left alone it surfaces as gRPC's
-``RuntimeError: Failed to bind to address ...`` (after a C-core log line and a traceback)
-or as a bare ``[Errno 98] Address already in use`` that does not say which of two
-listeners failed. :func:`check_bindable` tries the address with a throwaway socket first,
-so the common case fails before anything starts, and :class:`ListenError` carries the one
-line every command prints: the address, what it was for, and the flag that moves it.
+A port someone else holds is the most common start-up failure of every command that
+listens (``kvsvc serve``, ``worker --metrics-listen``, ``demo``, ``indexer``, ``router``).
+Left alone it surfaces as gRPC's ``RuntimeError: Failed to bind to address ...`` (after a
+C-core log line and a traceback) or as a bare ``[Errno 98] Address already in use`` that
+does not say which of two listeners failed. :func:`check_listeners` tries every address a
+command will listen on with a throwaway socket first, so the common case fails before
+anything starts and names each taken address at once (not one per attempt), and
+:class:`ListenError` carries the lines every command prints: the address, what it was
+for, and the flag that moves it.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import errno
 import os
 import socket
 import stat
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 
 class ListenError(OSError):
@@ -25,14 +30,34 @@ class ListenError(OSError):
         flag: the command-line flag (or setting) that chooses it, e.g. ``--listen``.
     """
 
-    def __init__(self, address: str, what: str, flag: str, cause: OSError | str) -> None:
+    def __init__(
+        self, address: str, what: str, flag: str, cause: OSError | str, *, held: bool = True
+    ) -> None:
+        """``held``: another process holds the address (the message says to stop it);
+        False when the command itself would take it twice."""
         reason = cause if isinstance(cause, str) else _reason(cause)
+        advice = "stop what holds it, or choose" if held else "choose"
         super().__init__(
-            f"cannot listen on {address} ({what}): {reason}; stop what holds it, or choose "
-            f"another address with {flag}"
+            f"cannot listen on {address} ({what}): {reason}; {advice} another address with {flag}"
         )
         self.address = address
         self.flag = flag
+        self.errors: tuple[ListenError, ...] = (self,)
+
+    @classmethod
+    def of(cls, errors: Sequence[ListenError]) -> ListenError:
+        """One error for ``errors`` (at least one): ``str()`` has a line per address."""
+        if len(errors) == 1:
+            return errors[0]
+        combined = cls.__new__(cls)
+        OSError.__init__(combined, "\n".join(str(e) for e in errors))
+        combined.address, combined.flag = errors[0].address, errors[0].flag
+        combined.errors = tuple(errors)
+        return combined
+
+    def report(self, prog: str) -> str:
+        """The lines a command prints, each starting with ``prog`` (``kvsvc serve: ...``)."""
+        return "\n".join(f"{prog}: {e}" for e in self.errors)
 
 
 def _reason(exc: OSError) -> str:
@@ -75,6 +100,80 @@ def check_bindable(host: str, port: int, *, address: str, what: str, flag: str) 
             probe.bind(sockaddr)
         except OSError as exc:
             raise ListenError(address, what, flag, exc) from None
+
+
+@dataclass(frozen=True, slots=True)
+class Listener:
+    """An address a command is about to listen on, for :func:`check_listeners`.
+
+    Attributes:
+        address: as the user wrote it (``HOST:PORT``, ``unix:PATH``, a ZMQ ``tcp://``
+            endpoint), for the message.
+        what: what listens there, e.g. ``"gRPC"`` or ``"/metrics"``.
+        flag: the flag (and config key) that chooses the address.
+        host / port: the TCP address to bind; None for a ``unix:PATH`` address.
+    """
+
+    address: str
+    what: str
+    flag: str
+    host: str | None = None
+    port: int | None = None
+
+
+_WILDCARDS = ("", "0.0.0.0", "::", "*")
+
+
+def _same_port(a: Listener, b: Listener) -> bool:
+    """Whether binding ``a`` and then ``b`` collide: one port, the same or a wildcard host."""
+    if a.host is None or b.host is None:
+        return a.host is None and b.host is None and unix_path(a.address) == unix_path(b.address)
+    return (
+        bool(a.port)
+        and a.port == b.port
+        and (a.host == b.host or a.host in _WILDCARDS or b.host in _WILDCARDS)
+    )
+
+
+def check_listeners(listeners: Iterable[Listener]) -> None:
+    """Try every address a command will listen on, before it starts anything.
+
+    Raises:
+        ListenError: naming each address that cannot be bound now (another process holds
+            it, or an earlier listener of the same command takes it), one line each.
+    """
+    errors: list[ListenError] = []
+    checked: list[Listener] = []
+    for listener in listeners:
+        first = next((c for c in checked if _same_port(c, listener)), None)
+        if first is not None:
+            errors.append(
+                ListenError(
+                    listener.address,
+                    listener.what,
+                    listener.flag,
+                    f"{first.address} ({first.what}) takes it already",
+                    held=False,
+                )
+            )
+            continue
+        try:
+            if listener.host is None:
+                check_unix_bindable(listener.address, what=listener.what, flag=listener.flag)
+            else:
+                check_bindable(
+                    listener.host,
+                    listener.port or 0,
+                    address=listener.address,
+                    what=listener.what,
+                    flag=listener.flag,
+                )
+        except ListenError as exc:
+            errors.append(exc)
+            continue
+        checked.append(listener)
+    if errors:
+        raise ListenError.of(errors)
 
 
 # The address form of a Unix-domain socket, as gRPC spells it (``unix:PATH``).

@@ -84,3 +84,10 @@ def test_a_policy_that_was_there_is_kept(tmp_path: Path) -> None:
 def test_nothing_is_stopped_by_name(command: str) -> None:
     code = "\n".join(line.partition("#")[0] for line in CI_RUN.splitlines())
     assert not re.search(rf"(^|[\s;(|&]){re.escape(command)}", code), command
+
+
+def test_ci_installs_the_browser_the_docs_layout_test_drives() -> None:
+    from tests.docs_browser import CHROMIUM
+
+    assert CHROMIUM == "/usr/bin/chromium"  # Debian's package's binary
+    assert "command -v chromium >/dev/null 2>&1 || need_apt+=(chromium)" in CI_RUN

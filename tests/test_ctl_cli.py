@@ -89,6 +89,27 @@ def test_pools_says_what_a_pool_waits_for_and_which_rank_is_gone() -> None:
         ranks[1].close()
 
 
+def test_a_lost_rank_of_an_engine_is_the_engine_to_restart() -> None:
+    """vLLM on kvsvc: the rank's agent is the engine's own worker, so the hint names the
+    engine, not a kvsvc worker to start (issue 30)."""
+    with running_server(PoolConfig(name="vllm", world_size=1, max_model_len=1024)) as srv:
+        rank = FakeRank(
+            srv.address, "vllm", 0, 1, llama_like_specs(), 4 << 20, in_engine=True
+        ).join()
+        rank.close()  # the engine exits: its worker's plan stream closes
+        deadline = time.monotonic() + 20
+        while True:
+            lines = ctl(srv.address, "pools").stdout.splitlines()
+            if "DEGRADED" in lines[1] or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert lines[-1].strip() == (
+            "serving, but rank 0 is not live: its agent is the engine's worker (vLLM on "
+            "kvsvc): restart the engine (its workers register the ranks again)"
+        )
+        assert json.loads(ctl(srv.address, "pools", "--json").stdout)[0]["workers"][0]["in_engine"]
+
+
 def test_wait_ready_times_out_naming_the_state_then_succeeds() -> None:
     pool = PoolConfig(name="p", world_size=1, max_model_len=1024)
     with running_server(pool) as srv:
@@ -173,6 +194,31 @@ def test_events_idle_must_be_more_than_0(pool_with_events: ServerThread) -> None
     done = ctl(pool_with_events.address, *args, "0.5")
     assert done.returncode == 0, done.stderr
     assert [json.loads(line)["sequence"] for line in done.stdout.splitlines()] == [1]
+
+
+def test_events_from_past_the_wire_width_is_a_clear_error(pool_with_events: ServerThread) -> None:
+    """Regression (issue 32 item 11): --from 2^64 printed a thread's traceback (the
+    number does not fit the request's uint64) and exited 0."""
+    args = ("events", "e", "--count", "1", "--from")
+    done = ctl(pool_with_events.address, *args, str(2**64))
+    assert done.returncode == 2
+    assert f"argument --from: expected an integer in [1, {2**64 - 1}], got '{2**64}'" in done.stderr
+    assert "Traceback" not in done.stderr and not done.stdout
+    # The largest the wire carries reaches the server, which says what it is past.
+    done = ctl(pool_with_events.address, *args, str(2**64 - 1))
+    assert done.returncode == 1
+    assert done.stderr.startswith("kvsvc ctl: INVALID_ARGUMENT: from_sequence: ")
+    assert "beyond the next sequence number" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_clients_refuse_a_sequence_the_wire_cannot_carry(
+    pool_with_events: ServerThread,
+) -> None:
+    with (
+        KVCacheClient(pool_with_events.address, pool="e") as client,
+        pytest.raises(ValueError, match=r"from_sequence must be in \[0, 2\^64\)"),
+    ):
+        next(client.watch_events(2**64))
 
 
 def test_events_follow_waits_for_the_count(pool_with_events: ServerThread) -> None:

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
@@ -27,10 +28,27 @@ LOOPBACK_ANY_PORTS = ("--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:
 @pytest.fixture
 def busy_port() -> Iterator[int]:
     """A loopback port another socket is listening on."""
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", 0))
-        holder.listen()
-        yield holder.getsockname()[1]
+    with busy_ports(1) as (port,):
+        yield port
+
+
+@contextmanager
+def busy_ports(count: int) -> Iterator[list[int]]:
+    """``count`` loopback ports other sockets are listening on."""
+    with ExitStack() as stack:
+        holders = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for holder in holders:
+            holder.bind(("127.0.0.1", 0))
+            holder.listen()
+        yield [holder.getsockname()[1] for holder in holders]
+
+
+def taken(address: str, what: str, flag: str) -> str:
+    """The line a command prints for an address another process holds."""
+    return (
+        f"cannot listen on {address} ({what}): the address is already in use; stop what "
+        f"holds it, or choose another address with {flag}"
+    )
 
 
 def kvsvc(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -80,6 +98,116 @@ def test_serve_on_a_taken_metrics_port(busy_port: int) -> None:
         "(config key metrics_listen)"
     )
     assert "Event loop is closed" not in done.stderr
+    # docs/troubleshooting.md shows this message (wrapped), for the default port.
+    page = (REPO / "docs" / "troubleshooting.md").read_text(encoding="utf-8")
+    shown = page.partition("already in use`\n\n```\n")[2].partition("```")[0]
+    assert " ".join(shown.split()) == one_line(done).replace(str(busy_port), "9400")
+
+
+def test_serve_names_every_taken_port_at_once() -> None:
+    # gRPC, frames and /metrics all held: one line each, not one per attempt.
+    with busy_ports(3) as (grpc_port, frames_port, metrics_port):
+        done = kvsvc(
+            "serve", "--pool", "p",
+            "--listen", f"127.0.0.1:{grpc_port}",
+            "--frames-listen", f"127.0.0.1:{frames_port}",
+            "--metrics-listen", f"127.0.0.1:{metrics_port}",
+        )  # fmt: skip
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.splitlines() == [
+        "kvsvc serve: " + taken(f"127.0.0.1:{grpc_port}", "gRPC", "--listen (config key listen)"),
+        "kvsvc serve: "
+        + taken(f"127.0.0.1:{frames_port}", "frames", "--frames-listen (config key frames_listen)"),
+        "kvsvc serve: "
+        + taken(
+            f"127.0.0.1:{metrics_port}", "/metrics", "--metrics-listen (config key metrics_listen)"
+        ),
+    ]
+
+
+def test_serve_names_a_port_it_would_take_twice() -> None:
+    port = free_port()
+    done = kvsvc(
+        "serve", "--pool", "p", "--listen", f"127.0.0.1:{port}",
+        "--metrics-listen", f"0.0.0.0:{port}",
+    )  # fmt: skip
+    assert one_line(done) == (
+        f"kvsvc serve: cannot listen on 0.0.0.0:{port} (/metrics): 127.0.0.1:{port} (gRPC) "
+        "takes it already; choose another address with --metrics-listen (config key "
+        "metrics_listen)"
+    )
+
+
+def test_serve_names_taken_kv_event_ports_with_the_others() -> None:
+    pytest.importorskip("zmq")
+    with busy_ports(3) as (metrics_port, pub_port, replay_port):
+        done = kvsvc(
+            "serve", "--pool", "p", "--listen", "127.0.0.1:0",
+            "--metrics-listen", f"127.0.0.1:{metrics_port}",
+            "--kv-events-zmq", f"tcp://*:{pub_port}",
+            "--kv-events-replay", f"tcp://*:{replay_port}",
+        )  # fmt: skip
+    assert done.returncode == 1 and done.stdout == ""
+    lines = done.stderr.splitlines()
+    assert lines == [
+        "kvsvc serve: "
+        + taken(
+            f"127.0.0.1:{metrics_port}", "/metrics", "--metrics-listen (config key metrics_listen)"
+        ),
+        "kvsvc serve: "
+        + taken(
+            f"tcp://*:{pub_port}",
+            "KV events of pool p",
+            "--kv-events-zmq (config key kv_events_zmq)",
+        ),
+        "kvsvc serve: "
+        + taken(
+            f"tcp://*:{replay_port}",
+            "KV event replay of pool p",
+            "--kv-events-replay (config key kv_events_replay)",
+        ),
+    ]
+
+
+def test_indexer_on_a_taken_metrics_port(busy_port: int) -> None:
+    # Checked before Redis is asked anything: no Redis server is needed to meet it.
+    pytest.importorskip("redis")
+    done = kvsvc(
+        "indexer", "--redis", "redis://127.0.0.1:1", "--source", "127.0.0.1:1/p",
+        "--metrics-listen", f"127.0.0.1:{busy_port}",
+    )  # fmt: skip
+    assert one_line(done) == "kvsvc indexer: " + taken(
+        f"127.0.0.1:{busy_port}", "indexer /metrics", "--metrics-listen"
+    )
+
+
+def test_router_on_a_taken_port(busy_port: int, tmp_path: Path) -> None:
+    # No "Failed to bind" from gRPC's C core, no traceback: the same line as serve's.
+    pytest.importorskip("redis")
+    seed = tmp_path / "seed"
+    seed.write_text("a-cluster-seed-of-some-length\n")
+    done = kvsvc(
+        "router", "--redis", "redis://127.0.0.1:1", "--hash-seed-file", str(seed),
+        "--listen", f"127.0.0.1:{busy_port}",
+    )  # fmt: skip
+    assert one_line(done) == "kvsvc router: " + taken(
+        f"127.0.0.1:{busy_port}", "router gRPC", "--listen"
+    )
+
+
+def test_the_router_s_own_bind_failure_is_the_same_error(busy_port: int) -> None:
+    # A port taken after the command's check: gRPC's RuntimeError becomes the ListenError.
+    redis = pytest.importorskip("redis")
+    from kvsvc.cluster.router import create_router
+    from kvsvc.cluster.score import Scorer
+
+    scorer = Scorer(redis.Redis(port=1, socket_connect_timeout=0.5), "seed")
+    with pytest.raises(ListenError) as raised:
+        create_router(scorer, f"127.0.0.1:{busy_port}")
+    assert str(raised.value) == (
+        f"cannot listen on 127.0.0.1:{busy_port} (router gRPC): the address cannot be bound; "
+        "stop what holds it, or choose another address with --listen"
+    )
 
 
 def test_worker_on_a_taken_metrics_port(busy_port: int) -> None:
@@ -130,7 +258,7 @@ def test_a_port_taken_after_the_check_is_the_same_error(
     import kvsvc.server.app as app
     from kvsvc.server.config import PoolConfig, ServerConfig
 
-    monkeypatch.setattr(app, "check_bindable", lambda *a, **k: None)
+    monkeypatch.setattr(app, "check_server_addresses", lambda *a, **k: None)
     for listen, metrics, what in (
         (f"127.0.0.1:{busy_port}", None, "gRPC"),
         ("127.0.0.1:0", f"127.0.0.1:{busy_port}", "/metrics"),

@@ -61,3 +61,11 @@ def test_a_stale_mutation_is_named(tmp_path: Path) -> None:
     )
     with pytest.raises(RUNNER.StaleMutation, match=r"its find text 2 is gone from kvsvc/a\.py"):
         RUNNER.mutated_text(gone, tmp_path)
+
+
+def test_the_baseline_is_dealt_over_the_workers_whole() -> None:
+    targets = [f"t{i}" for i in range(7)]
+    chunks = RUNNER.split(targets, 3)
+    assert chunks == [["t0", "t3", "t6"], ["t1", "t4"], ["t2", "t5"]]
+    assert RUNNER.split(targets[:2], 4) == [["t0"], ["t1"]]  # no worker without tests
+    assert RUNNER.split(targets, 1) == [targets]

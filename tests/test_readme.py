@@ -21,17 +21,23 @@ import io
 import json
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import threading
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from kvsvc.server.config import PoolConfig
 from tests.server.harness import running_server
+from tests.tooling import missing
+
+if TYPE_CHECKING:
+    from kvsvc.demo.processes import Child
 
 REPO = Path(__file__).resolve().parents[1]
 README_ADDRESS = "127.0.0.1:50051"
@@ -122,11 +128,12 @@ def shell_commands(block: str) -> list[str]:
 
 @pytest.mark.e2e
 @pytest.mark.torch
-def test_the_quick_start_runs_as_written() -> None:
+def test_the_quick_start_runs_as_written(tmp_path: Path) -> None:
     """The quick start's commands as real processes, then its client and `ctl usage`:
-    each prints what the page says it prints."""
+    each prints what the page says it prints. Then docs/state.md's "Moving a pool", which
+    goes on in the same shell."""
     pytest.importorskip("torch")
-    from kvsvc.demo.processes import Child, spawn, stop_all, wait_for_ports
+    from kvsvc.demo.processes import spawn, stop_all, wait_for_ports
 
     text = section("Quick start: a server, two agents and a client in five minutes")
     start, finish = code_blocks(text, "sh")
@@ -181,10 +188,113 @@ def test_the_quick_start_runs_as_written() -> None:
         assert done.stdout.splitlines() == usage_shown.splitlines()
         # `kill %1 %2 %3`: one job per background process, each stops cleanly on SIGTERM.
         assert kill.split()[1:] == [f"%{i + 1}" for i in range(len(children))]
-        for child in reversed(children):
-            assert child.stop(grace=30) == 0, child.output()
+        # docs/state.md goes on from here: the pool moves to a new server, and its own
+        # `kill` line stops what is left.
+        move_the_pool_as_state_md_says(children, address, usage_shown, tmp_path)
     finally:
         stop_all(children)
+
+
+def move_the_pool_as_state_md_says(
+    jobs: list[Child], address: str, usage_shown: str, cwd: Path
+) -> None:
+    """docs/state.md's "Moving a pool" in the quick start's shell (``jobs``: its jobs, %1
+    the server), line by line as written: snapshot, stop the server, restore the snapshot
+    with no pool flags, and the agents come back to the pool with its cached blocks."""
+    from kvsvc.demo.processes import spawn, wait_for_ports
+
+    text = section("Moving a pool", "docs/state.md")
+    (block,) = code_blocks(text, "sh")
+    port = address.rpartition(":")[2]
+    for command in shell_commands(block):
+        argv = [a.replace(README_ADDRESS, address) for a in shlex.split(command)]
+        if argv[0] in ("kill", "wait"):
+            for job in argv[1:]:
+                child = jobs[int(job.removeprefix("%")) - 1]
+                if argv[0] == "kill":
+                    child.process.send_signal(signal.SIGTERM)
+                assert child.process.wait(30) == 0, child.output()
+            continue
+        assert argv[0] == "kvsvc", command
+        if argv[-1] == "&":
+            assert argv[1] == "serve" and "--restore" in argv
+            # The quick start's address (the agents retry it); any free /metrics port.
+            args = [*argv[1:-1], "--metrics-listen", "127.0.0.1:0"]
+            assert args[args.index("--listen") + 1] == f"127.0.0.1:{port}"
+            jobs.append(spawn("restored", args, cwd=cwd))
+            assert wait_for_ports(jobs[-1])[0] == int(port)
+            continue
+        done = subprocess.run(
+            [sys.executable, "-m", "kvsvc", *argv[1:]],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=cwd,
+        )
+        assert done.returncode == 0, (done.stderr, [j.output() for j in jobs])
+        if "usage" in argv:
+            # "what it printed before the move": the quick start's usage, line for line.
+            assert done.stdout.splitlines() == usage_shown.splitlines()
+    assert "same 125 cached blocks" in " ".join(text.split())
+    assert "cached blocks          125" in usage_shown
+
+
+@pytest.mark.e2e
+@pytest.mark.torch
+def test_the_security_page_s_tls_session_runs_as_written(tmp_path: Path) -> None:
+    """docs/security.md's mTLS block, line by line in one directory (its certificates),
+    the server in the background as the page starts it: the line after it runs, every
+    client presents the flags the page gives, and `kill` stops both jobs cleanly."""
+    pytest.importorskip("torch")
+    from kvsvc.demo.processes import spawn, stop_all, wait_for_ports
+    from kvsvc.tools.devcerts import find_openssl
+
+    if find_openssl() is None:
+        missing("the openssl command line", "apt-get install openssl")
+    (block,) = code_blocks(section("TLS", "docs/security.md"), "sh")
+    jobs: list[Child] = []
+    address = README_ADDRESS
+    outputs: list[str] = []
+    try:
+        for command in shell_commands(block):
+            argv = shlex.split(command)
+            if argv[0] == "kill":
+                assert argv[1:] == [f"%{i + 1}" for i in range(len(jobs))]
+                for job in reversed(jobs):
+                    assert job.stop(grace=30) == 0, job.output()
+                continue
+            if argv[:2] == ["python", "-m"]:
+                argv = [sys.executable, *argv[1:]]
+            else:
+                assert argv[0] == "kvsvc", command
+                argv = [sys.executable, "-m", *argv]
+            argv = [a.replace(README_ADDRESS, address) for a in argv]
+            if argv[-1] == "&":
+                args = argv[3:-1]
+                if args[0] == "serve":  # any free ports; the rest dial the one it took
+                    args[args.index("--listen") + 1] = "127.0.0.1:0"
+                    args += ["--metrics-listen", "127.0.0.1:0"]
+                jobs.append(spawn(args[0], args, cwd=tmp_path))
+                if args[0] == "serve":
+                    address = f"127.0.0.1:{wait_for_ports(jobs[-1])[0]}"
+                continue
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+            assert done.returncode == 0, (command, done.stderr, [j.output() for j in jobs])
+            outputs.append(done.stdout)
+    finally:
+        stop_all(jobs)
+    assert outputs[-2].startswith("pool 'llama' is READY: 1/1 ranks")
+    assert "llama" in outputs[-1] and "READY" in outputs[-1]
+
+
+def test_readme_has_a_deployment_section_pointing_at_its_page() -> None:
+    """Deployment was reachable only from the docs list at the bottom of README."""
+    text = section("Deployment")
+    assert "[docs/deployment.md](docs/deployment.md)" in text
+    for path in ("deploy/compose.yaml", "deploy/kubernetes/", "make images"):
+        assert path in text, path
+        if path.startswith("deploy/"):
+            assert (REPO / path).exists(), path
 
 
 def test_the_docs_site_shows_readme_s_quick_start() -> None:

@@ -58,3 +58,27 @@ def test_a_cpu_build_where_a_cuda_index_was_given_stops(tmp_path: Path) -> None:
     done = check(tmp_path, "2.13.0+cpu", CU128)
     assert done.returncode == 1
     assert "not the +cu128 build asked for: pip took the +cpu build" in done.stderr
+
+
+def test_the_check_of_the_real_torch_prints_no_numpy_warning(tmp_path: Path) -> None:
+    """The Makefile runs the check before numpy is installed (kvsvc's own install brings
+    it): torch's "Failed to initialize NumPy" warning was noise in every first `make venv`."""
+    pytest.importorskip("torch")
+    absent = tmp_path / "site" / "numpy"
+    absent.mkdir(parents=True)
+    (absent / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'numpy'\")\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "kvsvc.tools.torchcheck", "https://mirror.example/torch/simple"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": f"{absent.parent}{os.pathsep}{REPO}"},
+    )
+    import torch
+
+    build = str(torch.__version__).partition("+")[2]
+    if build != "cpu":
+        pytest.skip(f"this torch is the +{build} build: the check would stop on it")
+    assert done.returncode == 0, done.stderr
+    assert "NumPy" not in done.stderr, done.stderr

@@ -114,6 +114,15 @@ class ClientOptions:
         """
         return client_tls(self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)
 
+    def connection(self, target: str) -> dict[str, bool]:
+        """How a channel to ``target`` connects, as :func:`kvsvc_client.errors.error_from_rpc`
+        takes it for the hint it adds to a connection closed without a word (TLS or not, a
+        client certificate or not); empty for a framed target (its own errors say more)."""
+        if is_frames_target(target):
+            return {}
+        tls = self.tls()
+        return {"tls": tls is not None, "client_cert": tls is not None and tls.cert is not None}
+
     def channel(self, target: str) -> grpc.Channel:
         """A blocking channel to ``target`` with these options' TLS (plaintext without).
 

@@ -36,6 +36,9 @@ class HashingContext:
     mm_items: tuple[MultiModalItem, ...] = ()
     # One digest of the prompt embeddings per full hash block.
     prompt_embeds_digests: tuple[bytes, ...] = ()
+    # The adapter's integer id as the engine numbers it (0: none): reported in KV events,
+    # never hashed.
+    lora_id: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +51,12 @@ class RequestStart:
     num_encoder_tokens: int = 0
     # Of a resumed request's tokens, how many were its prompt (0: all of them).
     num_prompt_tokens: int = 0
+    # At most this many leading tokens come from the prefix cache (None: all but the
+    # last; 0: none, as skip_prefix_cache_read).
+    max_cache_hit_tokens: int | None = None
+    # Of num_new_tokens, draft slots beyond the tokens sent (scheduled on top of the
+    # prompt's part: vLLM pads a resumed request with one token left to 1 + drafts).
+    num_draft_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +165,7 @@ class BlockStored:
     medium: str
     group_index: int
     group_kind: str
+    lora_id: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +213,8 @@ class WorkerInfo:
         connected: the agent holds its plan stream open now.
         live: connected and heartbeating within the pool's heartbeat timeout; a pool is
             READY only while every rank is live.
+        in_engine: the rank's agent runs inside an engine (vLLM on kvsvc): restarting
+            the engine brings it back.
     """
 
     rank: int
@@ -215,6 +227,7 @@ class WorkerInfo:
     memory_free_bytes: int
     connected: bool = False
     live: bool = False
+    in_engine: bool = False
 
 
 @dataclass(frozen=True, slots=True)

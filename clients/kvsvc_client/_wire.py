@@ -58,6 +58,7 @@ _OPERATION_NAMES: dict[int, str] = {
     kvcache_pb2.STEP_OPERATION_TYPE_LOOKUP: "lookup",
     kvcache_pb2.STEP_OPERATION_TYPE_FREE: "free",
     kvcache_pb2.STEP_OPERATION_TYPE_PREEMPT: "preempt",
+    kvcache_pb2.STEP_OPERATION_TYPE_CACHE: "cache",
 }
 
 
@@ -120,6 +121,7 @@ def hashing_to_pb(hashing: HashingContext | None) -> kvcache_pb2.HashingContext 
             for i in hashing.mm_items
         ],
         prompt_embeds_digests=hashing.prompt_embeds_digests,
+        lora_id=hashing.lora_id,
     )
 
 
@@ -134,6 +136,8 @@ def start_to_pb(start: RequestStart | bool) -> kvcache_pb2.RequestStart | None:
         resumed=start.resumed,
         num_encoder_tokens=start.num_encoder_tokens,
         num_prompt_tokens=start.num_prompt_tokens,
+        max_cache_hit_tokens=start.max_cache_hit_tokens,
+        num_draft_tokens=start.num_draft_tokens,
     )
 
 
@@ -218,7 +222,8 @@ class StepBuilder:
         free_queue_head_limit: ask the reply for this many ids from the front of the
             pool's free queue after the batch (``StepResultList.free_queue_head``).
         free_queue_head_offset: with ``free_queue_head_limit``, skip this many ids of
-            the queue's front first (to read a large queue page by page).
+            the queue's front first (to read a large queue page by page, in order, with
+            Steps that carry no operations: each page starts where the last one ended).
     """
 
     def __init__(self, pool: str) -> None:
@@ -230,6 +235,7 @@ class StepBuilder:
         self._new: list[int] = []
         self._lookahead: list[int] = []
         self._rejected: list[int] = []
+        self._in_flight: list[int] = []
         self._starts: dict[int, kvcache_pb2.RequestStart] = {}
         self.free_queue_head_limit = 0
         self.free_queue_head_offset = 0
@@ -256,9 +262,12 @@ class StepBuilder:
         num_lookahead_tokens: int = 0,
         start: RequestStart | bool = False,
         num_rejected_tokens: int = 0,
+        num_in_flight_tokens: int = 0,
     ) -> StepBuilder:
         """Add an allocation (``start`` on a request's first call, as for ``allocate``;
-        ``num_rejected_tokens``: drafts of the last step that were rejected)."""
+        ``num_rejected_tokens``: drafts of the last step that were rejected;
+        ``num_in_flight_tokens``: computed tokens of earlier steps whose outputs have not
+        come back, for an engine that schedules ahead)."""
         start_pb = start_to_pb(start)
         if start_pb is not None:
             self._starts[len(self._types)] = start_pb
@@ -269,6 +278,30 @@ class StepBuilder:
         self._new.append(num_new_tokens)
         self._lookahead.append(num_lookahead_tokens)
         self._rejected.append(num_rejected_tokens)
+        self._in_flight.append(num_in_flight_tokens)
+        return self
+
+    def cache(
+        self,
+        request_id: str,
+        new_token_ids: Sequence[int] = (),
+        *,
+        num_rejected_tokens: int = 0,
+        num_in_flight_tokens: int = 0,
+    ) -> StepBuilder:
+        """Add the arrival of a running request's outputs after its slots were allocated
+        (an engine that schedules ahead, or speculates): the server appends them, takes
+        ``num_rejected_tokens`` off its computed count and caches the blocks that are full
+        up to computed - ``num_in_flight_tokens``. Allocates nothing (vLLM's
+        ``cache_blocks``)."""
+        self._types.append(kvcache_pb2.STEP_OPERATION_TYPE_CACHE)
+        self._ids.append(request_id)
+        self._counts.append(len(new_token_ids))
+        self._tokens.extend(new_token_ids)
+        self._new.append(0)
+        self._lookahead.append(0)
+        self._rejected.append(num_rejected_tokens)
+        self._in_flight.append(num_in_flight_tokens)
         return self
 
     def lookup(
@@ -286,6 +319,7 @@ class StepBuilder:
         self._new.append(0)
         self._lookahead.append(0)
         self._rejected.append(0)
+        self._in_flight.append(0)
         return self
 
     def free(self, request_id: str) -> StepBuilder:
@@ -303,6 +337,7 @@ class StepBuilder:
         self._new.append(0)
         self._lookahead.append(0)
         self._rejected.append(0)
+        self._in_flight.append(0)
         return self
 
     def to_pb(self) -> kvcache_pb2.StepRequest:
@@ -327,6 +362,7 @@ class StepBuilder:
             packed_token_ids=packed or b"",
             num_lookahead_tokens=self._lookahead if any(self._lookahead) else (),
             num_rejected_tokens=self._rejected if any(self._rejected) else (),
+            num_in_flight_tokens=self._in_flight if any(self._in_flight) else (),
             starts=self._starts,
             free_queue_head_limit=self.free_queue_head_limit,
             free_queue_head_offset=self.free_queue_head_offset,
@@ -495,6 +531,7 @@ def _event(event: kvcache_pb2.KVEvent) -> KVEvent:
             medium=s.medium,
             group_index=s.group_index,
             group_kind=s.group_kind,
+            lora_id=s.lora_id,
         )
     if kind == "removed":
         r = event.removed
@@ -551,6 +588,7 @@ def pool_info(summary: admin_pb2.PoolSummary) -> PoolInfo:
                 memory_free_bytes=w.memory_free_bytes,
                 connected=w.connected,
                 live=w.live,
+                in_engine=w.in_engine,
             )
             for w in summary.workers
         ),

@@ -66,6 +66,8 @@ class AsyncKVCacheClient:
         self.target = target
         self.options = options or ClientOptions()
         self._channel = self.options.aio_channel(target)
+        # How the channel connects, for the hints of errors.
+        self._connection = self.options.connection(target)
         self._stub = kvcache_pb2_grpc.KVCacheServiceStub(self._channel)
         self._admin = admin_pb2_grpc.AdminServiceStub(self._channel)
         self._metadata = self.options.metadata()
@@ -113,7 +115,7 @@ class AsyncKVCacheClient:
                 if wait is not None:
                     await asyncio.sleep(wait)
                     continue
-                raise error_from_rpc(exc) from None
+                raise error_from_rpc(exc, **self._connection) from None
             trailing = getattr(call, "trailing_metadata", None)
             if trailing is not None:
                 self._note_epoch(await trailing())
@@ -207,6 +209,8 @@ class AsyncKVCacheClient:
         """Follow the pool's events; resumes after the last batch after a reconnect.
         ``caught_up=True`` also yields the caught-up marker after each replay (see the
         sync client's ``watch_events``)."""
+        if from_sequence is not None and not 0 <= from_sequence < 2**64:
+            raise ValueError(f"from_sequence must be in [0, 2^64), got {from_sequence}")
         next_seq = from_sequence
         attempt = 0
         while True:
@@ -226,7 +230,7 @@ class AsyncKVCacheClient:
                 return
             except grpc.aio.AioRpcError as exc:
                 if not reconnect or exc.code() not in RETRYABLE:
-                    raise error_from_rpc(exc) from None
+                    raise error_from_rpc(exc, **self._connection) from None
                 await asyncio.sleep(self.options.delay(attempt))
                 attempt += 1
             finally:

@@ -135,6 +135,8 @@ class KVCacheClient:
         self.options = options or ClientOptions()
         self._own_channel = channel is None
         self._channel = channel or self.options.channel(target)
+        # How the channel connects, for the hints of errors (unknown for a given channel).
+        self._connection = self.options.connection(target) if channel is None else {}
         self._stub = kvcache_pb2_grpc.KVCacheServiceStub(self._channel)
         self._admin = admin_pb2_grpc.AdminServiceStub(self._channel)
         self._metadata = self.options.metadata()
@@ -209,7 +211,7 @@ class KVCacheClient:
                 if wait is not None:
                     time.sleep(wait)
                     continue
-                raise error_from_rpc(exc) from None
+                raise error_from_rpc(exc, **self._connection) from None
             self._note_epoch(call)
             return response
 
@@ -343,6 +345,8 @@ class KVCacheClient:
         batch it yielded, so nothing is missed while the server holds it; a batch with
         ``gap=True`` says what could not be replayed.
         """
+        if from_sequence is not None and not 0 <= from_sequence < 2**64:
+            raise ValueError(f"from_sequence must be in [0, 2^64), got {from_sequence}")
         next_seq = from_sequence
         attempt = 0
         while True:
@@ -357,7 +361,7 @@ class KVCacheClient:
                 try:
                     stream = self._stub.WatchEvents(request, metadata=self._metadata)
                 except grpc.RpcError as exc:  # a channel that refuses at once (frames:)
-                    raise error_from_rpc(exc) from None
+                    raise error_from_rpc(exc, **self._connection) from None
                 self._watches.add(stream)
             try:
                 for message in stream:
@@ -371,7 +375,7 @@ class KVCacheClient:
                 if self._closed:
                     return  # close() from another thread: the caller asked it to end
                 if not reconnect or exc.code() not in RETRYABLE:  # type: ignore[attr-defined]
-                    raise error_from_rpc(exc) from None
+                    raise error_from_rpc(exc, **self._connection) from None
                 time.sleep(self.options.delay(attempt))
                 attempt += 1
             finally:
@@ -435,7 +439,7 @@ class KVCacheClient:
             os.replace(partial, path)
         except grpc.RpcError as exc:
             partial.unlink(missing_ok=True)
-            raise error_from_rpc(exc) from None
+            raise error_from_rpc(exc, **self._connection) from None
         except BaseException:
             partial.unlink(missing_ok=True)
             raise

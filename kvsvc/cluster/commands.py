@@ -236,6 +236,18 @@ def run_indexer(args: argparse.Namespace) -> int:
         tls_key=(tls.key or "") if tls else "",
         tls_server_name=(tls.server_name or "") if tls else "",
     )
+    from kvsvc.ports import Listener, ListenError, check_listeners
+
+    metrics_listener = (
+        Listener(args.metrics_listen, "indexer /metrics", "--metrics-listen", *metrics_address)
+        if metrics_address is not None
+        else None
+    )
+    try:  # before anything starts, as every kvsvc command that listens
+        check_listeners([metrics_listener] if metrics_listener is not None else [])
+    except ListenError as exc:
+        print(exc.report("kvsvc indexer"), file=sys.stderr)
+        return 1
     try:
         client = connect(args.redis)
         client.ping()
@@ -255,8 +267,10 @@ def run_indexer(args: argparse.Namespace) -> int:
         except TlsFileError as exc:
             print(f"kvsvc indexer: {exc}", file=sys.stderr)
             return 1
-        except OSError as exc:
-            print(f"kvsvc indexer: --metrics-listen {args.metrics_listen}: {exc}", file=sys.stderr)
+        except OSError as exc:  # taken since the check
+            assert metrics_listener is not None
+            error = ListenError(args.metrics_listen, metrics_listener.what, "--metrics-listen", exc)
+            print(error.report("kvsvc indexer"), file=sys.stderr)
             return 1
         metrics_port = metrics_server.server_port
     options = IndexerOptions(
@@ -454,17 +468,30 @@ def run_router(args: argparse.Namespace) -> int:
     from kvsvc.cluster.router import create_router
     from kvsvc.cluster.score import Scorer
     from kvsvc.cluster.store import connect
+    from kvsvc.ports import Listener, ListenError, check_listeners
     from kvsvc.tls import ServerTls, TlsFileError
 
     try:
         policy = policy_from_args(args)
         seed = _read_seed(args)
+        listener = Listener(
+            args.listen, "router gRPC", "--listen", *_host_port(args.listen, "--listen")
+        )
         tokens = _read_tokens(args.token_file) if args.token_file else []
         if (args.tls_cert is None) != (args.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together")
         if args.tls_client_ca and not args.tls_cert:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
         tls = ServerTls(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    except ValueError as exc:
+        print(f"kvsvc router: {exc}", file=sys.stderr)
+        return 2
+    try:  # before anything starts; gRPC's own failure is a C-core log line and a traceback
+        check_listeners([listener])
+    except ListenError as exc:
+        print(exc.report("kvsvc router"), file=sys.stderr)
+        return 1
+    try:
         client = connect(args.redis)
         client.ping()
     except ValueError as exc:
@@ -479,8 +506,8 @@ def run_router(args: argparse.Namespace) -> int:
     except TlsFileError as exc:
         print(f"kvsvc router: {exc}", file=sys.stderr)
         return 1
-    except (OSError, RuntimeError) as exc:
-        print(f"kvsvc router: --listen {args.listen}: {exc}", file=sys.stderr)
+    except ListenError as exc:  # taken since the check
+        print(exc.report("kvsvc router"), file=sys.stderr)
         return 1
     # The port line last and alone: scripts (and tests) read the port as its last word.
     print(

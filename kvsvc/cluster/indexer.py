@@ -129,7 +129,7 @@ class Follower(SourceThread):
 
         while not self._stop.is_set():
             try:
-                if self.store.acquire() == "held":
+                if not self._take_lease():
                     self._set_state("standby")
                     self._stop.wait(self.options.lease_ttl_s / 3)
                     continue
@@ -137,7 +137,7 @@ class Follower(SourceThread):
                 self._session()
                 attempt = 0
             except LeaseLost:
-                _log.warning("%s: another indexer holds the lease now; standing by", self.name)
+                self._lease_refused()
                 self._set_state("standby")
             except InvalidSource as exc:
                 self._quarantine(exc)
@@ -171,6 +171,7 @@ class Follower(SourceThread):
                 cleared = self.store.purge()
                 self.metrics.purges.labels("removed").inc()
                 _log.info("%s: removed from the sources: purged (%d blocks)", self.name, cleared)
+            self.lease.drop()
             self.store.release()
         except (redis_error_type(), LeaseLost) as exc:
             _log.warning("%s: stopping: %s", self.name, exc)
@@ -343,18 +344,18 @@ class Follower(SourceThread):
             target=self._read, args=(kv, batches), name=f"watch-{self.name}", daemon=True
         )
         reader.start()
-        renew_every = self.options.lease_ttl_s / 3
+        # The keeper renews the lease meanwhile; this loop only looks, between two runs,
+        # whether it lapsed all the same, and asks the source's load every load_interval_s.
+        tick = self.options.lease_ttl_s / 3
         load_every = self.options.load_interval_s
-        renewed = time.monotonic()
-        next_load = renewed  # the first report at once
+        next_load = time.monotonic()  # the first report at once
         try:
             while not self._stop.is_set():
-                now = time.monotonic()
-                if now - renewed >= renew_every:
-                    self._renew()
-                    renewed = now = time.monotonic()
-                wait = renew_every - (now - renewed)
+                if self.lease.lapsed:
+                    self._check_retaken()
+                wait = tick
                 if load_every > 0:
+                    now = time.monotonic()
                     if now >= next_load:
                         self._report_load(kv)
                         next_load = now + load_every
@@ -399,14 +400,13 @@ class Follower(SourceThread):
         self._load.publish(self.store.ensure_id(), usage.num_requests, used, usage.num_blocks)
         self.metrics.load_reports.labels("ok").inc()
 
-    def _renew(self) -> None:
-        """Keep the lease. One taken afresh (it had expired, or Redis restarted and lost
-        it) is checked against what Redis holds now: a source Redis lost, or that another
+    def _check_retaken(self) -> None:
+        """The lease lapsed: take it again (LeaseLost if another indexer has it). One
+        taken afresh (the indexer was paused past the TTL, or Redis restarted and lost it)
+        is checked against what Redis holds now: a source Redis lost, or that another
         writer moved meanwhile, is rebuilt, even while its server sends nothing."""
-        status = self.store.acquire()
-        if status == "held":
-            raise LeaseLost(self.name)
-        if status == "new":
+        if self._retake():
+            self.store.flush_pending()  # what a writer in between decided, before ours
             state = self.store.state()
             if state.epoch != self._epoch or state.seq != self._seq:
                 raise _NeedSnapshot("resync")

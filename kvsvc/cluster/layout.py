@@ -337,6 +337,15 @@ end
 return 'held'
 """
 
+# Extends the lease its caller holds (ARGV: owner, ttl ms): "ok", or "lost" when the lease
+# is gone or another's. Never takes a lease: one that lapsed is taken again by its writer
+# (LEASE), at a point where it re-reads what the index holds.
+RENEW = r"""
+if redis.call('GET', KEYS[4]) ~= ARGV[1] then return 'lost' end
+redis.call('PEXPIRE', KEYS[4], ARGV[2])
+return 'ok'
+"""
+
 # Clears engine ARGV[1]'s bit of one block and deletes the block's key once no bit is
 # left (an all-zero bitmap would stay forever otherwise). One key: any slot.
 CLEAR_BIT = r"""

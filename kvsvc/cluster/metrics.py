@@ -69,6 +69,13 @@ class IndexerMetrics:
             "hash); their entries were dropped and their stream is ignored",
             registry=r,
         )
+        self.lease_lapses = Counter(
+            "kvsvc_indexer_lease_lapses_total",
+            "Leases of sources this indexer was writing that lapsed under it (the process "
+            "was paused or starved past --lease-ttl, or Redis lost them): each was taken "
+            "again, or by another indexer",
+            registry=r,
+        )
         self.redis_errors = Counter(
             "kvsvc_indexer_redis_errors_total",
             "Redis commands that failed (connection lost, timeout, error reply)",

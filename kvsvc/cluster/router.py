@@ -20,6 +20,7 @@ import grpc
 from kvsvc.cluster.route import RoutePolicy, Router, RouteResult
 from kvsvc.cluster.score import MAX_SCORE_TOKENS, HashesPrompt, Prompt, Scorer, TokenPrompt
 from kvsvc.errors import FailedPrecondition, InvalidArgument
+from kvsvc.ports import ListenError
 from kvsvc.tls import ClientTls, ServerTls, ServerTlsSource, open_channel
 from kvsvc.v1 import cluster_pb2, cluster_pb2_grpc
 
@@ -221,14 +222,15 @@ def create_router(
 
     Args:
         scorer: what answers Score.
-        router: what answers Route (None: the default weights over ``scorer``).
         listen: ``HOST:PORT`` (port 0: any free one).
         tokens: bearer tokens a caller must send one of (none: open).
         tls: the listener's certificate (re-read when its files change; a client CA
             makes it mTLS); None: plaintext.
+        router: what answers Route (None: the default weights over ``scorer``).
 
     Raises:
-        OSError: the address cannot be bound.
+        ListenError: the address cannot be bound (``kvsvc router`` checks it first, so
+            only one taken since then meets gRPC's own failure).
         TlsFileError: the certificate files cannot be used.
     """
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -256,12 +258,16 @@ def create_router(
     ):
         handlers = guard_malformed_sync(service, recorded_handlers(add, servicer))
         add_service(server, service, handlers)
-    if tls is not None:
-        port = server.add_secure_port(listen, ServerTlsSource(tls).grpc_credentials())
-    else:
-        port = server.add_insecure_port(listen)
+    try:
+        if tls is not None:
+            port = server.add_secure_port(listen, ServerTlsSource(tls).grpc_credentials())
+        else:
+            port = server.add_insecure_port(listen)
+    except RuntimeError:  # gRPC's "Failed to bind to address"
+        port = 0
     if not port:
-        raise OSError(f"cannot listen on {listen}")
+        server.stop(None)
+        raise ListenError(listen, "router gRPC", "--listen", "the address cannot be bound")
     server.start()
     return server, port
 

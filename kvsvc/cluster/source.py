@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvsvc.cluster.layout import Keys
+from kvsvc.cluster.lease import LeaseKeeper
 from kvsvc.cluster.metrics import IndexerMetrics
 from kvsvc.cluster.store import InvalidSource, LeaseLost, SourceStore, Tracking
 
@@ -32,7 +33,8 @@ DEFAULT_LOAD_TTL_S = 5.0
 @dataclass(frozen=True, slots=True)
 class IndexerOptions:
     """Attributes:
-    lease_ttl_s: a source's lease lasts this long unrenewed (renewed every third).
+    lease_ttl_s: a source's lease lasts this long unrenewed (renewed every third, on
+        a thread of its own: :class:`kvsvc.cluster.lease.LeaseKeeper`).
     purge_after_s: a source unreachable this long is purged from the index.
     max_batch_events: block events applied in one script call at most.
     client_options: how to reach the sources (token of the admin role, TLS); a
@@ -64,7 +66,10 @@ class SourceThread:
     guard, bits), its state in the metrics, and the thread that follows it.
 
     Subclasses give ``_run`` (the thread's loop, until ``_stop`` is set) and may give
-    ``_interrupt`` (what wakes a loop blocked on its stream when it must stop).
+    ``_interrupt`` (what wakes a loop blocked on its stream when it must stop). The loop
+    takes the lease with :meth:`_take_lease`, reports a write refused for want of it with
+    :meth:`_lease_refused`, and between two writes calls :meth:`_retake` when the keeper
+    says the lease lapsed.
     """
 
     def __init__(
@@ -80,6 +85,8 @@ class SourceThread:
         self.options = options
         self.metrics = metrics
         self.store = SourceStore(client, name, owner, options.keys, options.lease_ttl_s)
+        self.lease = LeaseKeeper(self.store, name)
+        self._lease_lost = False
         self.state_name = "standby"
         self.caught_up = threading.Event()  # set once the source is followed live
         self._stop = threading.Event()
@@ -89,6 +96,7 @@ class SourceThread:
         self._seq = 0
 
     def start(self) -> None:
+        self.lease.start()
         self._thread.start()
 
     def stop(self, purge: bool = False, timeout: float = 10.0) -> None:
@@ -98,9 +106,57 @@ class SourceThread:
         self._stop.set()
         self._interrupt()
         self._thread.join(timeout)
+        self.lease.close()
 
     def _interrupt(self) -> None:
         """Wake the loop if it is blocked on its stream (nothing by default)."""
+
+    def _take_lease(self) -> bool:
+        """Take the lease, or keep it (at the top of the loop); False: another indexer
+        holds it (stand by)."""
+        status = self.store.acquire()
+        lost, self._lease_lost = self._lease_lost, False
+        if status == "held":
+            self.lease.drop()
+            if lost:
+                _log.warning("%s: another indexer holds the lease now; standing by", self.name)
+            return False
+        if lost and status == "new":
+            _log.warning(
+                "%s: its lease had lapsed (the indexer was paused, or starved past "
+                "--lease-ttl); taken again, resuming from the index's sequence",
+                self.name,
+            )
+        self.lease.hold()
+        return True
+
+    def _lease_refused(self) -> None:
+        """A write was refused for want of the lease (it lapsed, and maybe another
+        indexer took it): :meth:`_take_lease` decides at the top of the loop."""
+        self.lease.drop()
+        self.metrics.lease_lapses.inc()
+        self._lease_lost = True
+
+    def _retake(self) -> bool:
+        """The keeper found the lease lapsed (checked between two writes): take it again,
+        or raise LeaseLost when another indexer holds it now.
+
+        Returns:
+            True when it was taken afresh: the index may have moved meanwhile (another
+            writer, or Redis restarted empty), and the caller checks it before writing.
+        """
+        status = self.store.acquire()
+        if status == "held":
+            raise LeaseLost(self.name)  # the loop's handler: _lease_refused
+        self.lease.hold()
+        if status == "new":
+            self.metrics.lease_lapses.inc()
+            _log.warning(
+                "%s: its lease had lapsed (the indexer was paused, or starved past "
+                "--lease-ttl); taken again",
+                self.name,
+            )
+        return status == "new"
 
     def _set_state(self, name: str) -> None:
         self.state_name = self.metrics.move_source(self.state_name, name)
@@ -120,9 +176,11 @@ class SourceThread:
         try:
             if self.store.acquire() != "held":
                 self.store.purge()
+                self.lease.drop()
                 self.store.release()
         except (redis_error_type(), LeaseLost) as exc:
             _log.warning("%s: dropping its entries: %s", self.name, exc)
+        self.lease.drop()
         self._tracking = None
         self._stop.wait()
 

@@ -383,9 +383,9 @@ class SourceStore:
         name: the source's name (``HOST:PORT/POOL``).
         owner: this writer's lease token (unique per indexer process and source).
         keys: the key layout (its prefix).
-        lease_ttl_s: how long a lease lasts without renewal; the holder renews it every
-            third of that. Another indexer takes over a source this long after its holder
-            stopped.
+        lease_ttl_s: how long a lease lasts without renewal; its holder renews it every
+            third of that (:class:`kvsvc.cluster.lease.LeaseKeeper`). Another indexer takes
+            over a source this long after its holder stopped.
     """
 
     def __init__(
@@ -401,6 +401,7 @@ class SourceStore:
         self._install = client.register_script(layout.INSTALL)
         self._clear_pending = client.register_script(layout.CLEAR_PENDING)
         self._lease = client.register_script(layout.LEASE)
+        self._renew = client.register_script(layout.RENEW)
         self._release = client.register_script(layout.RELEASE)
         self._clear_bit = client.register_script(layout.CLEAR_BIT)
         self.engine_id: int | None = None
@@ -420,6 +421,12 @@ class SourceStore:
             # be handed to another source now, and both would write the same bit.
             self.engine_id = None
         return status
+
+    def renew(self) -> bool:
+        """Extend the lease this writer holds; False when it is gone or another's (it is
+        then not taken: the writer takes it again with :meth:`acquire`)."""
+        result = self._renew(keys=self._keys, args=[self.owner, self.lease_ttl_ms])
+        return (result.decode() if isinstance(result, bytes) else str(result)) == "ok"
 
     def release(self) -> None:
         self._release(keys=self._keys, args=[self.owner])

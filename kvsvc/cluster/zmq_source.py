@@ -41,6 +41,7 @@ from kvsvc.cluster.source import IndexerOptions, SourceThread
 from kvsvc.cluster.store import (
     MAX_GROUP_INDEX,
     MAX_HASH_BYTES,
+    MAX_WINDOW,
     InvalidSource,
     LeaseLost,
     SourceMoved,
@@ -100,12 +101,30 @@ def _check_events(events: list[Any]) -> None:
         group = event.group_idx or 0
         if problem is None and not 0 <= group <= MAX_GROUP_INDEX:
             problem = f"group_idx {group} (must be in [0, {MAX_GROUP_INDEX}])"
+        if problem is None and isinstance(event, BlockStored):
+            window = event.kv_cache_spec_sliding_window
+            if window is not None and not 0 <= window <= MAX_WINDOW:
+                problem = (
+                    f"kv_cache_spec_sliding_window {window} (must be in [0, {MAX_WINDOW}] tokens)"
+                )
         if problem is None:
-            sizes = [len(h) for h in event.block_hashes if isinstance(h, bytes)]
-            if sizes and max(sizes) > MAX_HASH_BYTES:
-                problem = f"a block hash of {max(sizes)} bytes (at most {MAX_HASH_BYTES})"
+            problem = _hashes_problem(event.block_hashes)
         if problem is not None:
             raise InvalidSource(f"{type(event).__name__} (event {i} of a batch) with {problem}")
+
+
+def _hashes_problem(hashes: list[Any]) -> str | None:
+    """Why ``hashes`` (an event's block hashes) cannot be indexed (None: they can): a
+    bytes hash over MAX_HASH_BYTES, or an int outside vLLM's unsigned 64 bits (its int
+    hashes are a hash's last 8 bytes read big-endian, never negative)."""
+    sizes = [len(h) for h in hashes if isinstance(h, bytes)]
+    if sizes and max(sizes) > MAX_HASH_BYTES:
+        return f"a block hash of {max(sizes)} bytes (at most {MAX_HASH_BYTES})"
+    ints = [h for h in hashes if isinstance(h, int)]
+    if ints and (min(ints) < 0 or max(ints) >= 1 << (8 * INT_HASH_BYTES)):
+        bad = min(ints) if min(ints) < 0 else max(ints)
+        return f"an int block hash {bad} (must be in [0, 2^64))"
+    return None
 
 
 class ZmqFollower(SourceThread):
@@ -152,13 +171,14 @@ class ZmqFollower(SourceThread):
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             sub.connect(self.endpoint)
             try:
-                if self.store.acquire() == "held":
+                if not self._take_lease():
                     self._set_state("standby")
                     self._stop.wait(self.options.lease_ttl_s / 3)
                     continue
                 self._set_state("writing")
                 self._session(sub, decoder)
             except LeaseLost:
+                self._lease_refused()
                 self._set_state("standby")
             except InvalidSource as exc:
                 sub.close(0)  # nothing more is read from it
@@ -179,6 +199,7 @@ class ZmqFollower(SourceThread):
             if self._purge_on_stop and self.store.acquire() != "held":
                 self.store.purge()
                 self.metrics.purges.labels("removed").inc()
+            self.lease.drop()
             self.store.release()
         except (redis.exceptions.RedisError, LeaseLost) as exc:
             _log.warning("%s: stopping: %s", self.name, exc)
@@ -195,19 +216,14 @@ class ZmqFollower(SourceThread):
         elif self._tracking is None and self.replay is not None:
             # A first start: what the engine's replay buffer still holds, from its start.
             self._apply(self._replay(1), decoder, replayed=True)
-        renew_every = self.options.lease_ttl_s / 3
-        renewed = time.monotonic()
         while not self._stop.is_set():
-            if time.monotonic() - renewed >= renew_every:
-                status = self.store.acquire()
-                if status == "held":
-                    raise LeaseLost(self.name)
-                if status == "new" and self._tracking is not None:
-                    # Taken afresh: if Redis lost the source, start it again from here.
-                    state = self.store.state()
-                    if state.epoch != ZMQ_EPOCH or state.seq != self._seq:
-                        self._tracking = None
-                renewed = time.monotonic()
+            # The keeper renews the lease; between two runs, look whether it lapsed.
+            if self.lease.lapsed and self._retake() and self._tracking is not None:
+                # Taken afresh: if Redis lost the source, start it again from here.
+                self.store.flush_pending()
+                state = self.store.state()
+                if state.epoch != ZMQ_EPOCH or state.seq != self._seq:
+                    self._tracking = None
             if not sub.poll(POLL_MS):
                 continue
             messages = [sub.recv_multipart()]

@@ -14,8 +14,9 @@ from kvsvc.specs import KV_CACHE_DTYPE_CHOICES, MAMBA_CACHE_MODES
 MODEL_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
-def int_at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``minimum``, with a message naming the bound."""
+def int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum`` (and <= ``maximum`` when given: the
+    width of the wire field it goes to), with a message naming the bound."""
 
     def parse(text: str) -> int:
         try:
@@ -24,6 +25,10 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(
+                f"expected an integer in [{minimum}, {maximum}], got {text!r}"
+            )
         return value
 
     return parse

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from typing import Any
 
@@ -96,9 +97,10 @@ def add_parser(subparsers: Any) -> None:
     events.add_argument(
         "--from",
         dest="from_sequence",
-        type=int_at_least(1),
+        # A sequence number is 64 bits on the wire (WatchEventsRequest.from_sequence).
+        type=int_at_least(1, MAX_SEQUENCE),
         metavar="N",
-        help="first sequence number (1: the oldest batch held)",
+        help="first sequence number (1: the oldest batch held; at most 2^64 - 1)",
     )
     events.add_argument(
         "--count", type=int, metavar="N", help="stop after N batches or when caught up"
@@ -146,7 +148,27 @@ def add_parser(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
-def _pools(client: Any, as_json: bool, server: str) -> int:
+def connect_flags(args: argparse.Namespace, tls: Any) -> str:
+    """The flags that reach the server as this command did (``--server``, TLS as resolved
+    from flags and environment, ``--token-file``), for a line to copy: a hint's command
+    without them fails against a TLS server. A token given on the command line is left
+    out (a secret, and visible in ps): the line says where the token comes from instead."""
+    flags = ["--server", args.server]
+    if tls is not None:
+        for flag, value in (
+            ("--tls-ca", tls.ca),
+            ("--tls-cert", tls.cert),
+            ("--tls-key", tls.key),
+            ("--tls-server-name", tls.server_name),
+        ):
+            if value:
+                flags += [flag, value]
+    if args.token_file:
+        flags += ["--token-file", args.token_file]
+    return shlex.join(flags)
+
+
+def _pools(client: Any, as_json: bool, connect: str) -> int:
     from dataclasses import asdict
 
     pools = client.list_pools()
@@ -171,7 +193,7 @@ def _pools(client: Any, as_json: bool, server: str) -> int:
         for w in p.workers:
             if w.registered:
                 print(f"  rank {w.rank}: {_rank_line(w)}")
-        hint = _waiting_hint(p, server)
+        hint = _waiting_hint(p, connect)
         if hint:
             print(f"  {hint}")
     return 0
@@ -195,9 +217,10 @@ def _rank_line(w: Any) -> str:
     )
 
 
-def _waiting_hint(p: Any, server: str) -> str:
-    """What a pool that is not READY waits for, and the command that waits with it."""
-    wait = f"`kvsvc ctl --server {server} wait-ready {p.name} --timeout 60` waits for READY"
+def _waiting_hint(p: Any, connect: str) -> str:
+    """What a pool that is not READY waits for, and the command that waits with it
+    (``connect``: the flags that reach the server, :func:`connect_flags`)."""
+    wait = f"`kvsvc ctl {connect} wait-ready {p.name} --timeout 60` waits for READY"
     if p.state == "WAITING_FOR_WORKERS":
         missing = [w.rank for w in p.workers if not w.registered]
         ranks = ", ".join(map(str, missing)) or "?"
@@ -207,7 +230,13 @@ def _waiting_hint(p: Any, server: str) -> str:
         ranks = ", ".join(map(str, pending)) or "?"
         return f"planned; waiting for rank {ranks} to report its allocation; {wait}"
     if p.state == "DEGRADED":
-        gone = ", ".join(str(w.rank) for w in p.workers if not w.live) or "?"
+        lost = [w for w in p.workers if not w.live]
+        gone = ", ".join(str(w.rank) for w in lost) or "?"
+        if lost and all(w.in_engine for w in lost):
+            return (
+                f"serving, but rank {gone} is not live: its agent is the engine's worker "
+                "(vLLM on kvsvc): restart the engine (its workers register the ranks again)"
+            )
         return (
             f"serving, but rank {gone} is not live: restart its agent (same --rank; it "
             "gets the same plan back)"
@@ -287,6 +316,10 @@ def _usage(client: Any, as_json: bool) -> int:
     return 0
 
 
+# The largest sequence number the wire carries (WatchEventsRequest.from_sequence: uint64).
+MAX_SEQUENCE = 2**64 - 1
+
+
 def _events(
     client: Any,
     from_sequence: int | None,
@@ -316,7 +349,7 @@ def _events(
         try:
             for batch in client.watch_events(from_sequence, caught_up=True):
                 batches.put(batch)
-        except KVCacheError as exc:
+        except Exception as exc:  # to the main thread, which says it (no thread traceback)
             batches.put(exc)
         batches.put(None)  # the stream ended (the client was closed)
 
@@ -337,6 +370,9 @@ def _events(
             return 0
         if isinstance(item, KVCacheError):
             raise item
+        if isinstance(item, Exception):
+            print(f"kvsvc ctl: reading the events failed: {item}", file=sys.stderr)
+            return 1
         if item.caught_up:
             if stop_when_idle:
                 print(
@@ -388,7 +424,6 @@ def run(args: argparse.Namespace) -> int:
         KVCacheError,
         PermissionDeniedError,
         UnauthenticatedError,
-        UnavailableError,
     )
 
     if args.ctl_command == "score":
@@ -423,7 +458,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with KVCacheClient(args.server, pool=pool, options=options) as client:
             if args.ctl_command == "pools":
-                return _pools(client, args.json, args.server)
+                return _pools(client, args.json, connect_flags(args, tls))
             if args.ctl_command == "wait-ready":
                 return _wait_ready(client, args.pool, args.wait_timeout)
             if args.ctl_command == "plan":
@@ -463,11 +498,10 @@ def run(args: argparse.Namespace) -> int:
                 print(f"wrote {args.out} ({size} bytes)")
                 return 0
     except KVCacheError as exc:
+        # A TLS server that drops a connection without a word: the client's error says
+        # what was missing (kvsvc_client.errors.connection_hint).
         hint = ""
-        if isinstance(exc, UnavailableError) and tls is None:
-            # A TLS server drops a plaintext client's connection without a word: say so.
-            hint = "; if the server uses TLS, give --tls-ca (or KVSVC_TLS_CA)"
-        elif isinstance(exc, UnauthenticatedError | PermissionDeniedError) and (
+        if isinstance(exc, UnauthenticatedError | PermissionDeniedError) and (
             "--token-file" not in exc.details  # the server's message may say it already
         ):
             hint = (

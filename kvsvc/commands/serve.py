@@ -25,6 +25,7 @@ from kvsvc.server.config import (
     DEFAULT_SUBSCRIBER_MAX_LAG_BYTES,
     DEFAULT_SUBSCRIBER_WRITE_TIMEOUT_S,
     HASH_ALGOS,
+    KV_EVENTS_VLLM_VERSIONS,
     LAYOUTS,
     POOL_PLACEHOLDER,
     STATE_SYNCHRONOUS,
@@ -138,8 +139,10 @@ def add_parser(subparsers: Any) -> None:
         action="append",
         default=[],
         metavar="FILE",
-        help="start a pool from a snapshot file of `kvsvc ctl snapshot` (with --state-dir "
-        "it becomes the pool's state there; repeat for several pools)",
+        help="start a pool from a snapshot file of `kvsvc ctl snapshot`, with the settings "
+        "it was made with (flags and the config file may give those that do not change "
+        "its plan); with --state-dir it becomes the pool's state there; repeat for several "
+        "pools",
     )
 
     tls = parser.add_argument_group(
@@ -171,7 +174,14 @@ def add_parser(subparsers: Any) -> None:
         "--kv-events-zmq",
         metavar="ENDPOINT",
         help="PUB endpoint: tcp://*:5557 binds (port 0: any free port, printed at start), "
-        "tcp://HOST:PORT connects (vLLM's rule), ipc://PATH binds",
+        "tcp://HOST:PORT connects (vLLM's rule; --kv-events-bind binds it), ipc://PATH binds",
+    )
+    events.add_argument(
+        "--kv-events-bind",
+        action="store_true",
+        default=None,
+        help="bind --kv-events-zmq even when it names a host (vLLM's rule connects to it): "
+        "tcp://127.0.0.1:5557 publishes on loopback only",
     )
     events.add_argument(
         "--kv-events-replay",
@@ -196,10 +206,22 @@ def add_parser(subparsers: Any) -> None:
         "=1; on unless the config file says kv_events_int_hashes = false); "
         "--no-kv-events-int-hashes: the hash bytes, as vLLM with that variable 0",
     )
+    events.add_argument(
+        "--kv-events-vllm-version",
+        choices=KV_EVENTS_VLLM_VERSIONS,
+        help="write the events' bytes as this vLLM release does (default: the newest, "
+        f"{KV_EVENTS_VLLM_VERSIONS[-1]}; 0.33 added a field, so 0.32's bytes differ; "
+        "consumers of every release decode either)",
+    )
 
-    pool = parser.add_argument_group("pool (one, defined by flags)")
+    # The pool flags default to None, "not given": a pool restored from a snapshot takes
+    # what they leave unset from it (restore_settings), others PoolConfig's defaults.
+    pool = parser.add_argument_group(
+        "pool (one, defined by flags; with --restore, a flag not given takes the snapshot's "
+        "setting)"
+    )
     pool.add_argument("--pool", help="pool name")
-    pool.add_argument("--world-size", type=int, default=1, help="ranks (TP x PP) in the pool")
+    pool.add_argument("--world-size", type=int, help="ranks (TP x PP) in the pool (default: 1)")
     pool.add_argument(
         "--block-size", type=int, help="required block-size multiple of attention layers"
     )
@@ -208,7 +230,7 @@ def add_parser(subparsers: Any) -> None:
         type=int,
         help="longest request (default: the model length the agents report; -1 fits memory)",
     )
-    pool.add_argument("--hash-algo", choices=HASH_ALGOS, default="xxh3_128")
+    pool.add_argument("--hash-algo", choices=HASH_ALGOS, help="default: xxh3_128")
     seed = pool.add_mutually_exclusive_group()
     seed.add_argument(
         "--hash-seed",
@@ -221,31 +243,30 @@ def add_parser(subparsers: Any) -> None:
         "secret every server of a cluster shares so a cluster index and its router compute "
         "the same hashes",
     )
-    pool.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    pool.add_argument(
+        "--no-prefix-caching", action="store_true", default=None, help="disable prefix caching"
+    )
     pool.add_argument("--num-gpu-blocks-override", type=int, help="plan exactly this many blocks")
-    pool.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    pool.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    pool.add_argument("--disable-hybrid-kv-cache-manager", action="store_true")
+    pool.add_argument("--gpu-memory-utilization", type=float, help="default: 0.9")
+    pool.add_argument("--max-num-batched-tokens", type=int, help="default: 8192")
+    pool.add_argument("--disable-hybrid-kv-cache-manager", action="store_true", default=None)
     pool.add_argument(
         "--prefix-cache-retention-interval",
         type=int,
-        default=0,
         metavar="N",
         help="which blocks of sliding-window groups are cached, as vLLM's setting of that "
         "name: 0 (its default) only those a later prefix hit can use, N > 0 also a window "
         "tail per N-token segment, -1 every full block (default: 0)",
     )
-    pool.add_argument("--layout", choices=LAYOUTS, default="layer_outer")
+    pool.add_argument("--layout", choices=LAYOUTS, help="default: layer_outer")
     pool.add_argument(
         "--max-subscribers",
         type=int,
-        default=DEFAULT_MAX_SUBSCRIBERS,
         help=f"open WatchEvents streams the pool takes (default {DEFAULT_MAX_SUBSCRIBERS})",
     )
     pool.add_argument(
         "--subscriber-max-lag-bytes",
         type=parse_bytes,
-        default=DEFAULT_SUBSCRIBER_MAX_LAG_BYTES,
         help="how much further behind a WatchEvents subscriber may fall (serialized bytes) "
         f"before it gets a gap marker (default {DEFAULT_SUBSCRIBER_MAX_LAG_BYTES // 2**20}MiB)",
     )
@@ -253,7 +274,16 @@ def add_parser(subparsers: Any) -> None:
 
 
 def build_config(args: argparse.Namespace) -> ServerConfig:
-    """The server config from ``--config`` plus flags (flags win; the flag pool is added)."""
+    """The server config from ``--config`` plus flags (flags win; the flag pool is added).
+
+    A pool a ``--restore`` file holds takes the settings the flags or the config file leave
+    unset from the snapshot, and is added as the snapshot has it when neither names it: a
+    snapshot knows its pool, so ``kvsvc serve --restore FILE`` needs no pool flags.
+
+    Raises:
+        ConfigError: a bad setting; StateError (a ConfigFileError): a ``--restore`` file
+            that cannot be read.
+    """
     data: dict[str, Any] = load_config_file(args.config) if args.config else {}
     overrides: dict[str, Any] = {}
     if args.listen:
@@ -293,30 +323,66 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
             overrides[key] = getattr(args, flag)
     if args.kv_events_int_hashes is not None:
         overrides["kv_events_int_hashes"] = args.kv_events_int_hashes
+    if args.kv_events_vllm_version is not None:
+        overrides["kv_events_vllm_version"] = args.kv_events_vllm_version
+    if args.kv_events_bind:
+        overrides["kv_events_bind"] = True
     for key in ("tls_cert", "tls_key", "tls_client_ca"):
         if getattr(args, key) is not None:
             overrides[key] = getattr(args, key)
+    from kvsvc.server.restore import restore_settings  # the state code: only here
+
+    restored = restore_settings(args.restore)
+    configured: set[str] = set()
+    if isinstance(data.get("pools"), list):
+        # A config-file pool that a --restore file holds: its keys win, the snapshot fills in.
+        data["pools"] = [
+            {**restored[p["name"]][1], **p}
+            if isinstance(p, dict) and p.get("name") in restored
+            else p
+            for p in data["pools"]
+        ]
+        configured = {str(p.get("name")) for p in data["pools"] if isinstance(p, dict)}
+    extra: list[PoolConfig] = []
     if args.pool:
-        overrides["extra_pools"] = (
-            PoolConfig(
-                name=args.pool,
-                world_size=args.world_size,
-                block_size=args.block_size,
-                max_model_len=args.max_model_len,
-                hash_algo=args.hash_algo,
-                hash_seed=_hash_seed(args),
-                enable_prefix_caching=not args.no_prefix_caching,
-                num_gpu_blocks_override=args.num_gpu_blocks_override,
-                gpu_memory_utilization=args.gpu_memory_utilization,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
-                layout=args.layout,
-                max_subscribers=args.max_subscribers,
-                subscriber_max_lag_bytes=args.subscriber_max_lag_bytes,
-                prefix_cache_retention_interval=args.prefix_cache_retention_interval,
-            ),
-        )
+        configured.add(args.pool)
+        saved = restored[args.pool][1] if args.pool in restored else {}
+        settings = {**saved, **_pool_flags(args)}
+        extra.append(PoolConfig(name=args.pool, hash_seed=_hash_seed(args), **settings))
+    # A snapshot of a pool configured nowhere else: the pool as the snapshot has it.
+    extra += [
+        PoolConfig(name=name, **settings)
+        for name, (_, settings) in restored.items()
+        if name not in configured
+    ]
+    if extra:
+        overrides["extra_pools"] = tuple(extra)
     return server_config_from_dict(data, overrides)
+
+
+# The flag pool's flags that set the PoolConfig field of their name (None: not given).
+POOL_FLAGS = (
+    "world_size",
+    "block_size",
+    "max_model_len",
+    "hash_algo",
+    "num_gpu_blocks_override",
+    "gpu_memory_utilization",
+    "max_num_batched_tokens",
+    "disable_hybrid_kv_cache_manager",
+    "layout",
+    "max_subscribers",
+    "subscriber_max_lag_bytes",
+    "prefix_cache_retention_interval",
+)
+
+
+def _pool_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The flag pool's settings its flags give (None: not given)."""
+    given = {name: getattr(args, name) for name in POOL_FLAGS if getattr(args, name) is not None}
+    if args.no_prefix_caching:
+        given["enable_prefix_caching"] = False
+    return given
 
 
 def _hash_seed(args: argparse.Namespace) -> str | None:
@@ -451,9 +517,14 @@ def run(args: argparse.Namespace) -> int:
     # This process is the server alone: fewer collections (GC_THRESHOLDS), and its pools'
     # long-lived objects frozen out of them once planned (freeze_gc in serve()).
     gc.set_threshold(*GC_THRESHOLDS)
+    from kvsvc.ports import ListenError
+
     try:
         asyncio.run(serve(config, restore=args.restore, early_stop=early_stop))
-    except (OSError, ConfigFileError) as exc:  # a port in use; TLS files gone since the check
+    except ListenError as exc:  # ports in use: a line for each
+        print(exc.report("kvsvc serve"), file=sys.stderr)
+        return 1
+    except (OSError, ConfigFileError) as exc:  # TLS files gone since the check, ...
         print(f"kvsvc serve: {exc}", file=sys.stderr)
         return 1
     return 0

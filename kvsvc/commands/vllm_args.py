@@ -39,6 +39,12 @@ def add_parser(subparsers: Any) -> None:
         "(kvsvc serve --frames-listen); the workers still use --server",
     )
     parser.add_argument(
+        "--allow-untested-vllm",
+        action="store_true",
+        help="let the engine start on a vLLM release outside the range kvsvc supports "
+        "(with a warning) instead of refusing it",
+    )
+    parser.add_argument(
         "--json", action="store_true", help="print vllm_kwargs(...) as JSON instead of flags"
     )
     parser.set_defaults(func=run)
@@ -46,10 +52,17 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        untested = args.allow_untested_vllm
         if args.json:
-            print(json.dumps(vllm_kwargs(args.server, args.pool, frames=args.frames), indent=2))
+            kwargs = vllm_kwargs(
+                args.server, args.pool, frames=args.frames, allow_untested_vllm=untested
+            )
+            print(json.dumps(kwargs, indent=2))
         else:
-            print(" ".join(vllm_serve_flags(args.server, args.pool, frames=args.frames)))
+            flags = vllm_serve_flags(
+                args.server, args.pool, frames=args.frames, allow_untested_vllm=untested
+            )
+            print(" ".join(flags))
     except ValueError as exc:
         raise SystemExit(f"kvsvc vllm-args: {exc}") from None
     return 0

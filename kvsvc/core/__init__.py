@@ -49,7 +49,7 @@ from kvsvc.core.hashing import (
 from kvsvc.core.mamba_manager import MambaManager
 from kvsvc.core.manager import KVCacheBlocks, KVCacheManager, resolve_block_sizes
 from kvsvc.core.managers import make_manager, manager_class_for
-from kvsvc.core.pool import PoolKVCache
+from kvsvc.core.pool import MAX_FREE_QUEUE_WALK, PoolKVCache
 from kvsvc.core.pool_base import DEFAULT_RECENTLY_FREED
 from kvsvc.core.pool_types import (
     AllocateOutcome,
@@ -72,6 +72,7 @@ __all__ = [
     "DEFAULT_RECENTLY_FREED",
     "DEFAULT_SHA256_CBOR_SEED",
     "HASH_ALGOS",
+    "MAX_FREE_QUEUE_WALK",
     "MAX_HASHING_STRING_BYTES",
     "MAX_LORA_PATH_BYTES",
     "MAX_MM_IDENTIFIER_BYTES",

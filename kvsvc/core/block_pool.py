@@ -55,7 +55,17 @@ class FreeBlockQueue:
         num_blocks: pool size including the null block, which is never in the queue.
     """
 
-    __slots__ = ("_lo", "_next", "_num_linked", "_prev", "_sentinel", "_stack", "num_blocks")
+    __slots__ = (
+        "_cursor_block",
+        "_cursor_pos",
+        "_lo",
+        "_next",
+        "_num_linked",
+        "_prev",
+        "_sentinel",
+        "_stack",
+        "num_blocks",
+    )
 
     def __init__(self, num_blocks: int) -> None:
         assert num_blocks >= 1
@@ -71,6 +81,12 @@ class FreeBlockQueue:
         self._next[sentinel] = sentinel
         self._prev[sentinel] = sentinel
         self._num_linked = 0
+        # Where the last page read of the LRU region ended (its position in that region
+        # and its block), so reading the queue page after page walks each link once.
+        # NOTE: valid while the region's order and positions stand: an append keeps them;
+        # a pop from it, a remove and a load end it (``_cursor_pos = -1``).
+        self._cursor_pos = -1
+        self._cursor_block = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -106,6 +122,7 @@ class FreeBlockQueue:
             self._lo += take
         first_linked = len(ids)
         if first_linked < n:
+            self._cursor_pos = -1
             nxt = self._next
             prv = self._prev
             sentinel = self._sentinel
@@ -166,6 +183,7 @@ class FreeBlockQueue:
         prv[following] = before
         nxt[block_id] = 0
         self._num_linked -= 1
+        self._cursor_pos = -1
 
     def is_linked(self, block_id: int) -> bool:
         """Whether ``block_id`` is in the LRU region (O(1); for assertions and tests)."""
@@ -184,10 +202,90 @@ class FreeBlockQueue:
     def get_all_free_blocks(self) -> list[int]:
         return list(self)
 
+    def _linked_range(self, offset: int, limit: int) -> tuple[int, int]:
+        """The part ``[k, e)`` of the LRU region a page of ``limit`` ids from ``offset``
+        covers (``k >= e``: none)."""
+        before = len(self._stack) + (self.num_blocks - self._lo)
+        k = max(0, offset - before)
+        return k, min(self._num_linked, max(0, offset + limit - before))
+
+    def _linked_plan(self, k: int, e: int) -> tuple[int, int, int]:
+        """How a page reaches ``[k, e)`` of the LRU region: the links it walks first, the
+        block it starts from, and how: 0 forward from it to ``k`` then reading forward;
+        1 backward from it to ``e - 1`` then reading backward; 2 backward to ``k`` then
+        reading forward. From the region's front, its back, or the cursor."""
+        plan = (k, self._next[self._sentinel], 0)
+        back = self._num_linked - e
+        if back < plan[0]:
+            plan = (back, self._prev[self._sentinel], 1)
+        cursor = self._cursor_pos
+        if cursor >= 0:
+            block = self._cursor_block
+            if cursor <= k:
+                here = (k - cursor, block, 0)
+            elif cursor >= e - 1:
+                here = (cursor - (e - 1), block, 1)
+            else:
+                here = (cursor - k, block, 2)
+            if here[0] < plan[0]:
+                plan = here
+        return plan
+
+    def page_walk(self, offset: int, limit: int) -> int:
+        """The links :meth:`page` must follow before it reads the ``limit`` ids from
+        position ``offset`` (O(1)).
+
+        The stack and the untouched range are indexed directly; inside the LRU region a
+        page starts from whichever is nearest of its front, its back (reading backward)
+        and the cursor the previous page left (links run both ways), so reading the
+        queue page after page, with no change in between, walks nothing.
+        """
+        k, e = self._linked_range(offset, limit)
+        return self._linked_plan(k, e)[0] if k < e else 0
+
+    def page(self, offset: int, limit: int) -> list[int]:
+        """``limit`` free ids from position ``offset`` of the queue, in eviction order.
+
+        Costs O(``limit`` + :meth:`page_walk`), not O(``offset``): the caller bounds the
+        walk (a far position of a long LRU region is a walk of millions of links).
+        """
+        out: list[int] = []
+        if limit <= 0 or offset < 0:
+            return out
+        stack = self._stack
+        s = len(stack)
+        end = offset + limit
+        if offset < s:  # the stack's top is the queue's front
+            out.extend(reversed(stack[max(0, s - end) : s - offset]))
+        lo, n = self._lo, self.num_blocks
+        r = n - lo
+        if offset < s + r and end > s:
+            out.extend(range(lo + max(0, offset - s), lo + min(r, end - s)))
+        k, e = self._linked_range(offset, limit)
+        if k >= e:
+            return out
+        steps, b, how = self._linked_plan(k, e)
+        nxt, prv = self._next, self._prev
+        links = nxt if how == 0 else prv
+        for _ in range(steps):
+            b = links[b]
+        run = [b]
+        links = prv if how == 1 else nxt
+        for _ in range(e - k - 1):
+            b = links[b]
+            run.append(b)
+        if how == 1:
+            run.reverse()
+        out.extend(run)
+        self._cursor_pos = e - 1
+        self._cursor_block = run[-1]
+        return out
+
     def load_order(self, order: Sequence[int]) -> None:
         """Make the queue hold exactly ``order`` (front first), as prepended ids: the
         caller guarantees every free id appears once and no id is held."""
         n = self.num_blocks
+        self._cursor_pos = -1
         self._stack[:] = list(reversed(order))
         self._lo = n
         self._next[:] = array("i", bytes(4 * (n + 1)))
@@ -228,6 +326,7 @@ class FreeBlockQueue:
         lo, num_linked = state["lo"], state["num_linked"]
         if not 1 <= lo <= n or not 0 <= num_linked < n or len(stack) + (n - lo) + num_linked >= n:
             raise ValueError("free queue regions are inconsistent")
+        self._cursor_pos = -1
         self._stack[:] = list(stack)
         self._lo = lo
         self._next[:] = array("i", nxt)
@@ -422,6 +521,7 @@ class BlockPool:
         lora_name: str | None = None,
         block_mask: Sequence[bool] | None = None,
         extra_keys: BlockExtraKeys | None = None,
+        lora_id: int | None = None,
     ) -> None:
         """Index ``blocks[num_cached_blocks:num_full_blocks]`` under their hashes.
 
@@ -438,6 +538,7 @@ class BlockPool:
             block_size: the group's block size (events).
             token_ids: the request's tokens (events).
             lora_name: the request's adapter (events).
+            lora_id: the adapter's integer id as the engine numbers it (events).
             block_mask: per block of ``blocks[num_cached_blocks:num_full_blocks]``,
                 whether to cache it (None: all).
             extra_keys: the request's extra keys per block (events; None: it has none).
@@ -464,7 +565,7 @@ class BlockPool:
                 ), f"block {block_id} is cached under another hash: a wrong prefix hit"
                 if self.events is not None:  # vLLM reports the step, without a hash
                     self._emit_stored(
-                        [], block_hashes, group_id, block_size, token_ids, lora_name,
+                        [], block_hashes, group_id, block_size, token_ids, (lora_name, lora_id),
                         extra_keys, i, i + 1,
                     )  # fmt: skip
                 return
@@ -475,7 +576,7 @@ class BlockPool:
             self.num_cached_blocks += 1
             if self.events is not None:
                 self._emit_stored(
-                    [i], block_hashes, group_id, block_size, token_ids, lora_name,
+                    [i], block_hashes, group_id, block_size, token_ids, (lora_name, lora_id),
                     extra_keys, i, i + 1,
                 )  # fmt: skip
             return
@@ -503,7 +604,7 @@ class BlockPool:
                 stored.append(i)
         if stored is not None:
             self._emit_stored(
-                stored, block_hashes, group_id, block_size, token_ids, lora_name,
+                stored, block_hashes, group_id, block_size, token_ids, (lora_name, lora_id),
                 extra_keys, num_cached_blocks, num_full_blocks,
             )  # fmt: skip
 
@@ -514,7 +615,7 @@ class BlockPool:
         group_id: int,
         block_size: int,
         token_ids: Sequence[int],
-        lora_name: str | None,
+        lora: tuple[str | None, int | None],
         extra_keys: BlockExtraKeys | None,
         start: int,
         end: int,
@@ -532,11 +633,12 @@ class BlockPool:
                 block_hashes[start - 1] if start > 0 else None,
                 tokens.tolist() if isinstance(tokens, array) else list(tokens),
                 block_size,
-                lora_name,
+                lora[0],
                 self.medium,
                 group_id,
                 self.group_kinds[group_id],
                 _keys_of_blocks(extra_keys, positions, block_size),
+                lora[1],
             )
         )
 

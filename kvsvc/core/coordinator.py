@@ -101,13 +101,6 @@ class KVCacheCoordinator:
                 )
         return total
 
-    def get_num_freeable_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> int:
-        """Blocks ``remove_skipped_blocks`` would free (lets a refusal change nothing)."""
-        return sum(
-            m.get_num_freeable_skipped_blocks(request_id, total_computed_tokens)
-            for m in self._dropping
-        )
-
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
         """Null out and free, in every group, blocks the next token no longer attends to."""
         for manager in self._dropping:
@@ -267,7 +260,7 @@ class HybridCoordinator(KVCacheCoordinator):
             else:
                 types.append((spec, [group_id], type(manager)))
         self.attention_groups = sorted(types, key=lambda t: not isinstance(t[0], FullAttentionSpec))
-        self.lcm_block_size = lcm(*(spec.block_size for spec, _, _ in types))
+        self.lcm_block_size = lcm(*[spec.block_size for spec, _, _ in types])
         # One full-attention type plus one other: a single round is exact (full attention's
         # hit is downward closed, so the other type's cut only truncates it).
         self._single_round = len(self.attention_groups) == 2 and isinstance(

@@ -59,6 +59,8 @@ class BlockStored:
             them: ``("lora", name, path)``, ``("mm", id, offset)``, ``("cache_salt", s)``,
             ``("prompt_embeds", digest)``), None for a block without any; None as a whole
             when the request has none. vLLM-format events publish them (untagged).
+        lora_id: the adapter's integer id as the engine numbers it (vLLM's
+            ``lora_int_id``), if the engine gave one.
     """
 
     block_hashes: list[bytes]
@@ -70,6 +72,7 @@ class BlockStored:
     group_index: int
     group_kind: str
     extra_keys: list[tuple[Any, ...] | None] | None = None
+    lora_id: int | None = None
 
 
 @dataclass(slots=True)

@@ -99,6 +99,9 @@ class HashingContext:
         mm_items: multimodal items, any order (sorted by offset here).
         prompt_embeds_digests: one digest per ``hash_block_size`` block of prompt embeddings;
             blocks past the last digest get no prompt-embeds key.
+        lora_id: the adapter's integer id as the engine numbers it (vLLM's
+            ``lora_int_id``): reported in KV events as vLLM reports it, never hashed
+            (the name and path key the blocks; the id is the engine's local handle).
     """
 
     cache_salt: str | None = None
@@ -106,6 +109,7 @@ class HashingContext:
     lora_path: str | None = None
     mm_items: tuple[MultiModalItem, ...] = ()
     prompt_embeds_digests: tuple[bytes, ...] = ()
+    lora_id: int | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -121,17 +125,20 @@ class HashingContext:
             self.lora_path,
             [[item.identifier, item.offset, item.length] for item in self.mm_items],
             list(self.prompt_embeds_digests),
+            self.lora_id,
         ]
 
     @classmethod
     def from_state(cls, state: list[Any]) -> HashingContext:
-        cache_salt, lora_name, lora_path, items, digests = state
+        # States written before lora_id existed have five entries.
+        cache_salt, lora_name, lora_path, items, digests = state[:5]
         return cls(
             cache_salt=cache_salt,
             lora_name=lora_name,
             lora_path=lora_path,
             mm_items=tuple(MultiModalItem(i, o, n) for i, o, n in items),
             prompt_embeds_digests=tuple(digests),
+            lora_id=state[5] if len(state) > 5 else None,
         )
 
 
@@ -265,7 +272,7 @@ class BlockExtraKeys:
         ]
         # Items ending at or before a block's start can never appear in its keys: bisecting
         # this running maximum finds the first item worth looking at.
-        self._prefix_max_end = list(accumulate((o + n for o, n, _ in self._mm), max))
+        self._prefix_max_end = list(accumulate([o + n for o, n, _ in self._mm], max))
         self._mm_end = self._prefix_max_end[-1] if self._mm else 0
 
     def __call__(self, start: int, end: int) -> ExtraKeys | None:

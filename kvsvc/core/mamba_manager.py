@@ -82,16 +82,6 @@ class MambaManager(SingleTypeKVCacheManager):
         blocks = self.req_to_blocks.get(request_id)
         return idx if blocks and blocks[idx] != NULL_BLOCK_ID else None
 
-    def get_num_freeable_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> int:
-        count = super().get_num_freeable_skipped_blocks(request_id, total_computed_tokens)
-        idx = self._last_state_to_free(request_id, total_computed_tokens)
-        if idx is not None:
-            block_id = self.req_to_blocks[request_id][idx]
-            _, skipped = self._skipped_blocks(request_id, total_computed_tokens)
-            if block_id not in skipped and self.pool.ref_cnt[block_id] == 1:
-                count += 1
-        return count
-
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
         super().remove_skipped_blocks(request_id, total_computed_tokens)
         # The state allocated two steps ago was copied forward; it is no longer needed.

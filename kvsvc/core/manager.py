@@ -226,12 +226,17 @@ class KVCacheManager:
         return self.block_pool.get_usage()
 
     def get_computed_blocks(
-        self, request: RequestState, *, record_stats: bool = True
+        self,
+        request: RequestState,
+        *,
+        record_stats: bool = True,
+        max_cache_hit_tokens: int | None = None,
     ) -> tuple[KVCacheBlocks, int]:
         """The cached prefix of a request being admitted.
 
         The hit is capped at ``num_tokens - 1``: the last token must be computed to get
         logits. That can cost a whole block, since hits are block aligned.
+        ``max_cache_hit_tokens`` lowers the cap (vLLM's ``max_cache_hit_length``).
 
         Returns:
             The hit blocks per group and the hit length in tokens (0 when caching is off or
@@ -239,8 +244,11 @@ class KVCacheManager:
         """
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return KVCacheBlocks(self._empty_blocks), 0
+        max_length = request.num_tokens - 1
+        if max_cache_hit_tokens is not None and max_cache_hit_tokens < max_length:
+            max_length = max_cache_hit_tokens
         hits, num_hit_tokens = self.coordinator.find_longest_cache_hit(
-            request.block_hashes, request.num_tokens - 1
+            request.block_hashes, max_length
         )
         request.shared_prefix_boundary = self.coordinator.last_junction
         if record_stats:
@@ -320,8 +328,13 @@ class KVCacheManager:
         num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
         num_encoder_tokens: int = 0,
+        num_in_flight_tokens: int = 0,
     ) -> tuple[list[int], ...] | None:
-        """``allocate_slots`` returning the bare per-group lists (one object less per call)."""
+        """``allocate_slots`` returning the bare per-group lists (one object less per call).
+
+        ``num_in_flight_tokens``: of the computed tokens, those whose KV earlier steps
+        still write (async scheduling); out-of-window blocks are freed only below them.
+        """
         if (
             new_computed_blocks is None
             and not num_external_computed_tokens
@@ -334,7 +347,11 @@ class KVCacheManager:
                 )
             if self._windowed_groups is not None:
                 return self._allocate_running_windowed(
-                    request, num_new_tokens, num_lookahead_tokens, delay_cache_blocks
+                    request,
+                    num_new_tokens,
+                    num_lookahead_tokens,
+                    delay_cache_blocks,
+                    num_in_flight_tokens,
                 )
         coordinator = self.coordinator
         request_id = request.request_id
@@ -344,7 +361,14 @@ class KVCacheManager:
         total_computed = min(num_local_computed + num_external_computed_tokens, max_model_len)
         num_tokens_main_model = total_computed + num_new_tokens
         num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, max_model_len)
+        # Blocks out of a window are freed on the processed-token basis (vLLM's).
+        processed = max(0, total_computed - num_in_flight_tokens)
 
+        # Before the check and before allocating, as vLLM does: blocks the window passed
+        # go back to the free queue even when the allocation then fails (so the order
+        # they are freed in, ahead of a preempted request's, is vLLM's), and fewer cached
+        # blocks get evicted.
+        coordinator.remove_skipped_blocks(request_id, processed)
         num_to_allocate = coordinator.get_num_blocks_to_allocate(
             request_id,
             num_tokens_need_slot,
@@ -353,14 +377,8 @@ class KVCacheManager:
             num_local_computed + num_external_computed_tokens,
             num_tokens_main_model,
         )
-        num_free = self.block_pool.free_queue.num_free_blocks
-        if num_to_allocate > num_free and num_to_allocate > num_free + (
-            coordinator.get_num_freeable_skipped_blocks(request_id, total_computed)
-        ):
+        if num_to_allocate > self.block_pool.free_queue.num_free_blocks:
             return None
-
-        # Before allocating, so fewer cached blocks get evicted.
-        coordinator.remove_skipped_blocks(request_id, total_computed)
         if not coordinator.is_running(request_id):
             # First allocation: start the tables with the prefix hits (touched) and blocks
             # for external tokens. A running request never gets either.
@@ -383,6 +401,7 @@ class KVCacheManager:
         num_new_tokens: int,
         num_lookahead_tokens: int,
         delay_cache_blocks: bool,
+        num_in_flight_tokens: int,
     ) -> tuple[list[int], ...] | None:
         # A running request of a pool whose groups are all attention with plain tables
         # (full, sink, sliding window, chunked local): the general path without the per-group
@@ -408,21 +427,21 @@ class KVCacheManager:
             counts.append(count)
             if count > 0:
                 num_to_allocate += count
-        if num_to_allocate:
-            num_free = self.block_pool.free_queue.num_free_blocks
-            if num_to_allocate > num_free and num_to_allocate > num_free + (
-                self.coordinator.get_num_freeable_skipped_blocks(request_id, total_computed)
-            ):
-                return None
+        processed = total_computed - num_in_flight_tokens
+        if processed < 0:
+            processed = 0
+        # Released before the check, as the general path (and vLLM) releases them.
         for i in self._dropping_indexes:
             # Only call out when the window passed a block that is not null yet.
             manager = managers[i]
             table = tables[i]
             skipped = min(
-                manager.get_num_skipped_tokens(total_computed) // manager.block_size, len(table)
+                manager.get_num_skipped_tokens(processed) // manager.block_size, len(table)
             )
             if skipped > 0 and table[skipped - 1] != NULL_BLOCK_ID:
-                manager.remove_skipped_blocks(request_id, total_computed)
+                manager.remove_skipped_blocks(request_id, processed)
+        if num_to_allocate and num_to_allocate > self.block_pool.free_queue.num_free_blocks:
+            return None
         new_blocks: list[list[int]] = []
         if num_to_allocate:
             get_new_blocks = self.block_pool.get_new_blocks

@@ -31,7 +31,6 @@ they all share: the parts take it, so none imports the facade), :mod:`~kvsvc.cor
 
 from __future__ import annotations
 
-import itertools
 import struct
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -67,6 +66,10 @@ from kvsvc.errors import (
     quoted,
 )
 from kvsvc.specs import KVCacheConfig
+
+# The most links of the free queue's cached (LRU) region a page may follow before the
+# ids it returns (FreeBlockQueue.page_walk): a page costs O(limit + this), never O(offset).
+MAX_FREE_QUEUE_WALK = 65536
 
 
 class PoolKVCache(RunningBatchPool):
@@ -124,6 +127,7 @@ class PoolKVCache(RunningBatchPool):
         *,
         num_rejected_tokens: int = 0,
         packed_token_ids: bytes | None = None,
+        num_in_flight_tokens: int = 0,
     ) -> AllocateOutcome:
         """Admit, resume or continue a request and give it slots for this step.
 
@@ -140,6 +144,10 @@ class PoolKVCache(RunningBatchPool):
             packed_token_ids: ``new_token_ids`` already validated and packed by
                 :func:`kvsvc.core.hashing.unpack_token_ids` (the wire's compact form);
                 spares checking and packing them again.
+            num_in_flight_tokens: tokens of earlier steps whose outputs have not come
+                back (async scheduling): their KV is still being written, so blocks
+                that fell out of a window are freed only below computed - in-flight
+                (vLLM's ``allocate_slots`` frees on that processed-token basis).
 
         Returns:
             The outcome; ``ok=False`` (NO_SPACE) changed nothing. A refused first call does
@@ -165,6 +173,10 @@ class PoolKVCache(RunningBatchPool):
                 "num_lookahead_tokens", f"must be >= 0, got {num_lookahead_tokens}"
             )
         if start is not None:
+            if num_in_flight_tokens:
+                raise InvalidArgument(
+                    "num_in_flight_tokens", "must be 0 on a first call (nothing is in flight)"
+                )
             return admit(
                 self,
                 request_id,
@@ -174,6 +186,64 @@ class PoolKVCache(RunningBatchPool):
                 start,
                 packed_token_ids,
             )
+        return self._continue(
+            request_id,
+            new_token_ids,
+            num_new_tokens,
+            num_lookahead_tokens,
+            num_rejected_tokens,
+            num_in_flight_tokens,
+            packed_token_ids,
+            cache_only=False,
+        )
+
+    def cache_outputs(
+        self,
+        request_id: str,
+        new_token_ids: Sequence[int],
+        *,
+        num_rejected_tokens: int = 0,
+        num_in_flight_tokens: int = 0,
+        packed_token_ids: bytes | None = None,
+    ) -> AllocateOutcome:
+        """Outputs of a running request arrived after its slots were allocated: append
+        them and index the blocks they complete (vLLM's ``cache_blocks`` from its
+        scheduler's ``update_from_output``, under async scheduling or speculation).
+
+        Allocates and frees nothing. Blocks are cached up to ``computed -
+        num_in_flight_tokens`` (after ``num_rejected_tokens`` is taken off the computed
+        count): a slot whose KV a later step is still writing, or that holds a rejected
+        draft's KV, is never indexed.
+
+        Raises:
+            InvalidArgument: bad token ids or counts (nothing changed).
+            NotFound: the request is not live.
+        """
+        return self._continue(
+            request_id,
+            new_token_ids,
+            0,
+            0,
+            num_rejected_tokens,
+            num_in_flight_tokens,
+            packed_token_ids,
+            cache_only=True,
+        )
+
+    def _continue(
+        self,
+        request_id: str,
+        new_token_ids: Sequence[int],
+        num_new_tokens: int,
+        num_lookahead_tokens: int,
+        num_rejected_tokens: int,
+        num_in_flight_tokens: int,
+        packed_token_ids: bytes | None,
+        *,
+        cache_only: bool,
+    ) -> AllocateOutcome:
+        """A live request's later call: allocate for this step, or (``cache_only``) only
+        append its outputs and cache what they complete."""
         request = self._requests.get(request_id)
         if request is None:
             raise NotFound(
@@ -203,6 +273,11 @@ class PoolKVCache(RunningBatchPool):
                 f"must be in [0, {computed_before}] (computed tokens), got {num_rejected_tokens}",
             )
         computed = computed_before - num_rejected_tokens
+        if not 0 <= num_in_flight_tokens <= computed:
+            raise InvalidArgument(
+                "num_in_flight_tokens",
+                f"must be in [0, {computed}] (computed tokens), got {num_in_flight_tokens}",
+            )
         if computed + num_new_tokens > self.max_model_len:
             raise InvalidArgument(
                 "num_new_tokens",
@@ -221,21 +296,33 @@ class PoolKVCache(RunningBatchPool):
                 raise InvalidArgument(
                     "new_token_ids", f"token ids must be integers ({exc})"
                 ) from None
-        request.num_computed_tokens = computed
-        block_ids = self.manager.allocate_block_ids(
-            request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens
-        )
         null_counts = self._null_counts
+        nulls_before = None if null_counts is None else null_counts(request_id)
+        request.num_computed_tokens = computed
+        if cache_only:
+            self.manager.cache_blocks(
+                request, min(computed - num_in_flight_tokens, len(request.all_token_ids))
+            )
+            block_ids: tuple[list[int], ...] | None = self._no_new_blocks()
+        else:
+            block_ids = self.manager.allocate_block_ids(
+                request,
+                num_new_tokens,
+                num_lookahead_tokens=num_lookahead_tokens,
+                num_in_flight_tokens=num_in_flight_tokens,
+            )
         if block_ids is None:
             request.truncate(num_tokens_before)
             request.num_computed_tokens = computed_before
+            nulls = self._zeros if null_counts is None else null_counts(request_id)
             return AllocateOutcome(
                 False,
                 self._no_new_blocks(),
-                self._zeros if null_counts is None else null_counts(request_id),
+                nulls,
                 0,
                 num_new_tokens,
                 computed_before,
+                released=nulls_before is not None and nulls != nulls_before,
             )
         request.num_computed_tokens = computed + num_new_tokens
         self.num_tokens_held += len(new_token_ids)
@@ -252,10 +339,29 @@ class PoolKVCache(RunningBatchPool):
             request.num_computed_tokens,
         )
 
+    def would_cache(self, request_id: str, num_tokens: int) -> bool:
+        """Whether caching the request's blocks up to ``num_tokens`` tokens would index a
+        block none of its calls processed yet (lets an engine skip a call that would
+        change nothing)."""
+        request = self._requests.get(request_id)
+        if request is None or not self.manager.enable_caching:
+            return False
+        limit = min(num_tokens, len(request.all_token_ids))
+        return any(
+            limit // manager.block_size > manager.num_cached_block.get(request_id, 0)
+            for manager in self.manager.coordinator.managers
+        )
+
     def _allocate_general(
-        self, request_id: str, token_ids: Sequence[int], num_new_tokens: int
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_new_tokens: int,
+        num_in_flight_tokens: int = 0,
     ) -> AllocateOutcome:
-        return self.allocate(request_id, token_ids, num_new_tokens)
+        return self.allocate(
+            request_id, token_ids, num_new_tokens, num_in_flight_tokens=num_in_flight_tokens
+        )
 
     def free(self, request_ids: Sequence[str], *, preempted: bool = False) -> int:
         """Release requests; their full blocks stay cached for reuse.
@@ -337,6 +443,20 @@ class PoolKVCache(RunningBatchPool):
             InvalidArgument: as :meth:`lookup`.
         """
         return self.probe_lookup(self.prepare_lookup(token_ids, hashing))
+
+    def lookup_capped(
+        self,
+        token_ids: Sequence[int],
+        hashing: HashingContext | None,
+        max_cache_hit_tokens: int | None,
+    ) -> tuple[int, tuple[list[int], ...]]:
+        """:meth:`lookup_blocks` with an admission's ``max_cache_hit_tokens`` cap."""
+        prepared = self.prepare_lookup(token_ids, hashing)
+        if max_cache_hit_tokens is not None and max_cache_hit_tokens < prepared.max_hit_tokens:
+            prepared = PreparedLookup(
+                prepared.block_hashes, max_cache_hit_tokens, max_cache_hit_tokens > 0
+            )
+        return self.probe_lookup(prepared)
 
     def check_lookup_length(self, num_tokens: int, field: str = "token_ids") -> None:
         """Refuse a lookup longer than max_model_len before its tokens are even decoded.
@@ -485,10 +605,26 @@ class PoolKVCache(RunningBatchPool):
         order allocations take them.
 
         An engine that replicates its pool reads the whole queue this way (page by page)
-        when it connects, so its replica allocates the ids the server will.
+        when it connects, so its replica allocates the ids the server will. A page costs
+        O(``limit``): it starts from the queue's front, its back, or where the previous
+        page ended (:meth:`FreeBlockQueue.page`), and one that would first walk more than
+        :data:`MAX_FREE_QUEUE_WALK` links of the cached region is refused.
+
+        Raises:
+            InvalidArgument: ``offset`` is that far from every such position (nothing
+                is read).
         """
-        offset = min(offset, self.manager.block_pool.num_blocks)
-        return list(itertools.islice(self.manager.block_pool.free_queue, offset, offset + limit))
+        queue = self.manager.block_pool.free_queue
+        walk = queue.page_walk(offset, limit)
+        if walk > MAX_FREE_QUEUE_WALK:
+            raise InvalidArgument(
+                "free_queue_head_offset",
+                f"position {offset} lies {walk} ids into the free queue's cached region, "
+                f"more than {MAX_FREE_QUEUE_WALK} from its front, its back and the end of "
+                "the last page read: read the queue from offset 0 page after page, with "
+                "no change to the pool in between",
+            )
+        return queue.page(offset, limit)
 
     def adopt_free_order(self, order: Sequence[int]) -> None:
         """Make the free queue ``order`` (front first): every usable block, each once.

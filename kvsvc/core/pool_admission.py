@@ -57,6 +57,11 @@ def admit(
     )
     if packed is None:
         packed = pack_token_ids(prompt, "new_token_ids")
+    drafts = start.num_draft_tokens
+    if not 0 <= drafts <= budget:
+        raise InvalidArgument(
+            "start.num_draft_tokens", f"must be in [0, {budget}] (num_new_tokens), got {drafts}"
+        )
     if start.num_encoder_tokens < 0:
         raise InvalidArgument(
             "start.num_encoder_tokens", f"must be >= 0, got {start.num_encoder_tokens}"
@@ -89,9 +94,11 @@ def admit(
         raise InvalidArgument("new_token_ids", f"token ids must be integers ({exc})") from None
     if start.num_prompt_tokens:
         request.num_prompt_tokens = start.num_prompt_tokens
-    hits, num_cached = manager.get_computed_blocks(request, record_stats=False)
-    num_scheduled = min(budget, request.num_tokens - num_cached)
-    unscheduled = request.num_tokens - num_cached - num_scheduled
+    hits, num_cached = manager.get_computed_blocks(
+        request, record_stats=False, max_cache_hit_tokens=start.max_cache_hit_tokens
+    )
+    num_scheduled = min(budget - drafts, request.num_tokens - num_cached) + drafts
+    unscheduled = max(0, request.num_tokens - num_cached - num_scheduled)
     if unscheduled:
         check_unscheduled(cache, request_id, unscheduled)
     block_ids = manager.allocate_block_ids(
@@ -106,7 +113,11 @@ def admit(
         return AllocateOutcome(
             False, cache._no_new_blocks(), cache._zeros, num_cached, num_scheduled, 0
         )
-    if manager.enable_caching and not start.skip_prefix_cache_read:
+    if (
+        manager.enable_caching
+        and not start.skip_prefix_cache_read
+        and start.max_cache_hit_tokens != 0
+    ):
         manager.record_prefix_lookup(request, num_cached)
     request.num_computed_tokens = num_cached + num_scheduled
     cache._requests[request_id] = request

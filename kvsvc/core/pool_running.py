@@ -48,6 +48,7 @@ class RunningBatchPool(PoolKVCacheBase):
         end: int,
         token_pos: int,
         out: RunningColumns,
+        num_in_flight_tokens: Sequence[int] = (),
     ) -> int:
         """``allocate`` for operations ``begin..end`` of a batch of running requests.
 
@@ -56,7 +57,9 @@ class RunningBatchPool(PoolKVCacheBase):
         order with the same semantics as ``allocate(rid, tokens, n)`` (each atomic, an
         invalid one rejected alone) and appends their results to ``out``'s columns instead
         of building an outcome object per call. Operation ``i`` owns ``token_counts[i]``
-        ids of ``token_ids``, starting at ``token_pos`` for ``begin``.
+        ids of ``token_ids``, starting at ``token_pos`` for ``begin``. Its
+        ``num_in_flight_tokens`` (empty: all 0) change nothing in a full-attention pool (no
+        window frees blocks) but are checked as ``allocate`` checks them.
 
         Only for pools where :attr:`has_plain_tables` (one full-attention group: no null
         blocks to report); operations with more than one token take the general path.
@@ -102,12 +105,20 @@ class RunningBatchPool(PoolKVCacheBase):
         pos = token_pos
         # As objects: compiled, a declared int would fail before the check below.
         unchecked_ids: Sequence[object] = token_ids
+        in_flight_of = num_in_flight_tokens
         for i in range(begin, end):
             count = token_counts[i]
             num_new = num_new_tokens[i]
             request_id = request_ids[i]
             request = requests.get(request_id)
-            if count > 1 or request is None or num_new < 0 or (flagged and request_id in flagged):
+            in_flight = in_flight_of[i] if in_flight_of else 0
+            if (
+                count > 1
+                or request is None
+                or num_new < 0
+                or (flagged and request_id in flagged)
+                or (in_flight and not 0 <= in_flight <= request.num_computed_tokens)
+            ):
                 # General path: error reporting, multi-token appends.
                 tokens = token_ids[pos : pos + count]
                 pos += count
@@ -115,7 +126,7 @@ class RunningBatchPool(PoolKVCacheBase):
                 self.num_tokens_unscheduled = unscheduled_sum
                 failure: KvsvcError | None = None
                 try:
-                    outcome = self._allocate_general(request_id, tokens, num_new)
+                    outcome = self._allocate_general(request_id, tokens, num_new, in_flight)
                 except KvsvcError as exc:
                     failure = exc
                 # The general path counts its own tokens: take its totals back.
@@ -245,6 +256,7 @@ class RunningBatchPool(PoolKVCacheBase):
                             tokens_list,
                             request.lora_name,
                             extra_keys=request.extra_keys,
+                            lora_id=request.lora_id,
                         )
                         cached_counts[request_id] = num_full
                     else:
@@ -261,8 +273,13 @@ class RunningBatchPool(PoolKVCacheBase):
         return pos
 
     def _allocate_general(
-        self, request_id: str, token_ids: Sequence[int], num_new_tokens: int
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_new_tokens: int,
+        num_in_flight_tokens: int = 0,
     ) -> AllocateOutcome:
-        """``allocate(request_id, token_ids, num_new_tokens)``: the general path, for an
-        operation this loop does not take itself (the facade overrides it)."""
+        """``allocate(request_id, token_ids, num_new_tokens, num_in_flight_tokens=...)``:
+        the general path, for an operation this loop does not take itself (the facade
+        overrides it)."""
         raise NotImplementedError("PoolKVCache.allocate")

@@ -27,6 +27,11 @@ class RequestStart:
         num_prompt_tokens: of a resumed request's tokens, how many were its prompt (0:
             all of them); sparse window retention keeps the blocks before the prompt's
             end, where a resend of it can hit.
+        max_cache_hit_tokens: at most this many leading tokens come from the prefix
+            cache (vLLM's ``max_cache_hit_length``); None: all but the last token.
+        num_draft_tokens: of the call's ``num_new_tokens``, draft slots beyond the tokens
+            sent, scheduled on top of the prompt's part (vLLM pads a request that resumes
+            with one token left to ``1 + drafts``).
     """
 
     hashing: HashingContext | None = None
@@ -34,6 +39,8 @@ class RequestStart:
     resumed: bool = False
     num_encoder_tokens: int = 0
     num_prompt_tokens: int = 0
+    max_cache_hit_tokens: int | None = None
+    num_draft_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -41,7 +48,9 @@ class AllocateOutcome:
     """Result of one ``allocate``.
 
     Attributes:
-        ok: False means NO_SPACE: nothing changed (the engine preempts or waits).
+        ok: False means NO_SPACE: the request's tokens and computed count are as they
+            were (the engine preempts or waits); only blocks a window has passed may have
+            been released (``released``), as vLLM releases them before it checks.
         new_block_ids: per group, the entries appended to the table by this call. On the
             first call that is the whole table: prefix hits, null padding (window groups),
             then new blocks. Later entries may hold the null id 0 (Mamba groups).
@@ -53,6 +62,8 @@ class AllocateOutcome:
         recompute: the request's KV data is gone (:meth:`PoolKVCache.invalidate`):
             nothing changed (``ok`` is False); the engine frees it as preempted and
             admits it again.
+        released: a NO_SPACE outcome released blocks that fell out of the request's
+            window (its table's null counts grew): the pool changed after all.
     """
 
     ok: bool
@@ -62,6 +73,7 @@ class AllocateOutcome:
     num_scheduled_tokens: int
     num_computed_tokens: int
     recompute: bool = False
+    released: bool = False
 
 
 class RunningColumns:

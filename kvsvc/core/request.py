@@ -36,6 +36,7 @@ class RequestState:
         "block_hashes",
         "extra_keys",
         "hashing",
+        "lora_id",
         "lora_name",
         "num_computed_tokens",
         "num_encoder_tokens",
@@ -70,6 +71,7 @@ class RequestState:
         self.block_hashes: list[BlockHash] = [] if block_hashes is None else block_hashes
         self.hashing = hashing
         self.lora_name = hashing.lora_name if hashing is not None else None
+        self.lora_id = hashing.lora_id if hashing is not None else None
         self.skip_reading_prefix_cache = skip_reading_prefix_cache
         self.resumed = resumed
         self.num_encoder_tokens = num_encoder_tokens

@@ -115,11 +115,6 @@ class SingleTypeKVCacheManager:
         """Leading tokens the next token no longer attends to (0: keep everything)."""
         return 0
 
-    def get_num_freeable_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> int:
-        """Blocks ``remove_skipped_blocks`` would return to the free queue (a dry run)."""
-        _, skipped = self._skipped_blocks(request_id, total_computed_tokens)
-        return list(map(self.pool.ref_cnt.__getitem__, skipped)).count(1)
-
     def _skipped_blocks(self, request_id: str, total_computed_tokens: int) -> tuple[int, list[int]]:
         """Table entries that fell out of the window and are not null yet.
 
@@ -240,6 +235,7 @@ class SingleTypeKVCacheManager:
             request.lora_name,
             self.cache_mask(request, num_cached, num_full),
             extra_keys=request.extra_keys,
+            lora_id=request.lora_id,
         )
         self.num_cached_block[request_id] = num_full
 

@@ -63,9 +63,15 @@ class Child:
 
 
 def spawn(
-    name: str, args: Sequence[str], *, env: dict[str, str] | None = None, echo: bool = False
+    name: str,
+    args: Sequence[str],
+    *,
+    env: dict[str, str] | None = None,
+    echo: bool = False,
+    cwd: Path | None = None,
 ) -> Child:
-    """Start ``python -m kvsvc <args>`` with merged stdout/stderr captured."""
+    """Start ``python -m kvsvc <args>`` (in ``cwd``, default this process's) with merged
+    stdout/stderr captured."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     process = subprocess.Popen(
         [sys.executable, "-m", "kvsvc", *args],
@@ -74,7 +80,7 @@ def spawn(
         text=True,
         env=full_env,
         start_new_session=True,  # our Ctrl-C is ours to handle; children get SIGTERM
-        cwd=str(Path.cwd()),
+        cwd=str(cwd or Path.cwd()),
     )
     child = Child(name, process, echo=echo)
     child.start_reader()

@@ -20,19 +20,14 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvsvc.ports import ListenError, check_bindable, check_unix_bindable, is_unix_address
-from kvsvc.server.config import (
-    ConfigFileError,
-    ServerConfig,
-    listen_addresses,
-    split_host_port,
-)
+from kvsvc.ports import ListenError
+from kvsvc.server.addresses import METRICS_LISTEN_FLAG, check_server_addresses
+from kvsvc.server.config import ConfigFileError, ServerConfig, listen_addresses
 from kvsvc.server.plugins import NO_EVENT_SINKS, EventSinkFactory, EventSinks, check_event_sinks
 from kvsvc.server.pool import Pool, PoolState
 from kvsvc.server.servicers import AdminServicer, KVCacheServicer, Pools, WorkerServicer
 from kvsvc.server.transports.auth import load_credentials
 from kvsvc.server.transports.frames_listener import (
-    FRAMES_LISTEN_FLAG,
     FrameLimits,
     FrameServer,
     bind_frames_addresses,
@@ -40,7 +35,6 @@ from kvsvc.server.transports.frames_listener import (
 )
 from kvsvc.server.transports.gate import CallGate, InflightLimits
 from kvsvc.server.transports.grpc_listener import (
-    LISTEN_FLAG,
     bind_grpc_addresses,
     create_grpc_server,
     kvcache_method_handlers,
@@ -202,9 +196,22 @@ class KvsvcServer:
                 await self.health.set(service, status)
 
     async def start(self) -> None:
+        """Start serving.
+
+        Raises:
+            ListenError: naming every address (gRPC, frames, /metrics, KV events) that
+                cannot be bound, before anything starts.
+        """
+        # Every address is tried before anything starts: each port in use is one line
+        # naming its flag (ListenError), not gRPC's traceback or a half-started server.
+        try:
+            check_server_addresses(self.config)
+        except BaseException:
+            self._release_state_dir()
+            raise
         for pool in self.pools.by_name.values():
             pool.start_state()
-        self.event_sinks.start()  # first: a port in use stops the start before serving
+        self.event_sinks.start()  # first: a port taken since the check stops the start
         try:
             await self._start_grpc()
         except BaseException:
@@ -216,25 +223,12 @@ class KvsvcServer:
 
     async def _start_grpc(self) -> None:
         observer = self.metrics.call_observer
-        # Both addresses are tried before anything starts: a port in use is one line naming
-        # the flag (ListenError), not gRPC's traceback or a half-started server.
-        addresses = _bindable(self.config.listen, "listen", "gRPC", LISTEN_FLAG)
+        addresses = listen_addresses(self.config.listen, "listen")
         frames = (
-            _bindable(self.config.frames_listen, "frames_listen", "frames", FRAMES_LISTEN_FLAG)
+            listen_addresses(self.config.frames_listen, "frames_listen")
             if self.config.frames_listen
             else []
         )
-        if self.config.metrics_listen:
-            metrics_host, metrics_port = split_host_port(
-                self.config.metrics_listen, "metrics_listen"
-            )
-            check_bindable(
-                metrics_host,
-                metrics_port,
-                address=self.config.metrics_listen,
-                what="/metrics",
-                flag=METRICS_LISTEN_FLAG,
-            )
         server = create_grpc_server(self.config, self.credentials, observer)
         kvcache = KVCacheServicer(self.pools, observer, self.config.max_step_operations)
         admin = AdminServicer(self.pools, observer, time.monotonic)
@@ -346,6 +340,8 @@ class KvsvcServer:
     async def stop(self, grace: float = 5.0) -> None:
         """Graceful stop: health NOT_SERVING first, then drain calls for ``grace`` s."""
         await self.health.enter_graceful_shutdown()
+        for pool in self.pools.by_name.values():
+            pool.stopping = True  # the streams it ends next are no lost ranks
         for task in self._tasks:
             task.cancel()
         # Streams never end by themselves: end them now (UNAVAILABLE, "shutting down")
@@ -384,24 +380,6 @@ def freeze_long_lived() -> None:
     """
     gc.collect()
     gc.freeze()
-
-
-# What a ListenError tells the user to change (``kvsvc serve``'s flag, the config key);
-# the listeners' own: grpc_listener.LISTEN_FLAG, frames_listener.FRAMES_LISTEN_FLAG.
-METRICS_LISTEN_FLAG = "--metrics-listen (config key metrics_listen)"
-
-
-def _bindable(setting: str, key: str, what: str, flag: str) -> list[str]:
-    """The addresses of a listen setting (config key ``key``), each tried now: one that
-    cannot be bound raises ListenError naming ``flag``."""
-    addresses = listen_addresses(setting, key)
-    for address in addresses:
-        if is_unix_address(address):
-            check_unix_bindable(address, what=what, flag=flag)
-        else:
-            host, port = split_host_port(address, key)
-            check_bindable(host, port, address=address, what=what, flag=flag)
-    return addresses
 
 
 async def create_server(config: ServerConfig, **kwargs: Any) -> tuple[KvsvcServer, int]:

@@ -24,6 +24,7 @@ from kvsvc.core import AllocateOutcome, RequestStart
 from kvsvc.errors import InvalidArgument, quoted
 from kvsvc.server.namespace import NAMESPACE_SEPARATOR, scoped_request_id, unscope_message
 from kvsvc.server.persistence.records import JournalKind
+from kvsvc.server.persistence.writer import replay_units
 from kvsvc.server.step import apply_step
 from kvsvc.server.wire import (
     STATUS_OK,
@@ -35,8 +36,12 @@ from kvsvc.server.wire import (
 )
 from kvsvc.v1 import kvcache_pb2
 
-# Replies remembered per pool for retries by call_id (the last ones; a retry comes soon).
+# Replies remembered for retries by call_id (the last ones; a retry comes soon), per
+# caller (engine namespace): its last calls, within its bytes; and the bytes of a pool's.
 CALL_LOG_CAPACITY = 1024
+CALL_LOG_CALLER_BYTES = 4 << 20
+CALL_LOG_POOL_BYTES = 32 << 20
+CALL_LOG_ENTRY_OVERHEAD = 200
 MAX_CALL_ID_BYTES = 128
 _FREE_REASONS = frozenset(kvcache_pb2.FreeReason.values())
 _LOOKUP = kvcache_pb2.STEP_OPERATION_TYPE_LOOKUP
@@ -58,6 +63,7 @@ class AllocateCall:
     start: RequestStart | None
     num_rejected_tokens: int
     packed: bytes | None
+    num_in_flight_tokens: int = 0
 
 
 def decode_allocate(request: Any, engine: str) -> AllocateCall:
@@ -76,6 +82,7 @@ def decode_allocate(request: Any, engine: str) -> AllocateCall:
         start=start_from_pb(request.start, "start") if request.HasField("start") else None,
         num_rejected_tokens=request.num_rejected_tokens,
         packed=request.packed_new_token_ids or None,
+        num_in_flight_tokens=request.num_in_flight_tokens,
     )
 
 
@@ -89,8 +96,9 @@ def apply_allocate(cache: Any, call: AllocateCall) -> tuple[Any, bool, AllocateO
         call.start,
         num_rejected_tokens=call.num_rejected_tokens,
         packed_token_ids=call.packed,
+        num_in_flight_tokens=call.num_in_flight_tokens,
     )
-    return allocate_response(outcome), outcome.ok, outcome
+    return allocate_response(outcome), outcome.ok or outcome.released, outcome
 
 
 @dataclass(frozen=True)
@@ -185,7 +193,7 @@ def apply_step_call(
         )
     else:
         changed = STATUS_OK in statuses
-    return results.to_pb(), changed
+    return results.to_pb(), changed or results.released
 
 
 class _Counters:
@@ -229,6 +237,20 @@ def _parse_message(types: dict[int, Any], kind: int, data: bytes, what: str) -> 
         raise ValueError(f"{what} of kind {kind} does not parse: {exc}") from None
 
 
+def journal_units(kind: int, request: Any) -> int:
+    """What replaying the journal row of ``request`` (a call of ``kind``) costs, in the
+    units the snapshot trigger counts (:func:`~kvsvc.server.persistence.writer.replay_units`):
+    the same figure whether the call is being served or its row was just replayed."""
+    if kind == JournalKind.ALLOCATE:
+        return replay_units(1, len(request.new_token_ids) + len(request.packed_new_token_ids) // 4)
+    if kind == JournalKind.FREE:
+        return replay_units(max(1, len(request.request_ids)), 0)
+    if kind == JournalKind.STEP:
+        tokens = len(request.token_ids) + len(request.packed_token_ids) // 4
+        return replay_units(len(request.types), tokens)
+    return replay_units(1, 0)
+
+
 def replay_call(cache: Any, kind: int, request: Any, engine: str) -> tuple[Any, bool]:
     """Apply a journaled engine call again (no bounds of the current config: it was
     accepted once). Returns the rebuilt reply and whether the pool changed."""
@@ -245,21 +267,49 @@ def replay_call(cache: Any, kind: int, request: Any, engine: str) -> tuple[Any, 
 
 
 class CallLog:
-    """Replies of the last calls that carried a ``call_id``, by (engine, call id).
+    """Replies of the last calls that changed the pool and carried a ``call_id``, by
+    (engine, call id): what a retry of such a call is answered from, so it is not applied
+    twice.
 
-    Each entry keeps the journal position of its call (0 when it changed nothing), so a
+    Only what a retry needs is kept: a call that changed nothing (a read-only Step, such
+    as a free-queue page or zero operations; an admission that found no space) is not
+    kept at all, because applying its repeat is the same as applying it once. Replies are
+    kept serialized (parsed again only for a retry) and bounded per caller (its last
+    ``per_caller_entries`` calls within ``per_caller_bytes``) and per pool
+    (``pool_bytes``), counting each entry's ids and bookkeeping besides its reply: one
+    engine's burst of calls with fresh ids evicts its own oldest entries, not the other
+    engines'. A repeat of an evicted call is applied again (as a call the server never
+    saw). The bounds hold for a snapshot too, which keeps exactly these entries.
+
+    Each entry keeps the journal position of its call (0 when not persisted), so a
     retry is answered only once that position is durable, like the first attempt.
     """
 
-    def __init__(self, capacity: int = CALL_LOG_CAPACITY) -> None:
-        self.capacity = capacity
-        self._entries: OrderedDict[tuple[str, str], tuple[int, Any, int]] = OrderedDict()
+    def __init__(
+        self,
+        per_caller_entries: int = CALL_LOG_CAPACITY,
+        per_caller_bytes: int = CALL_LOG_CALLER_BYTES,
+        pool_bytes: int = CALL_LOG_POOL_BYTES,
+    ) -> None:
+        self.per_caller_entries = per_caller_entries
+        self.per_caller_bytes = per_caller_bytes
+        self.pool_bytes = pool_bytes
+        # (engine, call id) -> (kind, serialized reply, ticket); oldest first, overall and
+        # within each engine's own log.
+        self._entries: OrderedDict[tuple[str, str], tuple[int, bytes, int]] = OrderedDict()
+        self._by_engine: dict[str, OrderedDict[str, int]] = {}  # call id -> entry cost
+        self._engine_bytes: dict[str, int] = {}
+        self.num_bytes = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    def engine_bytes(self, engine: str) -> int:
+        """What ``engine``'s entries cost now (for tests and metrics)."""
+        return self._engine_bytes.get(engine, 0)
+
     def get(self, engine: str, call_id: str, kind: int) -> tuple[Any, int] | None:
-        """The reply of that call and its journal ticket, or None.
+        """The reply of that call (parsed anew) and its journal ticket, or None.
 
         Raises:
             InvalidArgument: the call id was used by a call of another kind.
@@ -271,31 +321,72 @@ class CallLog:
             raise InvalidArgument(
                 "call_id", f"{quoted(call_id)} was used by another kind of call; use a fresh id"
             )
-        return entry[1], entry[2]
+        return _parse_reply(entry[0], entry[1]), entry[2]
 
-    def put(self, engine: str, call_id: str, kind: int, response: Any, ticket: int) -> None:
-        entries = self._entries
-        entries[(engine, call_id)] = (kind, response, ticket)
-        entries.move_to_end((engine, call_id))
-        if len(entries) > self.capacity:
-            entries.popitem(last=False)
+    def put(self, engine: str, call_id: str, kind: int, reply: bytes, ticket: int) -> None:
+        """Keep ``reply`` (serialized) of a call that changed the pool, evicting the
+        caller's oldest entries past its bounds, then the pool's oldest past the pool's.
+        A reply larger than a caller's whole budget is not kept."""
+        key = (engine, call_id)
+        if key in self._entries:
+            self._drop(key)
+        cost = entry_cost(engine, call_id, reply)
+        if cost > self.per_caller_bytes or cost > self.pool_bytes:
+            return
+        mine = self._by_engine.setdefault(engine, OrderedDict())
+        while mine and (
+            len(mine) >= self.per_caller_entries
+            or self._engine_bytes.get(engine, 0) + cost > self.per_caller_bytes
+        ):
+            self._drop((engine, next(iter(mine))))
+        while self._entries and self.num_bytes + cost > self.pool_bytes:
+            self._drop(next(iter(self._entries)))
+        mine = self._by_engine.setdefault(engine, OrderedDict())
+        self._entries[key] = (kind, reply, ticket)
+        mine[call_id] = cost
+        self._engine_bytes[engine] = self._engine_bytes.get(engine, 0) + cost
+        self.num_bytes += cost
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        engine, call_id = key
+        del self._entries[key]
+        mine = self._by_engine[engine]
+        cost = mine.pop(call_id)
+        self.num_bytes -= cost
+        left = self._engine_bytes[engine] - cost
+        if mine:
+            self._engine_bytes[engine] = left
+        else:
+            del self._by_engine[engine]
+            del self._engine_bytes[engine]
 
     def to_state(self) -> list[list[Any]]:
         """Plain values: ``[engine, call id, kind, serialized reply]`` oldest first."""
         return [
-            [engine, call_id, kind, response.SerializeToString()]
-            for (engine, call_id), (kind, response, _) in self._entries.items()
+            [engine, call_id, kind, reply]
+            for (engine, call_id), (kind, reply, _) in self._entries.items()
         ]
 
     def load_state(self, state: list[list[Any]]) -> None:
-        """Take over :meth:`to_state` (replies durable already: ticket 0).
+        """Take over :meth:`to_state` (replies durable already: ticket 0), within this
+        log's bounds (a state saved under larger ones keeps its newest entries).
 
         Raises:
             ValueError: an entry of an unknown kind or a reply that does not parse.
         """
         self._entries.clear()
+        self._by_engine.clear()
+        self._engine_bytes.clear()
+        self.num_bytes = 0
         for engine, call_id, kind, data in state:
-            self.put(engine, call_id, kind, _parse_reply(kind, data), 0)
+            _parse_reply(kind, data)  # checked whole before it is served
+            self.put(engine, call_id, kind, bytes(data), 0)
+
+
+def entry_cost(engine: str, call_id: str, reply: bytes) -> int:
+    """What one kept reply costs against the bounds: its bytes, its ids, and the
+    bookkeeping of an entry (dict slots, a tuple, the ints: about 200 bytes)."""
+    return len(reply) + len(engine) + 2 * len(call_id) + CALL_LOG_ENTRY_OVERHEAD
 
 
 _REPLY_TYPES: dict[int, type[Message]] = {

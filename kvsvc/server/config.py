@@ -36,6 +36,11 @@ DEFAULT_METRICS_LISTEN = "127.0.0.1:9400"
 # vLLM's own default topic (KVEventsConfig.topic): consumers written for vLLM subscribe to it.
 DEFAULT_KV_EVENTS_TOPIC = ""
 KV_EVENTS_SCHEMES = ("tcp://", "ipc://", "inproc://")
+# The vLLM releases whose KV event bytes a server can publish (kv_events_vllm_version).
+KV_EVENTS_VLLM_VERSIONS = ("0.32", "0.33", "0.34")
+# What the vLLM-format publisher's PUB socket may hold for subscribers that have not
+# taken it (kv_events_max_held_bytes).
+DEFAULT_KV_EVENTS_MAX_HELD_BYTES = 64 << 20
 # Replaced by the pool's name in kv_events_topic (and nowhere else).
 POOL_PLACEHOLDER = "{pool}"
 # WatchEvents bounds (see kvsvc.server.events for what each protects).
@@ -264,17 +269,28 @@ class ServerConfig:
             SnapshotIndex, SnapshotPool).
         kv_events_zmq: publish each pool's KV events in vLLM's wire format on a ZMQ PUB
             socket at this endpoint (None: off). Bound when it has ``*`` or ``::`` or is
-            ``ipc://``/``inproc://``, connected otherwise (vLLM's rule). Pool ``i`` (config
-            order) uses port + ``i`` (see :func:`kv_events_targets`).
+            ``ipc://``/``inproc://``, connected otherwise (vLLM's rule), unless
+            ``kv_events_bind``. Pool ``i`` (config order) uses port + ``i`` (see
+            :func:`kv_events_targets`).
+        kv_events_bind: bind ``kv_events_zmq`` even when it names a host, which vLLM's
+            rule connects to: ``tcp://127.0.0.1:5557`` then publishes on loopback only.
         kv_events_replay: ROUTER endpoint answering replay requests (always bound).
         kv_events_topic: topic frame of every message; ``{pool}`` becomes the pool name.
         kv_events_buffer_steps: batches each pool keeps for replay (vLLM's buffer_steps).
         kv_events_hwm: ZMQ high-water mark of the PUB socket (messages per subscriber).
+        kv_events_max_held_bytes: bytes of batches the PUB socket may hold for a
+            subscriber that has not taken them (ZMQ's own bound, kv_events_hwm, counts
+            messages of any size); past it the socket is reset: every subscriber
+            reconnects and sees a sequence gap (a vLLM consumer replays it), and one that
+            stopped reading frees what it held.
         kv_events_max_queue: batches waiting for the publisher thread; past it the oldest
             is dropped (and counted), so a stalled publisher never holds up the server.
         kv_events_int_hashes: publish hashes as 64-bit ints (the low 64 bits of the hash
             read big-endian), as vLLM does by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``
             unset or 1); false: the hash bytes, as vLLM with that variable 0.
+        kv_events_vllm_version: the vLLM release (``"0.32"``, ``"0.33"``, ``"0.34"``) whose
+            bytes the events take (0.33 added a field, which changes the bytes, not what
+            a consumer of any release decodes); the newest by default.
         tls_cert / tls_key: PEM certificate chain and unencrypted key: the gRPC listener
             and ``/metrics`` serve TLS (HTTPS) with them; both or neither. Re-read when
             the files change (see :mod:`kvsvc.tls`).
@@ -286,10 +302,13 @@ class ServerConfig:
         state_synchronous: ``normal`` (a commit writes SQLite's WAL without a disk sync: a
             crash of the process loses nothing acknowledged, a power loss the changes
             since the last checkpoint) or ``full`` (every commit is synced to disk).
-        state_snapshot_every: replay work after which a snapshot replaces the journal:
-            one unit per operation (a Step counts each of its operations) and per 64 tokens,
-            about 3 us of replay each, so a restart replays about a second at most.
-        state_snapshot_min_interval_s: seconds between two snapshots at least.
+        state_snapshot_every: replay work after which a snapshot replaces the journal,
+            in units of about 3 us of replay: 25 per journal row (a call that changed the
+            pool), 1 per operation (a Step counts each of its operations) and 1 per 16
+            tokens (see :func:`kvsvc.server.persistence.writer.replay_units`).
+        state_snapshot_min_interval_s: seconds between two snapshots at least, unless the
+            journal holds twice ``state_snapshot_every`` (then one is taken at once), so a
+            restart replays well under two seconds whatever the load.
         state_checkpoint_interval_s: seconds between two checkpoints (disk syncs of the
             WAL): in ``normal`` mode, how much a power loss can take back.
     """
@@ -328,8 +347,11 @@ class ServerConfig:
     kv_events_topic: str = DEFAULT_KV_EVENTS_TOPIC
     kv_events_buffer_steps: int = 10_000
     kv_events_hwm: int = 100_000
+    kv_events_max_held_bytes: int = DEFAULT_KV_EVENTS_MAX_HELD_BYTES
+    kv_events_bind: bool = False
     kv_events_max_queue: int = 100_000
     kv_events_int_hashes: bool = True
+    kv_events_vllm_version: str = KV_EVENTS_VLLM_VERSIONS[-1]
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
@@ -465,14 +487,24 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ConfigError(f"{name} must be a string, got {value!r}")
-        for name in ("kv_events_buffer_steps", "kv_events_hwm", "kv_events_max_queue"):
+        for name in (
+            "kv_events_buffer_steps",
+            "kv_events_hwm",
+            "kv_events_max_queue",
+            "kv_events_max_held_bytes",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.kv_events_int_hashes, bool):
+        if self.kv_events_vllm_version not in KV_EVENTS_VLLM_VERSIONS:
             raise ConfigError(
-                f"kv_events_int_hashes must be true or false, got {self.kv_events_int_hashes!r}"
+                f"kv_events_vllm_version must be one of {', '.join(KV_EVENTS_VLLM_VERSIONS)} "
+                f"(the vLLM releases whose event bytes kvsvc writes), got "
+                f"{self.kv_events_vllm_version!r}"
             )
+        for name in ("kv_events_int_hashes", "kv_events_bind"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         kv_events_targets(self)  # endpoint syntax, port range and collisions
 
 
@@ -516,15 +548,23 @@ class KVEventsTarget:
 
     Attributes:
         pool: the pool's name.
-        endpoint: its PUB endpoint (bound or connected, see :func:`is_bind_endpoint`).
+        endpoint: its PUB endpoint (bound or connected: :attr:`binds`).
         replay_endpoint: its ROUTER endpoint for replay requests, if any (bound).
         topic: the topic frame of its messages.
+        bind: True: the PUB binds ``endpoint`` whatever it names (``kv_events_bind``);
+            None: vLLM's rule (:func:`is_bind_endpoint`). See :attr:`binds`.
     """
 
     pool: str
     endpoint: str
     replay_endpoint: str | None
     topic: str
+    bind: bool | None = None
+
+    @property
+    def binds(self) -> bool:
+        """Whether the PUB binds ``endpoint`` (else it connects to it)."""
+        return self.bind if self.bind is not None else is_bind_endpoint(self.endpoint)
 
 
 def is_bind_endpoint(endpoint: str) -> bool:
@@ -588,11 +628,12 @@ def kv_events_targets(config: ServerConfig) -> list[KVEventsTarget]:
     _check_endpoint(config.kv_events_zmq, "kv_events_zmq")
     if config.kv_events_replay is not None:
         _check_endpoint(config.kv_events_replay, "kv_events_replay")
-    connects = not is_bind_endpoint(config.kv_events_zmq)
+    connects = not (config.kv_events_bind or is_bind_endpoint(config.kv_events_zmq))
     if connects and _tcp_port(config.kv_events_zmq, "kv_events_zmq") == 0:
         raise ConfigError(
             f"kv_events_zmq {config.kv_events_zmq!r} is connected to (no '*' in it), so it "
-            "needs a real port; use tcp://*:PORT to bind"
+            "needs a real port; use tcp://*:PORT to bind, or kv_events_bind "
+            "(--kv-events-bind) to bind that host's address"
         )
     targets = []
     bound: dict[str, str] = {}
@@ -603,8 +644,15 @@ def kv_events_targets(config: ServerConfig) -> list[KVEventsTarget]:
             if config.kv_events_replay is not None
             else None
         )
+        target = KVEventsTarget(
+            pool=pool.name,
+            endpoint=endpoint,
+            replay_endpoint=replay,
+            topic=config.kv_events_topic.replace(POOL_PLACEHOLDER, pool.name),
+            bind=True if config.kv_events_bind else None,
+        )
         for what, address, binds in (
-            ("kv_events_zmq", endpoint, is_bind_endpoint(endpoint)),
+            ("kv_events_zmq", endpoint, target.binds),
             ("kv_events_replay", replay, True),
         ):
             if address is None or not binds:
@@ -627,14 +675,7 @@ def kv_events_targets(config: ServerConfig) -> list[KVEventsTarget]:
                     f"{what} of pool {pool.name!r} ({address}) collides with {bound[key]}{hint}"
                 )
             bound[key] = f"{what} of pool {pool.name!r} ({address})"
-        targets.append(
-            KVEventsTarget(
-                pool=pool.name,
-                endpoint=endpoint,
-                replay_endpoint=replay,
-                topic=config.kv_events_topic.replace(POOL_PLACEHOLDER, pool.name),
-            )
-        )
+        targets.append(target)
     return targets
 
 

@@ -68,7 +68,7 @@ from kvsvc.server.persistence.records import (
     StateError,
 )
 from kvsvc.server.persistence.snapshot_file import write_snapshot
-from kvsvc.server.persistence.writer import PoolPersistence, StateSettings
+from kvsvc.server.persistence.writer import ROW_REPLAY_UNITS, PoolPersistence, StateSettings
 from kvsvc.server.pool_identity import new_identity
 from kvsvc.server.pool_planning import build_pool_cache, check_plan_size, planner_options
 from kvsvc.server.pool_replay import load_saved_state
@@ -79,6 +79,7 @@ from kvsvc.server.registration import (
     check_memory_claims,
     check_registration,
     check_replacement,
+    log_rank_back,
     rank_record,
     registration_from_dict,
 )
@@ -151,6 +152,8 @@ class Pool:
         # Restored from a saved state: engine calls wait (UNAVAILABLE) until every rank is
         # back and has confirmed (or lost) its tensors.
         self.restored = False
+        # Set when the server stops: its plan streams end then, which is no lost rank.
+        self.stopping = False
         self._restored: dict[int, tuple[Registration, int]] = {}
         self.rank_memory: dict[int, RankMemory] = {}
         self._rank_records: dict[int, RankRecord] = {}
@@ -171,12 +174,11 @@ class Pool:
     def _set_state(self, state: PoolState) -> None:
         if state != self.state:
             previous, self.state = self.state, state
-            if state in (PoolState.READY, PoolState.DEGRADED) or previous in (
-                PoolState.READY,
-                PoolState.DEGRADED,
-            ):
-                # Operations, not security: the ordinary log (kvsvc.security is for
-                # refusals and takeovers).
+            serving = (PoolState.READY, PoolState.DEGRADED)
+            # Operations, not security: the ordinary log (kvsvc.security is for refusals
+            # and takeovers). Not while the server stops: its own streams ending is no
+            # degradation to report.
+            if (state in serving or previous in serving) and not self.stopping:
                 say = log.warning if state != PoolState.READY else log.info
                 say("pool %s: %s -> %s%s", self.name, previous.name, state.name, self._why())
             self._notify()
@@ -258,16 +260,7 @@ class Pool:
                     not reg.allocation_id or reg.allocation_id != memory.allocation_id
                 )
                 if existing is not None or reg.rank in self._restored:
-                    security_log.warning(
-                        "pool %s: rank %d is back (%s on %s)%s",
-                        self.name,
-                        reg.rank,
-                        reg.device,
-                        reg.hostname or "?",
-                        "; it holds fresh tensors: its KV data is gone"
-                        if lost
-                        else (", with the tensors it had" if memory.allocated else ""),
-                    )
+                    log_rank_back(self.name, reg, existing is not None, lost, memory.allocated)
                 if lost:
                     ticket = self.invalidate(f"rank {reg.rank} came back with fresh tensors")
                     memory = RankMemory()
@@ -357,10 +350,16 @@ class Pool:
         self.error = ""
         self._set_state(PoolState.PLANNED)
 
-    def _start_persistence(self, store: PoolStore) -> None:
+    def _start_persistence(self, store: PoolStore, journal_units: int | None = None) -> None:
+        """Persist from here on in ``store``; ``journal_units``: the replay work of the
+        journal rows it holds already (None: none, or unknown)."""
         assert self.state_settings is not None
         self.persistence = self.state_settings.writer(
-            store, lock=self.lock, capture=self.capture, publish=self.events.append
+            store,
+            lock=self.lock,
+            capture=self.capture,
+            publish=self.events.append,
+            journal_units=journal_units,
         )
         with contextlib.suppress(RuntimeError):  # no running loop yet: start_state does
             self.persistence.start()
@@ -445,7 +444,12 @@ class Pool:
                 await changed.wait()
         finally:
             slot.open_streams -= 1
-            if slot.open_streams == 0 and self.slots.get(rank) is slot and self.plan is not None:
+            if (
+                slot.open_streams == 0
+                and self.slots.get(rank) is slot
+                and self.plan is not None
+                and not self.stopping
+            ):
                 log.warning(
                     "pool %s: rank %d (%s on %s) lost its plan stream",
                     self.name,
@@ -615,14 +619,14 @@ class Pool:
         payload: bytes,
         reply: bytes,
         batches: Sequence[Any],
-        work: int = 0,
+        units: int = ROW_REPLAY_UNITS,
     ) -> int:
         """Record a call that changed the pool (under the lock, right after the change and
-        the events drain; see :meth:`PoolPersistence.record`); returns the ticket to wait
-        on (0: nothing is persisted)."""
+        the events drain; see :meth:`PoolPersistence.record`; ``units``: what replaying
+        its row costs); returns the ticket to wait on (0: nothing is persisted)."""
         if self.persistence is None:
             return 0
-        return self.persistence.record(kind, engine, payload, reply, batches, work)
+        return self.persistence.record(kind, engine, payload, reply, batches, units)
 
     async def durable(self, ticket: int) -> None:
         """Wait until the change of ``ticket`` is on disk (at once when not persisted).
@@ -734,7 +738,7 @@ class Pool:
             StateError: the state was made for another pool or plan, is damaged, or its
                 replay does not give the replies that were acknowledged.
         """
-        loaded = load_saved_state(self.config, snapshot, journal, self.calls.capacity)
+        loaded = load_saved_state(self.config, snapshot, journal)
         # Everything loaded: take it over.
         identity = snapshot.identity
         self.events.restore(identity["epoch"], loaded.base_seq)
@@ -759,7 +763,7 @@ class Pool:
         self.error = ""
         self.state = PoolState.PLANNED
         if store is not None:
-            self._start_persistence(store)
+            self._start_persistence(store, loaded.replay_units)
         return loaded.num_replayed
 
     def attach_store(self, store: PoolStore) -> None:

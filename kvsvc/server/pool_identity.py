@@ -5,6 +5,7 @@ state is loaded only into the pool and the plan it was made for.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -30,6 +31,31 @@ PLAN_SETTINGS = (
 )
 
 
+# The PoolConfig fields a saved state does not carry in its settings: the name is the
+# state's own, and the hash seed is in the core state itself.
+_NOT_SAVED = ("name", "hash_seed")
+
+
+def saved_settings(config: PoolConfig) -> dict[str, Any]:
+    """Every setting of the pool but its name and seed, as a state records them: a
+    ``kvsvc serve --restore`` of a snapshot configures the pool from these."""
+    return {
+        f.name: getattr(config, f.name)
+        for f in dataclasses.fields(PoolConfig)
+        if f.name not in _NOT_SAVED
+    }
+
+
+def pool_settings(identity: dict[str, Any]) -> dict[str, Any]:
+    """The pool settings a saved state was made with: all of them (``pool_config``), or for
+    a state written before kvsvc saved them all, the planning settings."""
+    saved = identity.get("pool_config") or identity.get("settings") or {}
+    if not isinstance(saved, dict):
+        return {}
+    known = {f.name for f in dataclasses.fields(PoolConfig)} - set(_NOT_SAVED)
+    return {name: value for name, value in saved.items() if name in known}
+
+
 def plan_digest(plan: Any) -> str:
     """A digest of a plan (its ``kvsvc plan --json`` form): a saved state is loaded only
     into the plan it was made for."""
@@ -49,6 +75,7 @@ def new_identity(
         "created_at": time.time(),
         "kvsvc_version": __version__,
         "settings": {name: getattr(config, name) for name in PLAN_SETTINGS},
+        "pool_config": saved_settings(config),
         "plan_ranks": [
             registration_to_dict(reg, available)
             for reg, available in zip(regs, memory, strict=True)
@@ -57,26 +84,40 @@ def new_identity(
     }
 
 
-def check_made_for(identity: dict[str, Any], config: PoolConfig, where: str) -> None:
+def changed_settings(identity: dict[str, Any], config: PoolConfig) -> list[str]:
+    """The planning settings ``config`` gives otherwise than the saved state has them, as
+    ``name saved -> now``."""
+    settings = identity.get("settings", {})
+    return [
+        f"{name} {settings.get(name)!r} -> {getattr(config, name)!r}"
+        for name in PLAN_SETTINGS
+        if settings.get(name) != getattr(config, name)
+    ]
+
+
+def check_made_for(
+    identity: dict[str, Any],
+    config: PoolConfig,
+    where: str,
+    remedy: str = "give the pool the settings the state was made with",
+) -> None:
     """Refuse a saved state made for another pool, or planned with other settings than
     ``config`` has now.
+
+    Args:
+        remedy: what the refusal tells the user to do (the caller knows where the state
+            came from: a state directory's files, or a ``--restore`` file).
 
     Raises:
         StateError: naming the pool, or the settings that changed.
     """
     if identity.get("pool") != config.name:
         raise StateError(f"{where} is pool {identity.get('pool')!r}'s state, not this pool's")
-    settings = identity.get("settings", {})
-    changed = [
-        f"{name} {settings.get(name)!r} -> {getattr(config, name)!r}"
-        for name in PLAN_SETTINGS
-        if settings.get(name) != getattr(config, name)
-    ]
+    changed = changed_settings(identity, config)
     if changed:
         raise StateError(
             f"{where} was planned with other settings than the config has now "
-            f"({'; '.join(changed)}): restore the settings, or move the pool's state "
-            "files away to plan it afresh (its live requests and cached blocks are lost)"
+            f"({'; '.join(changed)}): {remedy}"
         )
 
 
@@ -90,5 +131,5 @@ def check_plan(identity: dict[str, Any], plan: Any, where: str) -> None:
         raise StateError(
             f"{where} was made for another plan than this kvsvc makes from the same "
             f"inputs (made by kvsvc {identity.get('kvsvc_version')}, this is "
-            f"{__version__}): run that version, or move the pool's state files away"
+            f"{__version__}): run that version, or start the pool afresh without this state"
         )

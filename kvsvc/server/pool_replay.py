@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvsvc.errors import KvsvcError, PlanningError, quoted
-from kvsvc.server.calls import CallLog, parse_journaled, replay_call
+from kvsvc.server.calls import CallLog, journal_units, parse_journaled, replay_call
 from kvsvc.server.config import PoolConfig
 from kvsvc.server.persistence.records import (
     JournalKind,
@@ -41,6 +41,7 @@ class LoadedState:
         batches: the event batches the replayed rows made, in order.
         num_replayed: the journal rows replayed.
         num_invalidations: the invalidations among them.
+        replay_units: what replaying them cost, as the snapshot trigger counts it.
     """
 
     plan: Any
@@ -50,13 +51,13 @@ class LoadedState:
     batches: list[Any]
     num_replayed: int
     num_invalidations: int
+    replay_units: int
 
 
 def load_saved_state(
     config: PoolConfig,
     snapshot: Snapshot,
     journal: Iterable[JournalRecord],
-    calls_capacity: int,
 ) -> LoadedState:
     """Load ``snapshot`` for the pool ``config`` describes and replay ``journal`` on it.
 
@@ -95,13 +96,15 @@ def load_saved_state(
                 "restore the seed (every cached block's hash depends on it)"
             )
         base_seq = cache.manager.events.last_seq if cache.manager.events is not None else 0
-        calls = CallLog(calls_capacity)
+        calls = CallLog()
         try:
             calls.load_state(snapshot.server_state.get("calls", []))
         except (ValueError, TypeError) as exc:
             raise StateError(f"{where}: damaged saved replies: {exc}") from None
         batches: list[Any] = []
-        num_replayed, num_invalidations = _replay_journal(cache, batches, calls, journal, where)
+        num_replayed, num_invalidations, units = _replay_journal(
+            cache, batches, calls, journal, where
+        )
     finally:
         if enabled:
             gc.enable()
@@ -111,7 +114,9 @@ def load_saved_state(
         max_tokens=max_pool_tokens(config, plan),
         max_unscheduled_tokens=max_unscheduled_tokens(config, plan),
     )
-    return LoadedState(plan, cache, calls, base_seq, batches, num_replayed, num_invalidations)
+    return LoadedState(
+        plan, cache, calls, base_seq, batches, num_replayed, num_invalidations, units
+    )
 
 
 def _replay_journal(
@@ -120,10 +125,11 @@ def _replay_journal(
     calls: CallLog,
     journal: Iterable[JournalRecord],
     where: str,
-) -> tuple[int, int]:
+) -> tuple[int, int, int]:
     """Apply the journal's rows again; each must give the reply and event batch it gave
-    when served. Returns the rows replayed and the invalidations among them."""
-    count = invalidations = 0
+    when served. Returns the rows replayed, the invalidations among them, and their
+    replay work (:func:`~kvsvc.server.calls.journal_units`)."""
+    count = invalidations = units = 0
     for record in journal:
         request = None
         try:
@@ -152,6 +158,7 @@ def _replay_journal(
             batch.timestamp = record.event_ts
             batches.append(batch)
         if request is not None and request.call_id:
-            calls.put(record.engine, request.call_id, record.kind, response, 0)
+            calls.put(record.engine, request.call_id, record.kind, reply, 0)
+        units += journal_units(record.kind, request)
         count += 1
-    return count, invalidations
+    return count, invalidations, units

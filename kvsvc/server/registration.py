@@ -8,6 +8,7 @@ none of free, non-KV and KV-cache bytes above the total when a total is given.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from kvsvc.errors import InvalidArgument, quoted
 from kvsvc.server.config import PoolConfig
 from kvsvc.server.persistence.records import RankRecord
+from kvsvc.server.seclog import security_log
 from kvsvc.specs import AttentionSpec, KVCacheSpec, iter_layer_specs
 from kvsvc.specs.serde import spec_from_dict, spec_to_dict
 
@@ -22,6 +24,7 @@ from kvsvc.specs.serde import spec_from_dict, spec_to_dict
 # device or host, far below what would overflow the planner's arithmetic into nonsense.
 MAX_MEMORY_BYTES = 2**48
 _MEMORY_FIELDS = ("total_bytes", "free_bytes", "non_kv_bytes", "kv_cache_bytes")
+log = logging.getLogger("kvsvc.server")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +55,8 @@ class Registration:
     total_num_kv_heads: int = 0
     # The identity of the KV tensors the agent holds from an earlier session ("" if none).
     allocation_id: str = ""
+    # The agent runs inside an engine whose workers hold the tensors (vLLM on kvsvc).
+    in_engine: bool = False
 
 
 def check_memory_claims(reg: Registration) -> None:
@@ -212,6 +217,7 @@ def registration_to_dict(reg: Registration, available_bytes: int) -> dict[str, A
         "max_num_encoder_input_tokens": reg.max_num_encoder_input_tokens,
         "model": reg.model,
         "total_num_kv_heads": reg.total_num_kv_heads,
+        "in_engine": reg.in_engine,
         "available_bytes": available_bytes,
     }
 
@@ -244,6 +250,7 @@ def registration_from_dict(data: dict[str, Any]) -> tuple[Registration, int]:
             max_num_encoder_input_tokens=data["max_num_encoder_input_tokens"],
             model=data["model"],
             total_num_kv_heads=data["total_num_kv_heads"],
+            in_engine=bool(data.get("in_engine", False)),  # absent in older states
         ),
         data["available_bytes"],
     )
@@ -259,3 +266,22 @@ def rank_record(
         {**registration_to_dict(reg, available_bytes), "allocated": allocated},
         allocation_id,
     )
+
+
+def log_rank_back(
+    pool: str, reg: Registration, takeover: bool, lost: bool, allocated: bool
+) -> None:
+    """Say that a rank of ``pool`` is back. Another agent taking a rank this server saw
+    (``takeover``), its tensors not the ones the rank had, is a security event. A rank
+    back with the tensors it had (an agent that reconnected, or the first registration
+    after a restart of the server) is routine: the ordinary log, at INFO; one back after
+    a restart with fresh tensors (``lost``) lost its KV data: a warning, not a security
+    event."""
+    args = (pool, reg.rank, reg.device, reg.hostname or "?")
+    if lost:
+        how = "; it holds fresh tensors: its KV data is gone"
+        say = security_log.warning if takeover else log.warning
+    else:
+        how = ", with the tensors it had" if allocated else ""
+        say = security_log.warning if takeover and not allocated else log.info
+    say("pool %s: rank %d is back (%s on %s)%s", *args, how)

@@ -17,15 +17,21 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from kvsvc.server.config import ServerConfig
 from kvsvc.server.persistence.dirlock import StateDirLock
 from kvsvc.server.persistence.durability import AckedMarker
 from kvsvc.server.persistence.journal_store import PoolStore
 from kvsvc.server.persistence.records import Snapshot, StateError, new_store_id
-from kvsvc.server.persistence.snapshot_file import read_snapshot, snapshot_name
+from kvsvc.server.persistence.snapshot_file import (
+    read_snapshot,
+    read_snapshot_identity,
+    snapshot_name,
+)
 from kvsvc.server.persistence.writer import StateSettings
 from kvsvc.server.pool import Pool
+from kvsvc.server.pool_identity import check_made_for, pool_settings
 
 log = logging.getLogger("kvsvc.server")
 
@@ -111,6 +117,46 @@ def _refuse_orphan_snapshots(directory: Path | None, pool: str) -> None:
         )
 
 
+def restore_settings(restore: Sequence[str]) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Per pool, the ``--restore`` file that holds it and the pool settings it was made
+    with: ``kvsvc serve --restore FILE`` configures a pool the flags and config file do not
+    from these, and takes those a configured pool leaves unset from them.
+
+    Raises:
+        StateError: a file that cannot be read, or two files of one pool.
+    """
+    found: dict[str, tuple[str, dict[str, Any]]] = {}
+    for name in restore:
+        try:
+            identity = read_snapshot_identity(Path(name))
+        except StateError as exc:
+            raise StateError(f"--restore {name}: {exc}") from None
+        pool = identity.get("pool")
+        if not isinstance(pool, str):
+            raise StateError(f"--restore {name}: the file names no pool; it is damaged")
+        if pool in found:
+            raise StateError(f"--restore {name} and {found[pool][0]} are both pool {pool!r}")
+        found[pool] = (name, pool_settings(identity))
+    return found
+
+
+# What a refusal of a restore file's settings tells the user (the file is the state; there
+# is nothing in a state directory to move away).
+RESTORE_SETTINGS_REMEDY = (
+    "leave these settings out (kvsvc serve --restore takes the pool's settings from the "
+    "snapshot) or give the snapshot's values"
+)
+
+
+def state_dir_remedy(directory: Path, pool: str) -> str:
+    """What a refusal of a state directory's settings tells the user: the files to move."""
+    return (
+        f"give the pool the settings it was planned with, or move "
+        f"{PoolStore.path_for(directory, pool)} (and {pool}.snapshot-*.db beside it) out of "
+        "the state directory to plan it afresh (its live requests and cached blocks are lost)"
+    )
+
+
 def load_states(
     pools: dict[str, Pool], config: ServerConfig, restore: Sequence[str] = ()
 ) -> list[str]:
@@ -156,6 +202,12 @@ def load_states(
         )
         if name in files:
             source, snapshot = files[name]
+            check_made_for(
+                snapshot.identity,
+                pool.config,
+                f"--restore {source} (pool {name!r})",
+                RESTORE_SETTINGS_REMEDY,
+            )
             if store is not None:
                 store.close()
                 raise StateError(
@@ -190,19 +242,24 @@ def load_states(
             how = f"from {source}"
         elif store is not None:
             try:
+                assert directory is not None
+                check_made_for(
+                    store.identity,
+                    pool.config,
+                    f"the saved state of pool {name!r} in {directory}",
+                    state_dir_remedy(directory, name),
+                )
                 snapshot = store.load_snapshot()
-                lost = store.check_acknowledged()
-                if lost is not None:
+                earlier = store.check_acknowledged()
+                if earlier is not None:
                     log.warning(
-                        "pool %s: its state in %s ends at journal row %d, but row %d was "
-                        "acknowledged (its write-ahead log was cut: a power loss, or a damaged "
-                        "file): serving that earlier state under a new event epoch, so "
-                        "subscribers and indexers resynchronise instead of reading sequence "
-                        "numbers again; engines may hold blocks it forgot",
+                        "pool %s: its state in %s may be earlier than the one acknowledged: "
+                        "%s. Serving it under a new event epoch, so subscribers and indexers "
+                        "resynchronise instead of reading sequence numbers again; engines may "
+                        "hold blocks it forgot",
                         name,
                         directory,
-                        store.last_seq,
-                        lost,
+                        earlier,
                     )
                     store.renew_epoch(uuid.uuid4().hex)
                 # The journal's epoch: a renewed one is newer than the snapshot's.

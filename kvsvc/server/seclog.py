@@ -1,7 +1,9 @@
 """The security log: one line per event an operator must see, never a secret.
 
-Logger ``kvsvc.security``: auth refusals (rate-limited per peer), rank takeovers refused,
-ranks lost and back, READY/DEGRADED transitions, bounds hit (rate-limited per bound).
+Logger ``kvsvc.security``: auth refusals (rate-limited per peer), rank takeovers (refused,
+or another agent taking a rank this server saw), bounds hit (rate-limited per bound).
+Ranks lost, ranks back with the tensors they had, pool state changes and stops are
+operations: the ordinary log (``kvsvc.server``).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from kvsvc.convert import config_to_pb, layer_specs_from_pb
+from kvsvc.core import MAX_FREE_QUEUE_WALK
 from kvsvc.core.managers import representative_spec
 from kvsvc.core.seed import seed_fingerprint
 from kvsvc.errors import InvalidArgument, NotFound, Unavailable, quoted
@@ -30,6 +31,7 @@ from kvsvc.server.calls import (
     decode_allocate,
     decode_free,
     decode_step,
+    journal_units,
 )
 from kvsvc.server.errors import CallObserver, OpenStreams, rpc_handler, rpc_stream_handler
 from kvsvc.server.namespace import current_engine, scoped_request_id
@@ -72,6 +74,18 @@ LOOKUP_OFFLOAD_TOKENS = 16_384
 _ALLOCATE = kvcache_pb2.STEP_OPERATION_TYPE_ALLOCATE
 _FREE = kvcache_pb2.STEP_OPERATION_TYPE_FREE
 _PREEMPT = kvcache_pb2.STEP_OPERATION_TYPE_PREEMPT
+
+
+def step_work(columns: StepColumns) -> int:
+    """A Step's work in token units: its tokens, 64 per operation, and the free-queue
+    page it reads (its ids, and the links it may walk to reach its offset, bounded by
+    ``MAX_FREE_QUEUE_WALK``: a page never costs O(offset))."""
+    work = len(columns.token_ids) + 64 * len(columns.types)
+    if columns.free_queue_head_limit:
+        work += columns.free_queue_head_limit + min(
+            columns.free_queue_head_offset, MAX_FREE_QUEUE_WALK
+        )
+    return work
 
 
 def _pb_state(state: PoolState) -> pools_pb2.PoolState:
@@ -154,18 +168,21 @@ async def _mutate(pool: Pool, kind: int, request: Any, work: int, fn: Any, *args
                 response, changed = fn(*args)
             batches = pool.drain_events()
             ticket = 0
-            # An event is a change, whatever ``changed`` says.
-            if (changed or batches) and pool.persistence is not None:
-                ticket = pool.journal(
-                    kind,
-                    engine,
-                    request.SerializeToString(),
-                    response.SerializeToString(),
-                    batches,
-                    work,
-                )
-            if call_id:
-                pool.calls.put(engine, call_id, kind, response, ticket)
+            # An event is a change, whatever ``changed`` says. Only a change is journaled
+            # and kept for a retry: repeating a call that changed nothing applies it once.
+            if (changed or batches) and (call_id or pool.persistence is not None):
+                reply = response.SerializeToString()
+                if pool.persistence is not None:
+                    ticket = pool.journal(
+                        kind,
+                        engine,
+                        request.SerializeToString(),
+                        reply,
+                        batches,
+                        journal_units(kind, request),
+                    )
+                if call_id:
+                    pool.calls.put(engine, call_id, kind, reply, ticket)
     if cancelled:
         raise asyncio.CancelledError
     await pool.durable(ticket)
@@ -237,7 +254,7 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
         pool.ensure_writable()
         engine = current_engine.get()
         columns = decode_step(request, engine, self._max_step_operations)
-        work = len(columns.token_ids) + 64 * len(columns.types)
+        work = step_work(columns)
         response: kvcache_pb2.StepResponse = await _mutate(
             pool, JournalKind.STEP, request, work, self._apply_step, pool, columns, engine
         )
@@ -258,7 +275,7 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
         _epoch(context, pool)
         cache = pool.ensure_serving()
         if request.packed_token_ids:
-            cache.check_lookup_length(len(request.packed_token_ids) // 4, "packed_token_ids")
+            cache.check_lookup_length(len(request.packed_token_ids) // 4, "token_ids")
         else:
             cache.check_lookup_length(len(request.token_ids), "token_ids")
         hashing = hashing_from_pb(request.hashing, "hashing")
@@ -477,6 +494,7 @@ class WorkerServicer(_Base, worker_pb2_grpc.WorkerServiceServicer):
             model=request.model,
             total_num_kv_heads=max(0, request.total_num_kv_heads),
             allocation_id=request.allocation_id,
+            in_engine=request.in_engine,
         )
         slot = await pool.register(registration)
         return worker_pb2.RegisterResponse(
@@ -548,6 +566,7 @@ def pool_summary(pool: Pool, now: float) -> admin_pb2.PoolSummary:
                 views=slot.views,
                 connected=slot.open_streams > 0,
                 live=pool.rank_live(slot, now),
+                in_engine=reg.in_engine,
             )
         )
     return admin_pb2.PoolSummary(

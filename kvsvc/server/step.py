@@ -38,6 +38,15 @@ _ALLOCATE = kvcache_pb2.STEP_OPERATION_TYPE_ALLOCATE
 _FREE = kvcache_pb2.STEP_OPERATION_TYPE_FREE
 _PREEMPT = kvcache_pb2.STEP_OPERATION_TYPE_PREEMPT
 _LOOKUP = kvcache_pb2.STEP_OPERATION_TYPE_LOOKUP
+_CACHE = kvcache_pb2.STEP_OPERATION_TYPE_CACHE
+# Operation types as the API names them (StepBuilder.allocate, .free, ...), by wire value.
+_NAMES: dict[int, str] = {
+    _ALLOCATE: "allocate",
+    _FREE: "free",
+    _PREEMPT: "preempt",
+    _LOOKUP: "lookup",
+    _CACHE: "cache",
+}
 
 
 def apply_step(cache: Any, columns: StepColumns, counters: Any) -> StepResults:
@@ -62,10 +71,16 @@ def _lookup_outcome(cache: Any, columns: StepColumns, i: int, pos: int) -> Alloc
         columns.num_new_tokens[i]
         or columns.num_lookahead_tokens[i]
         or columns.num_rejected_tokens[i]
+        or columns.num_in_flight_tokens[i]
     ):
-        raise InvalidArgument(f"types[{i}]", "a lookup carries tokens and a hashing context only")
+        raise InvalidArgument(
+            f"operation {i}",
+            "a lookup carries tokens and a start (its hashing context) only, no "
+            "num_new_tokens, num_lookahead_tokens, num_rejected_tokens or "
+            "num_in_flight_tokens",
+        )
     start = columns.starts.get(i)
-    parsed = start_from_pb(start, f"starts[{i}]") if start is not None else None
+    parsed = start_from_pb(start, f"operation {i}'s start") if start is not None else None
     hits: tuple[list[int], ...]
     if parsed is not None and parsed.skip_prefix_cache_read:
         num_cached, hits = 0, tuple([] for _ in range(cache.num_groups))
@@ -99,35 +114,56 @@ def _apply_one(
         start = columns.starts.get(i)
         if start is not None:
             # An admission names a new id: bound it here, or a Free could never name it.
-            check_request_id(sent_id, f"request_ids[{i}]")
+            check_request_id(sent_id, f"operation {i}'s request id")
         elif not request_id:
-            raise InvalidArgument(f"request_ids[{i}]", "must not be empty")
+            raise InvalidArgument(f"operation {i}'s request id", "must not be empty")
         packed = columns.packed_token_ids
         outcome = cache.allocate(
             request_id,
             tokens,
             columns.num_new_tokens[i],
             columns.num_lookahead_tokens[i],
-            start_from_pb(start, f"starts[{i}]") if start is not None else None,
+            start_from_pb(start, f"operation {i}'s start") if start is not None else None,
             num_rejected_tokens=columns.num_rejected_tokens[i],
             # A first call's prompt is long: hand the core its already-checked packed form.
             packed_token_ids=packed[4 * pos : 4 * (pos + count)]
             if packed and start is not None
             else None,
+            num_in_flight_tokens=columns.num_in_flight_tokens[i],
+        )
+        return pos + count, outcome
+    if kind == _CACHE:
+        if columns.num_new_tokens[i] or columns.num_lookahead_tokens[i] or i in columns.starts:
+            raise InvalidArgument(
+                f"operation {i}",
+                "a cache carries tokens, num_rejected_tokens and num_in_flight_tokens only, "
+                "no num_new_tokens, num_lookahead_tokens or start",
+            )
+        if not request_id:
+            raise InvalidArgument(f"operation {i}'s request id", "must not be empty")
+        outcome = cache.cache_outputs(
+            request_id,
+            columns.token_ids[pos : pos + count],
+            num_rejected_tokens=columns.num_rejected_tokens[i],
+            num_in_flight_tokens=columns.num_in_flight_tokens[i],
         )
         return pos + count, outcome
     if kind == _LOOKUP:
         return pos + count, _lookup_outcome(cache, columns, i, pos)
     if kind in (_FREE, _PREEMPT):
-        check_request_id(sent_id, f"request_ids[{i}]")
+        check_request_id(sent_id, f"operation {i}'s request id")
         if (
             count
             or columns.num_new_tokens[i]
             or columns.num_lookahead_tokens[i]
             or columns.num_rejected_tokens[i]
+            or columns.num_in_flight_tokens[i]
             or i in columns.starts
         ):
-            raise InvalidArgument(f"types[{i}]", "a free carries no tokens, counts or start")
+            raise InvalidArgument(
+                f"operation {i}",
+                f"a {_NAMES[kind]} carries a request id only, no tokens, counts or start",
+            )
         preempted = kind == _PREEMPT
         freed: int = cache.free((request_id,), preempted=preempted)
         if preempted:
@@ -136,7 +172,11 @@ def _apply_one(
             counters.free_requests += 1
         counters.freed_blocks += freed
         return pos + count, freed
-    raise InvalidArgument(f"types[{i}]", f"unknown operation type {kind}")
+    raise InvalidArgument(
+        f"operation {i}",
+        f"unknown operation type {kind}; valid: "
+        + ", ".join(f"{name} ({value})" for value, name in _NAMES.items()),
+    )
 
 
 def _apply_general(cache: Any, columns: StepColumns, counters: Any) -> StepResults:
@@ -155,6 +195,8 @@ def _apply_general(cache: Any, columns: StepColumns, counters: Any) -> StepResul
             results.add_free(outcome)
             continue
         ok = outcome.ok
+        if outcome.released:
+            results.released = True
         statuses.append(outcome_status(outcome))
         results.scheduled.append(outcome.num_scheduled_tokens if ok else 0)
         results.computed.append(outcome.num_computed_tokens)
@@ -164,7 +206,7 @@ def _apply_general(cache: Any, columns: StepColumns, counters: Any) -> StepResul
             results.new_block_ids.extend(ids)
         results.num_null_blocks.extend(outcome.num_null_blocks)
         results.freed.append(0)
-        if ok and columns.types[i] != _LOOKUP:
+        if ok and columns.types[i] == _ALLOCATE:
             counters.allocate_ok += 1
     return results
 
@@ -199,7 +241,15 @@ def _apply_plain(cache: Any, columns: StepColumns, counters: Any) -> StepResults
             j += 1
         if j > i:
             pos = cache.allocate_running(
-                request_ids, columns.token_ids, counts, new_tokens, i, j, pos, out
+                request_ids,
+                columns.token_ids,
+                counts,
+                new_tokens,
+                i,
+                j,
+                pos,
+                out,
+                columns.num_in_flight_tokens,
             )
             i = j
             continue
@@ -257,5 +307,7 @@ def _apply_plain(cache: Any, columns: StepColumns, counters: Any) -> StepResults
         results.errors[index] = kvcache_pb2.StepError(
             code=status_for(error).value[0], message=str(error)
         )
-    counters.allocate_ok += statuses.count(STATUS_OK) - len(freed_of) - types.count(_LOOKUP)
+    counters.allocate_ok += (
+        statuses.count(STATUS_OK) - len(freed_of) - types.count(_LOOKUP) - types.count(_CACHE)
+    )
     return results

@@ -51,12 +51,16 @@ def token_ids_of(repeated: Any, packed: bytes, field: str, packed_field: str) ->
     """Token ids from whichever of the two encodings a request used (not both).
 
     A list for the repeated field; an ``array('I')`` for the packed one (the core keeps it
-    as the request's token sequence without materialising a Python int per token).
+    as the request's token sequence without materialising a Python int per token). An
+    error names ``field``, the ids as the API calls them: the packed form is the clients'
+    encoding (kvsvc's Python client always packs), named only where only it can be wrong.
     """
     if packed:
         if len(repeated):
-            raise InvalidArgument(packed_field, f"set either {field} or {packed_field}, not both")
-        return unpack_token_ids(packed, packed_field)
+            raise InvalidArgument(
+                field, f"sent both as a list and packed ({packed_field}): send one of the two"
+            )
+        return unpack_token_ids(packed, f"{field} ({packed_field})")
     return list(repeated)
 
 
@@ -89,12 +93,15 @@ def hashing_from_pb(msg: pb.HashingContext, where: str) -> HashingContext | None
         return None
     if msg.lora_path and not msg.lora_name:
         raise InvalidArgument(f"{where}.lora_name", "required when lora_path is set")
+    if msg.lora_id and not msg.lora_name:
+        raise InvalidArgument(f"{where}.lora_name", "required when lora_id is set")
     context = HashingContext(
         cache_salt=msg.cache_salt or None,
         lora_name=msg.lora_name or None,
         lora_path=msg.lora_path or None,
         mm_items=tuple(items),
         prompt_embeds_digests=tuple(msg.prompt_embeds_digests),
+        lora_id=msg.lora_id or None,
     )
     check_hashing_strings(context, where)
     return context
@@ -105,12 +112,19 @@ def start_from_pb(msg: pb.RequestStart, where: str) -> RequestStart:
         raise InvalidArgument(f"{where}.num_encoder_tokens", "must be >= 0")
     if msg.num_prompt_tokens < 0:
         raise InvalidArgument(f"{where}.num_prompt_tokens", "must be >= 0")
+    if msg.num_draft_tokens < 0:
+        raise InvalidArgument(f"{where}.num_draft_tokens", "must be >= 0")
+    max_hit = msg.max_cache_hit_tokens if msg.HasField("max_cache_hit_tokens") else None
+    if max_hit is not None and max_hit < 0:
+        raise InvalidArgument(f"{where}.max_cache_hit_tokens", "must be >= 0")
     return RequestStart(
         hashing=hashing_from_pb(msg.hashing, f"{where}.hashing"),
         skip_prefix_cache_read=msg.skip_prefix_cache_read,
         resumed=msg.resumed,
         num_encoder_tokens=msg.num_encoder_tokens,
         num_prompt_tokens=msg.num_prompt_tokens,
+        max_cache_hit_tokens=max_hit,
+        num_draft_tokens=msg.num_draft_tokens,
     )
 
 
@@ -134,6 +148,16 @@ def allocate_response(outcome: AllocateOutcome) -> pb.AllocateResponse:
     )
 
 
+# A Step's per-operation columns besides types, and what the API calls their values.
+_PER_OPERATION = (
+    ("request_ids", "request ids"),
+    ("num_token_ids", "token counts"),
+    ("num_new_tokens", "num_new_tokens values"),
+    ("num_lookahead_tokens", "num_lookahead_tokens values"),
+    ("num_rejected_tokens", "num_rejected_tokens values"),
+    ("num_in_flight_tokens", "num_in_flight_tokens values"),
+)
+
 # The most free-queue ids one Step reply carries (StepRequest.free_queue_head_limit).
 MAX_FREE_QUEUE_HEAD = 65536
 
@@ -144,6 +168,7 @@ class StepColumns:
     __slots__ = (
         "free_queue_head_limit",
         "free_queue_head_offset",
+        "num_in_flight_tokens",
         "num_lookahead_tokens",
         "num_new_tokens",
         "num_rejected_tokens",
@@ -157,15 +182,22 @@ class StepColumns:
     )
 
     def __init__(self, request: pb.StepRequest, max_operations: int) -> None:
+        # Errors speak of operations, request ids and token counts, as the API does (the
+        # Python client's StepBuilder, the engine's view): a column's name appears only in
+        # brackets, for a client that writes the columns itself.
         self.types: list[int] = list(request.types)
         n = len(self.types)
         if n > max_operations:
-            raise InvalidArgument("types", f"{n} operations exceed the limit of {max_operations}")
+            raise InvalidArgument(
+                "Step",
+                f"{n} operations exceed the limit of {max_operations} per call "
+                "(the server's max_step_operations)",
+            )
         self.request_ids: list[str] = list(request.request_ids)
         # The ids as sent; request_ids becomes the engine-namespaced form when scoped.
         self.sent_request_ids: list[str] = self.request_ids
         self.token_ids: Sequence[int] = token_ids_of(
-            request.token_ids, request.packed_token_ids, "token_ids", "packed_token_ids"
+            request.token_ids, request.packed_token_ids, "Step token ids", "packed_token_ids"
         )
         # Kept so admissions can hand the core their already-checked packed prompt.
         self.packed_token_ids: bytes | None = request.packed_token_ids or None
@@ -173,26 +205,29 @@ class StepColumns:
         self.num_new_tokens: list[int] = list(request.num_new_tokens) or [0] * n
         self.num_lookahead_tokens: list[int] = list(request.num_lookahead_tokens) or [0] * n
         self.num_rejected_tokens: list[int] = list(request.num_rejected_tokens) or [0] * n
-        for name in (
-            "request_ids",
-            "num_token_ids",
-            "num_new_tokens",
-            "num_lookahead_tokens",
-            "num_rejected_tokens",
-        ):
-            if len(getattr(self, name)) != n:
+        self.num_in_flight_tokens: list[int] = list(request.num_in_flight_tokens) or [0] * n
+        for name, what in _PER_OPERATION:
+            given = len(getattr(self, name))
+            if given != n:
                 raise InvalidArgument(
-                    name, f"has {len(getattr(self, name))} entries for {n} operations"
+                    "Step",
+                    f"{given} {what} ({name}) for {n} operations: one per operation"
+                    + ("" if name == "request_ids" else ", or none for all 0"),
                 )
         if sum(self.num_token_ids) != len(self.token_ids) or min(self.num_token_ids, default=0) < 0:
             raise InvalidArgument(
-                "num_token_ids",
-                f"counts must be >= 0 and add up to len(token_ids) = {len(self.token_ids)}",
+                "Step",
+                "the operations' token counts (num_token_ids) must be >= 0 and add up to the "
+                f"{len(self.token_ids)} token ids sent",
             )
         self.starts: dict[int, Any] = dict(request.starts) if request.starts else {}
         for index in self.starts:
             if not 0 <= index < n:
-                raise InvalidArgument("starts", f"key {index} is not an operation index")
+                raise InvalidArgument(
+                    "Step",
+                    f"a start (starts) for operation {index}, which is not one of its "
+                    f"{n} operations",
+                )
         self.free_queue_head_limit: int = request.free_queue_head_limit
         if not 0 <= self.free_queue_head_limit <= MAX_FREE_QUEUE_HEAD:
             raise InvalidArgument(
@@ -203,6 +238,14 @@ class StepColumns:
         if self.free_queue_head_offset < 0:
             raise InvalidArgument(
                 "free_queue_head_offset", f"must be >= 0, got {self.free_queue_head_offset}"
+            )
+        if self.free_queue_head_offset and n:
+            # A page past the front is read where the last one ended (O(page)); the
+            # operations would move the queue first, and the page could not be bounded
+            # before they changed the pool.
+            raise InvalidArgument(
+                "free_queue_head_offset",
+                f"pages the free queue only in a Step without operations (this one has {n})",
             )
 
 
@@ -221,12 +264,15 @@ class StepResults:
         "num_groups",
         "num_new_blocks",
         "num_null_blocks",
+        "released",
         "scheduled",
         "statuses",
     )
 
     def __init__(self, num_groups: int) -> None:
         self.num_groups = num_groups
+        # A refused allocation released out-of-window blocks: the pool changed.
+        self.released = False
         self._zero_groups = [0] * num_groups
         self.statuses: list[int] = []
         self.scheduled: list[int] = []
@@ -311,6 +357,7 @@ def _stored_to_pb(event: BlockStored) -> pb.KVEvent:
         medium=event.medium,
         group_index=event.group_index,
         group_kind=event.group_kind,
+        lora_id=event.lora_id or 0,
     )
     if event.parent_block_hash is not None:
         stored.parent_block_hash = event.parent_block_hash

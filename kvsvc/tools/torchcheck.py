@@ -53,7 +53,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m kvsvc.tools.torchcheck TORCH_INDEX_URL", file=sys.stderr)
         return 2
-    import torch
+    import warnings
+
+    with warnings.catch_warnings():
+        # The check runs before the venv has numpy (kvsvc's own install, the next step,
+        # brings it): torch then warns "Failed to initialize NumPy" at import, noise in the
+        # middle of `make venv` about a module that arrives a minute later.
+        warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+        import torch
 
     error = problem(str(torch.__version__), args[0])
     if error is not None:

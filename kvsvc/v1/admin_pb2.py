@@ -27,7 +27,7 @@ from kvsvc.v1 import specs_pb2 as kvsvc_dot_v1_dot_specs__pb2
 from kvsvc.v1 import worker_pb2 as kvsvc_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvsvc/v1/admin.proto\x12\x08kvsvc.v1\x1a\x14kvsvc/v1/pools.proto\x1a\x14kvsvc/v1/specs.proto\x1a\x15kvsvc/v1/worker.proto\"\x12\n\x10ListPoolsRequest\"\x99\x02\n\x0cWorkerStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x10\n\x08hostname\x18\x03 \x01(\t\x12\x12\n\nregistered\x18\x04 \x01(\x08\x12\x11\n\tallocated\x18\x05 \x01(\x08\x12\x1d\n\x15heartbeat_age_seconds\x18\x06 \x01(\x01\x12\x16\n\x0ekv_cache_bytes\x18\x07 \x01(\x04\x12\x19\n\x11memory_free_bytes\x18\x08 \x01(\x04\x12\x17\n\x0f\x61llocated_bytes\x18\t \x01(\x04\x12&\n\x05views\x18\n \x03(\x0b\x32\x17.kvsvc.v1.AllocatedView\x12\x11\n\tconnected\x18\x0b \x01(\x08\x12\x0c\n\x04live\x18\x0c \x01(\x08\"\xe0\x02\n\x0bPoolSummary\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x05state\x18\x02 \x01(\x0e\x32\x13.kvsvc.v1.PoolState\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x16\n\x0enum_registered\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x12\n\nnum_blocks\x18\x06 \x01(\x04\x12\x11\n\thash_algo\x18\x07 \x01(\t\x12\x1d\n\x15\x65nable_prefix_caching\x18\x08 \x01(\x08\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\'\n\x07workers\x18\n \x03(\x0b\x32\x16.kvsvc.v1.WorkerStatus\x12\x15\n\rmax_model_len\x18\x0b \x01(\x05\x12\r\n\x05\x65poch\x18\x0c \x01(\t\x12\x12\n\npersistent\x18\r \x01(\x08\x12\'\n\x1fprefix_cache_retention_interval\x18\x0e \x01(\x05\"9\n\x11ListPoolsResponse\x12$\n\x05pools\x18\x01 \x03(\x0b\x32\x15.kvsvc.v1.PoolSummary\"\x1e\n\x0eGetPlanRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"z\n\x0fGetPlanResponse\x12#\n\x04pool\x18\x01 \x01(\x0b\x32\x15.kvsvc.v1.PoolSummary\x12\x11\n\tplan_json\x18\x02 \x01(\t\x12/\n\x0eworker_configs\x18\x03 \x03(\x0b\x32\x17.kvsvc.v1.KVCacheConfig\",\n\x1c\x46orceResetPrefixCacheRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"`\n\x1d\x46orceResetPrefixCacheResponse\x12\x1c\n\x14num_requests_flagged\x18\x01 \x01(\x05\x12!\n\x19num_cached_blocks_dropped\x18\x02 \x01(\x04\"#\n\x13SnapshotPoolRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"6\n\x11SnapshotPoolChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x32\xcc\x02\n\x0c\x41\x64minService\x12\x44\n\tListPools\x12\x1a.kvsvc.v1.ListPoolsRequest\x1a\x1b.kvsvc.v1.ListPoolsResponse\x12>\n\x07GetPlan\x12\x18.kvsvc.v1.GetPlanRequest\x1a\x19.kvsvc.v1.GetPlanResponse\x12h\n\x15\x46orceResetPrefixCache\x12&.kvsvc.v1.ForceResetPrefixCacheRequest\x1a\'.kvsvc.v1.ForceResetPrefixCacheResponse\x12L\n\x0cSnapshotPool\x12\x1d.kvsvc.v1.SnapshotPoolRequest\x1a\x1b.kvsvc.v1.SnapshotPoolChunk0\x01\x42\x8b\x01\n\x0c\x63om.kvsvc.v1B\nAdminProtoP\x01Z.github.com/kvsvc/kvsvc/gen/go/kvsvc/v1;kvsvcv1\xa2\x02\x03KXX\xaa\x02\x08Kvsvc.V1\xca\x02\x08Kvsvc\\V1\xe2\x02\x14Kvsvc\\V1\\GPBMetadata\xea\x02\tKvsvc::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvsvc/v1/admin.proto\x12\x08kvsvc.v1\x1a\x14kvsvc/v1/pools.proto\x1a\x14kvsvc/v1/specs.proto\x1a\x15kvsvc/v1/worker.proto\"\x12\n\x10ListPoolsRequest\"\xac\x02\n\x0cWorkerStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x10\n\x08hostname\x18\x03 \x01(\t\x12\x12\n\nregistered\x18\x04 \x01(\x08\x12\x11\n\tallocated\x18\x05 \x01(\x08\x12\x1d\n\x15heartbeat_age_seconds\x18\x06 \x01(\x01\x12\x16\n\x0ekv_cache_bytes\x18\x07 \x01(\x04\x12\x19\n\x11memory_free_bytes\x18\x08 \x01(\x04\x12\x17\n\x0f\x61llocated_bytes\x18\t \x01(\x04\x12&\n\x05views\x18\n \x03(\x0b\x32\x17.kvsvc.v1.AllocatedView\x12\x11\n\tconnected\x18\x0b \x01(\x08\x12\x0c\n\x04live\x18\x0c \x01(\x08\x12\x11\n\tin_engine\x18\r \x01(\x08\"\xe0\x02\n\x0bPoolSummary\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x05state\x18\x02 \x01(\x0e\x32\x13.kvsvc.v1.PoolState\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x16\n\x0enum_registered\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x12\n\nnum_blocks\x18\x06 \x01(\x04\x12\x11\n\thash_algo\x18\x07 \x01(\t\x12\x1d\n\x15\x65nable_prefix_caching\x18\x08 \x01(\x08\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\'\n\x07workers\x18\n \x03(\x0b\x32\x16.kvsvc.v1.WorkerStatus\x12\x15\n\rmax_model_len\x18\x0b \x01(\x05\x12\r\n\x05\x65poch\x18\x0c \x01(\t\x12\x12\n\npersistent\x18\r \x01(\x08\x12\'\n\x1fprefix_cache_retention_interval\x18\x0e \x01(\x05\"9\n\x11ListPoolsResponse\x12$\n\x05pools\x18\x01 \x03(\x0b\x32\x15.kvsvc.v1.PoolSummary\"\x1e\n\x0eGetPlanRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"z\n\x0fGetPlanResponse\x12#\n\x04pool\x18\x01 \x01(\x0b\x32\x15.kvsvc.v1.PoolSummary\x12\x11\n\tplan_json\x18\x02 \x01(\t\x12/\n\x0eworker_configs\x18\x03 \x03(\x0b\x32\x17.kvsvc.v1.KVCacheConfig\",\n\x1c\x46orceResetPrefixCacheRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"`\n\x1d\x46orceResetPrefixCacheResponse\x12\x1c\n\x14num_requests_flagged\x18\x01 \x01(\x05\x12!\n\x19num_cached_blocks_dropped\x18\x02 \x01(\x04\"#\n\x13SnapshotPoolRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"6\n\x11SnapshotPoolChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x32\xcc\x02\n\x0c\x41\x64minService\x12\x44\n\tListPools\x12\x1a.kvsvc.v1.ListPoolsRequest\x1a\x1b.kvsvc.v1.ListPoolsResponse\x12>\n\x07GetPlan\x12\x18.kvsvc.v1.GetPlanRequest\x1a\x19.kvsvc.v1.GetPlanResponse\x12h\n\x15\x46orceResetPrefixCache\x12&.kvsvc.v1.ForceResetPrefixCacheRequest\x1a\'.kvsvc.v1.ForceResetPrefixCacheResponse\x12L\n\x0cSnapshotPool\x12\x1d.kvsvc.v1.SnapshotPoolRequest\x1a\x1b.kvsvc.v1.SnapshotPoolChunk0\x01\x42\x8b\x01\n\x0c\x63om.kvsvc.v1B\nAdminProtoP\x01Z.github.com/kvsvc/kvsvc/gen/go/kvsvc/v1;kvsvcv1\xa2\x02\x03KXX\xaa\x02\x08Kvsvc.V1\xca\x02\x08Kvsvc\\V1\xe2\x02\x14Kvsvc\\V1\\GPBMetadata\xea\x02\tKvsvc::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,23 +38,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTPOOLSREQUEST']._serialized_start=101
   _globals['_LISTPOOLSREQUEST']._serialized_end=119
   _globals['_WORKERSTATUS']._serialized_start=122
-  _globals['_WORKERSTATUS']._serialized_end=403
-  _globals['_POOLSUMMARY']._serialized_start=406
-  _globals['_POOLSUMMARY']._serialized_end=758
-  _globals['_LISTPOOLSRESPONSE']._serialized_start=760
-  _globals['_LISTPOOLSRESPONSE']._serialized_end=817
-  _globals['_GETPLANREQUEST']._serialized_start=819
-  _globals['_GETPLANREQUEST']._serialized_end=849
-  _globals['_GETPLANRESPONSE']._serialized_start=851
-  _globals['_GETPLANRESPONSE']._serialized_end=973
-  _globals['_FORCERESETPREFIXCACHEREQUEST']._serialized_start=975
-  _globals['_FORCERESETPREFIXCACHEREQUEST']._serialized_end=1019
-  _globals['_FORCERESETPREFIXCACHERESPONSE']._serialized_start=1021
-  _globals['_FORCERESETPREFIXCACHERESPONSE']._serialized_end=1117
-  _globals['_SNAPSHOTPOOLREQUEST']._serialized_start=1119
-  _globals['_SNAPSHOTPOOLREQUEST']._serialized_end=1154
-  _globals['_SNAPSHOTPOOLCHUNK']._serialized_start=1156
-  _globals['_SNAPSHOTPOOLCHUNK']._serialized_end=1210
-  _globals['_ADMINSERVICE']._serialized_start=1213
-  _globals['_ADMINSERVICE']._serialized_end=1545
+  _globals['_WORKERSTATUS']._serialized_end=422
+  _globals['_POOLSUMMARY']._serialized_start=425
+  _globals['_POOLSUMMARY']._serialized_end=777
+  _globals['_LISTPOOLSRESPONSE']._serialized_start=779
+  _globals['_LISTPOOLSRESPONSE']._serialized_end=836
+  _globals['_GETPLANREQUEST']._serialized_start=838
+  _globals['_GETPLANREQUEST']._serialized_end=868
+  _globals['_GETPLANRESPONSE']._serialized_start=870
+  _globals['_GETPLANRESPONSE']._serialized_end=992
+  _globals['_FORCERESETPREFIXCACHEREQUEST']._serialized_start=994
+  _globals['_FORCERESETPREFIXCACHEREQUEST']._serialized_end=1038
+  _globals['_FORCERESETPREFIXCACHERESPONSE']._serialized_start=1040
+  _globals['_FORCERESETPREFIXCACHERESPONSE']._serialized_end=1136
+  _globals['_SNAPSHOTPOOLREQUEST']._serialized_start=1138
+  _globals['_SNAPSHOTPOOLREQUEST']._serialized_end=1173
+  _globals['_SNAPSHOTPOOLCHUNK']._serialized_start=1175
+  _globals['_SNAPSHOTPOOLCHUNK']._serialized_end=1229
+  _globals['_ADMINSERVICE']._serialized_start=1232
+  _globals['_ADMINSERVICE']._serialized_end=1564
 # @@protoc_insertion_point(module_scope)

@@ -14,7 +14,7 @@ class ListPoolsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("rank", "device", "hostname", "registered", "allocated", "heartbeat_age_seconds", "kv_cache_bytes", "memory_free_bytes", "allocated_bytes", "views", "connected", "live")
+    __slots__ = ("rank", "device", "hostname", "registered", "allocated", "heartbeat_age_seconds", "kv_cache_bytes", "memory_free_bytes", "allocated_bytes", "views", "connected", "live", "in_engine")
     RANK_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class WorkerStatus(_message.Message):
     VIEWS_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     LIVE_FIELD_NUMBER: _ClassVar[int]
+    IN_ENGINE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     device: str
     hostname: str
@@ -39,7 +40,8 @@ class WorkerStatus(_message.Message):
     views: _containers.RepeatedCompositeFieldContainer[_worker_pb2.AllocatedView]
     connected: bool
     live: bool
-    def __init__(self, rank: _Optional[int] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., registered: _Optional[bool] = ..., allocated: _Optional[bool] = ..., heartbeat_age_seconds: _Optional[float] = ..., kv_cache_bytes: _Optional[int] = ..., memory_free_bytes: _Optional[int] = ..., allocated_bytes: _Optional[int] = ..., views: _Optional[_Iterable[_Union[_worker_pb2.AllocatedView, _Mapping]]] = ..., connected: _Optional[bool] = ..., live: _Optional[bool] = ...) -> None: ...
+    in_engine: bool
+    def __init__(self, rank: _Optional[int] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., registered: _Optional[bool] = ..., allocated: _Optional[bool] = ..., heartbeat_age_seconds: _Optional[float] = ..., kv_cache_bytes: _Optional[int] = ..., memory_free_bytes: _Optional[int] = ..., allocated_bytes: _Optional[int] = ..., views: _Optional[_Iterable[_Union[_worker_pb2.AllocatedView, _Mapping]]] = ..., connected: _Optional[bool] = ..., live: _Optional[bool] = ..., in_engine: _Optional[bool] = ...) -> None: ...
 
 class PoolSummary(_message.Message):
     __slots__ = ("name", "state", "world_size", "num_registered", "block_size", "num_blocks", "hash_algo", "enable_prefix_caching", "error", "workers", "max_model_len", "epoch", "persistent", "prefix_cache_retention_interval")

@@ -27,6 +27,7 @@ class StepOperationType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STEP_OPERATION_TYPE_FREE: _ClassVar[StepOperationType]
     STEP_OPERATION_TYPE_PREEMPT: _ClassVar[StepOperationType]
     STEP_OPERATION_TYPE_LOOKUP: _ClassVar[StepOperationType]
+    STEP_OPERATION_TYPE_CACHE: _ClassVar[StepOperationType]
 ALLOCATE_STATUS_UNSPECIFIED: AllocateStatus
 ALLOCATE_STATUS_OK: AllocateStatus
 ALLOCATE_STATUS_NO_SPACE: AllocateStatus
@@ -39,6 +40,7 @@ STEP_OPERATION_TYPE_ALLOCATE: StepOperationType
 STEP_OPERATION_TYPE_FREE: StepOperationType
 STEP_OPERATION_TYPE_PREEMPT: StepOperationType
 STEP_OPERATION_TYPE_LOOKUP: StepOperationType
+STEP_OPERATION_TYPE_CACHE: StepOperationType
 
 class MultiModalItem(_message.Message):
     __slots__ = ("identifier", "offset", "length")
@@ -51,35 +53,41 @@ class MultiModalItem(_message.Message):
     def __init__(self, identifier: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class HashingContext(_message.Message):
-    __slots__ = ("cache_salt", "lora_name", "lora_path", "mm_items", "prompt_embeds_digests")
+    __slots__ = ("cache_salt", "lora_name", "lora_path", "mm_items", "prompt_embeds_digests", "lora_id")
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     LORA_PATH_FIELD_NUMBER: _ClassVar[int]
     MM_ITEMS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_EMBEDS_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
     cache_salt: str
     lora_name: str
     lora_path: str
     mm_items: _containers.RepeatedCompositeFieldContainer[MultiModalItem]
     prompt_embeds_digests: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., mm_items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., prompt_embeds_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    lora_id: int
+    def __init__(self, cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., mm_items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., prompt_embeds_digests: _Optional[_Iterable[bytes]] = ..., lora_id: _Optional[int] = ...) -> None: ...
 
 class RequestStart(_message.Message):
-    __slots__ = ("hashing", "skip_prefix_cache_read", "resumed", "num_encoder_tokens", "num_prompt_tokens")
+    __slots__ = ("hashing", "skip_prefix_cache_read", "resumed", "num_encoder_tokens", "num_prompt_tokens", "max_cache_hit_tokens", "num_draft_tokens")
     HASHING_FIELD_NUMBER: _ClassVar[int]
     SKIP_PREFIX_CACHE_READ_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
     NUM_ENCODER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     hashing: HashingContext
     skip_prefix_cache_read: bool
     resumed: bool
     num_encoder_tokens: int
     num_prompt_tokens: int
-    def __init__(self, hashing: _Optional[_Union[HashingContext, _Mapping]] = ..., skip_prefix_cache_read: _Optional[bool] = ..., resumed: _Optional[bool] = ..., num_encoder_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+    max_cache_hit_tokens: int
+    num_draft_tokens: int
+    def __init__(self, hashing: _Optional[_Union[HashingContext, _Mapping]] = ..., skip_prefix_cache_read: _Optional[bool] = ..., resumed: _Optional[bool] = ..., num_encoder_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., max_cache_hit_tokens: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("pool", "request_id", "new_token_ids", "packed_new_token_ids", "num_new_tokens", "num_lookahead_tokens", "start", "num_rejected_tokens", "call_id")
+    __slots__ = ("pool", "request_id", "new_token_ids", "packed_new_token_ids", "num_new_tokens", "num_lookahead_tokens", "start", "num_rejected_tokens", "call_id", "num_in_flight_tokens")
     POOL_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +97,7 @@ class AllocateRequest(_message.Message):
     START_FIELD_NUMBER: _ClassVar[int]
     NUM_REJECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_IN_FLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     pool: str
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -98,7 +107,8 @@ class AllocateRequest(_message.Message):
     start: RequestStart
     num_rejected_tokens: int
     call_id: str
-    def __init__(self, pool: _Optional[str] = ..., request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., packed_new_token_ids: _Optional[bytes] = ..., num_new_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., start: _Optional[_Union[RequestStart, _Mapping]] = ..., num_rejected_tokens: _Optional[int] = ..., call_id: _Optional[str] = ...) -> None: ...
+    num_in_flight_tokens: int
+    def __init__(self, pool: _Optional[str] = ..., request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., packed_new_token_ids: _Optional[bytes] = ..., num_new_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., start: _Optional[_Union[RequestStart, _Mapping]] = ..., num_rejected_tokens: _Optional[int] = ..., call_id: _Optional[str] = ..., num_in_flight_tokens: _Optional[int] = ...) -> None: ...
 
 class GroupBlocks(_message.Message):
     __slots__ = ("block_ids", "num_null_blocks")
@@ -145,7 +155,7 @@ class FreeResponse(_message.Message):
     def __init__(self, num_freed_blocks: _Optional[int] = ..., num_freed_requests: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("pool", "types", "request_ids", "num_token_ids", "token_ids", "num_new_tokens", "num_lookahead_tokens", "starts", "num_rejected_tokens", "packed_token_ids", "free_queue_head_limit", "call_id", "free_queue_head_offset")
+    __slots__ = ("pool", "types", "request_ids", "num_token_ids", "token_ids", "num_new_tokens", "num_lookahead_tokens", "starts", "num_rejected_tokens", "packed_token_ids", "free_queue_head_limit", "call_id", "free_queue_head_offset", "num_in_flight_tokens")
     class StartsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +176,7 @@ class StepRequest(_message.Message):
     FREE_QUEUE_HEAD_LIMIT_FIELD_NUMBER: _ClassVar[int]
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     FREE_QUEUE_HEAD_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUM_IN_FLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     pool: str
     types: _containers.RepeatedScalarFieldContainer[StepOperationType]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -179,7 +190,8 @@ class StepRequest(_message.Message):
     free_queue_head_limit: int
     call_id: str
     free_queue_head_offset: int
-    def __init__(self, pool: _Optional[str] = ..., types: _Optional[_Iterable[_Union[StepOperationType, str]]] = ..., request_ids: _Optional[_Iterable[str]] = ..., num_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., num_lookahead_tokens: _Optional[_Iterable[int]] = ..., starts: _Optional[_Mapping[int, RequestStart]] = ..., num_rejected_tokens: _Optional[_Iterable[int]] = ..., packed_token_ids: _Optional[bytes] = ..., free_queue_head_limit: _Optional[int] = ..., call_id: _Optional[str] = ..., free_queue_head_offset: _Optional[int] = ...) -> None: ...
+    num_in_flight_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pool: _Optional[str] = ..., types: _Optional[_Iterable[_Union[StepOperationType, str]]] = ..., request_ids: _Optional[_Iterable[str]] = ..., num_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., num_lookahead_tokens: _Optional[_Iterable[int]] = ..., starts: _Optional[_Mapping[int, RequestStart]] = ..., num_rejected_tokens: _Optional[_Iterable[int]] = ..., packed_token_ids: _Optional[bytes] = ..., free_queue_head_limit: _Optional[int] = ..., call_id: _Optional[str] = ..., free_queue_head_offset: _Optional[int] = ..., num_in_flight_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepError(_message.Message):
     __slots__ = ("code", "message")
@@ -281,7 +293,7 @@ class WatchEventsRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., from_sequence: _Optional[int] = ..., epoch: _Optional[str] = ..., send_caught_up: _Optional[bool] = ...) -> None: ...
 
 class BlockStored(_message.Message):
-    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_name", "medium", "group_index", "group_kind")
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_name", "medium", "group_index", "group_kind", "lora_id")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +302,7 @@ class BlockStored(_message.Message):
     MEDIUM_FIELD_NUMBER: _ClassVar[int]
     GROUP_INDEX_FIELD_NUMBER: _ClassVar[int]
     GROUP_KIND_FIELD_NUMBER: _ClassVar[int]
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     parent_block_hash: bytes
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -298,7 +311,8 @@ class BlockStored(_message.Message):
     medium: str
     group_index: int
     group_kind: str
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ..., medium: _Optional[str] = ..., group_index: _Optional[int] = ..., group_kind: _Optional[str] = ...) -> None: ...
+    lora_id: int
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ..., medium: _Optional[str] = ..., group_index: _Optional[int] = ..., group_kind: _Optional[str] = ..., lora_id: _Optional[int] = ...) -> None: ...
 
 class BlockRemoved(_message.Message):
     __slots__ = ("block_hashes", "medium", "group_index")

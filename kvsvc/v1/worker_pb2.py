@@ -26,7 +26,7 @@ from kvsvc.v1 import pools_pb2 as kvsvc_dot_v1_dot_pools__pb2
 from kvsvc.v1 import specs_pb2 as kvsvc_dot_v1_dot_specs__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvsvc/v1/worker.proto\x12\x08kvsvc.v1\x1a\x14kvsvc/v1/pools.proto\x1a\x14kvsvc/v1/specs.proto\"f\n\rMemoryProfile\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x04\x12\x12\n\nfree_bytes\x18\x02 \x01(\x04\x12\x14\n\x0cnon_kv_bytes\x18\x03 \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x04 \x01(\x04\"\xee\x02\n\x0fRegisterRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x10\n\x08hostname\x18\x05 \x01(\t\x12#\n\x06layers\x18\x06 \x03(\x0b\x32\x13.kvsvc.v1.LayerSpec\x12\'\n\x06memory\x18\x07 \x01(\x0b\x32\x17.kvsvc.v1.MemoryProfile\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\x05\x12\x1e\n\x16pipeline_parallel_size\x18\t \x01(\x05\x12\x15\n\rmax_model_len\x18\n \x01(\x05\x12$\n\x1cmax_num_encoder_input_tokens\x18\x0b \x01(\x05\x12\r\n\x05model\x18\x0c \x01(\t\x12\x1a\n\x12total_num_kv_heads\x18\r \x01(\x05\x12\x15\n\rallocation_id\x18\x0e \x01(\t\"b\n\x10RegisterResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\"\n\x05state\x18\x02 \x01(\x0e\x32\x13.kvsvc.v1.PoolState\x12\x16\n\x0enum_registered\x18\x03 \x01(\x05\"B\n\x10WatchPlanRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nsession_id\x18\x03 \x01(\t\"\x86\x01\n\x11WatchPlanResponse\x12\"\n\x05state\x18\x01 \x01(\x0e\x32\x13.kvsvc.v1.PoolState\x12\'\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x17.kvsvc.v1.KVCacheConfig\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\"Q\n\rAllocatedView\x12\x12\n\nlayer_name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0e\n\x06stride\x18\x03 \x03(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\"\xd0\x01\n\x17ReportAllocationRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\x04\x12\x17\n\x0f\x61llocated_bytes\x18\x05 \x01(\x04\x12\x19\n\x11memory_free_bytes\x18\x06 \x01(\x04\x12&\n\x05views\x18\x07 \x03(\x0b\x32\x17.kvsvc.v1.AllocatedView\x12\x15\n\rallocation_id\x18\x08 \x01(\t\">\n\x18ReportAllocationResponse\x12\"\n\x05state\x18\x01 \x01(\x0e\x32\x13.kvsvc.v1.PoolState\"]\n\x10HeartbeatRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x19\n\x11memory_free_bytes\x18\x04 \x01(\x04\"K\n\x11HeartbeatResponse\x12\"\n\x05state\x18\x01 \x01(\x0e\x32\x13.kvsvc.v1.PoolState\x12\x12\n\nreregister\x18\x02 \x01(\x08\x32\xbb\x02\n\rWorkerService\x12\x41\n\x08Register\x12\x19.kvsvc.v1.RegisterRequest\x1a\x1a.kvsvc.v1.RegisterResponse\x12\x46\n\tWatchPlan\x12\x1a.kvsvc.v1.WatchPlanRequest\x1a\x1b.kvsvc.v1.WatchPlanResponse0\x01\x12Y\n\x10ReportAllocation\x12!.kvsvc.v1.ReportAllocationRequest\x1a\".kvsvc.v1.ReportAllocationResponse\x12\x44\n\tHeartbeat\x12\x1a.kvsvc.v1.HeartbeatRequest\x1a\x1b.kvsvc.v1.HeartbeatResponseB\x8c\x01\n\x0c\x63om.kvsvc.v1B\x0bWorkerProtoP\x01Z.github.com/kvsvc/kvsvc/gen/go/kvsvc/v1;kvsvcv1\xa2\x02\x03KXX\xaa\x02\x08Kvsvc.V1\xca\x02\x08Kvsvc\\V1\xe2\x02\x14Kvsvc\\V1\\GPBMetadata\xea\x02\tKvsvc::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvsvc/v1/worker.proto\x12\x08kvsvc.v1\x1a\x14kvsvc/v1/pools.proto\x1a\x14kvsvc/v1/specs.proto\"f\n\rMemoryProfile\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x04\x12\x12\n\nfree_bytes\x18\x02 \x01(\x04\x12\x14\n\x0cnon_kv_bytes\x18\x03 \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x04 \x01(\x04\"\x81\x03\n\x0fRegisterRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x10\n\x08hostname\x18\x05 \x01(\t\x12#\n\x06layers\x18\x06 \x03(\x0b\x32\x13.kvsvc.v1.LayerSpec\x12\'\n\x06memory\x18\x07 \x01(\x0b\x32\x17.kvsvc.v1.MemoryProfile\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\x05\x12\x1e\n\x16pipeline_parallel_size\x18\t \x01(\x05\x12\x15\n\rmax_model_len\x18\n \x01(\x05\x12$\n\x1cmax_num_encoder_input_tokens\x18\x0b \x01(\x05\x12\r\n\x05model\x18\x0c \x01(\t\x12\x1a\n\x12total_num_kv_heads\x18\r \x01(\x05\x12\x15\n\rallocation_id\x18\x0e \x01(\t\x12\x11\n\tin_engine\x18\x0f \x01(\x08\"b\n\x10RegisterResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\"\n\x05state\x18\x02 \x01(\x0e\x32\x13.kvsvc.v1.PoolState\x12\x16\n\x0enum_registered\x18\x03 \x01(\x05\"B\n\x10WatchPlanRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nsession_id\x18\x03 \x01(\t\"\x86\x01\n\x11WatchPlanResponse\x12\"\n\x05state\x18\x01 \x01(\x0e\x32\x13.kvsvc.v1.PoolState\x12\'\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x17.kvsvc.v1.KVCacheConfig\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\"Q\n\rAllocatedView\x12\x12\n\nlayer_name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0e\n\x06stride\x18\x03 \x03(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\"\xd0\x01\n\x17ReportAllocationRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\x04\x12\x17\n\x0f\x61llocated_bytes\x18\x05 \x01(\x04\x12\x19\n\x11memory_free_bytes\x18\x06 \x01(\x04\x12&\n\x05views\x18\x07 \x03(\x0b\x32\x17.kvsvc.v1.AllocatedView\x12\x15\n\rallocation_id\x18\x08 \x01(\t\">\n\x18ReportAllocationResponse\x12\"\n\x05state\x18\x01 \x01(\x0e\x32\x13.kvsvc.v1.PoolState\"]\n\x10HeartbeatRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x19\n\x11memory_free_bytes\x18\x04 \x01(\x04\"K\n\x11HeartbeatResponse\x12\"\n\x05state\x18\x01 \x01(\x0e\x32\x13.kvsvc.v1.PoolState\x12\x12\n\nreregister\x18\x02 \x01(\x08\x32\xbb\x02\n\rWorkerService\x12\x41\n\x08Register\x12\x19.kvsvc.v1.RegisterRequest\x1a\x1a.kvsvc.v1.RegisterResponse\x12\x46\n\tWatchPlan\x12\x1a.kvsvc.v1.WatchPlanRequest\x1a\x1b.kvsvc.v1.WatchPlanResponse0\x01\x12Y\n\x10ReportAllocation\x12!.kvsvc.v1.ReportAllocationRequest\x1a\".kvsvc.v1.ReportAllocationResponse\x12\x44\n\tHeartbeat\x12\x1a.kvsvc.v1.HeartbeatRequest\x1a\x1b.kvsvc.v1.HeartbeatResponseB\x8c\x01\n\x0c\x63om.kvsvc.v1B\x0bWorkerProtoP\x01Z.github.com/kvsvc/kvsvc/gen/go/kvsvc/v1;kvsvcv1\xa2\x02\x03KXX\xaa\x02\x08Kvsvc.V1\xca\x02\x08Kvsvc\\V1\xe2\x02\x14Kvsvc\\V1\\GPBMetadata\xea\x02\tKvsvc::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,23 +37,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MEMORYPROFILE']._serialized_start=79
   _globals['_MEMORYPROFILE']._serialized_end=181
   _globals['_REGISTERREQUEST']._serialized_start=184
-  _globals['_REGISTERREQUEST']._serialized_end=550
-  _globals['_REGISTERRESPONSE']._serialized_start=552
-  _globals['_REGISTERRESPONSE']._serialized_end=650
-  _globals['_WATCHPLANREQUEST']._serialized_start=652
-  _globals['_WATCHPLANREQUEST']._serialized_end=718
-  _globals['_WATCHPLANRESPONSE']._serialized_start=721
-  _globals['_WATCHPLANRESPONSE']._serialized_end=855
-  _globals['_ALLOCATEDVIEW']._serialized_start=857
-  _globals['_ALLOCATEDVIEW']._serialized_end=938
-  _globals['_REPORTALLOCATIONREQUEST']._serialized_start=941
-  _globals['_REPORTALLOCATIONREQUEST']._serialized_end=1149
-  _globals['_REPORTALLOCATIONRESPONSE']._serialized_start=1151
-  _globals['_REPORTALLOCATIONRESPONSE']._serialized_end=1213
-  _globals['_HEARTBEATREQUEST']._serialized_start=1215
-  _globals['_HEARTBEATREQUEST']._serialized_end=1308
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1310
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1385
-  _globals['_WORKERSERVICE']._serialized_start=1388
-  _globals['_WORKERSERVICE']._serialized_end=1703
+  _globals['_REGISTERREQUEST']._serialized_end=569
+  _globals['_REGISTERRESPONSE']._serialized_start=571
+  _globals['_REGISTERRESPONSE']._serialized_end=669
+  _globals['_WATCHPLANREQUEST']._serialized_start=671
+  _globals['_WATCHPLANREQUEST']._serialized_end=737
+  _globals['_WATCHPLANRESPONSE']._serialized_start=740
+  _globals['_WATCHPLANRESPONSE']._serialized_end=874
+  _globals['_ALLOCATEDVIEW']._serialized_start=876
+  _globals['_ALLOCATEDVIEW']._serialized_end=957
+  _globals['_REPORTALLOCATIONREQUEST']._serialized_start=960
+  _globals['_REPORTALLOCATIONREQUEST']._serialized_end=1168
+  _globals['_REPORTALLOCATIONRESPONSE']._serialized_start=1170
+  _globals['_REPORTALLOCATIONRESPONSE']._serialized_end=1232
+  _globals['_HEARTBEATREQUEST']._serialized_start=1234
+  _globals['_HEARTBEATREQUEST']._serialized_end=1327
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1329
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1404
+  _globals['_WORKERSERVICE']._serialized_start=1407
+  _globals['_WORKERSERVICE']._serialized_end=1722
 # @@protoc_insertion_point(module_scope)

@@ -21,7 +21,7 @@ class MemoryProfile(_message.Message):
     def __init__(self, total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., non_kv_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("pool", "rank", "world_size", "device", "hostname", "layers", "memory", "tensor_parallel_size", "pipeline_parallel_size", "max_model_len", "max_num_encoder_input_tokens", "model", "total_num_kv_heads", "allocation_id")
+    __slots__ = ("pool", "rank", "world_size", "device", "hostname", "layers", "memory", "tensor_parallel_size", "pipeline_parallel_size", "max_model_len", "max_num_encoder_input_tokens", "model", "total_num_kv_heads", "allocation_id", "in_engine")
     POOL_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class RegisterRequest(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
+    IN_ENGINE_FIELD_NUMBER: _ClassVar[int]
     pool: str
     rank: int
     world_size: int
@@ -50,7 +51,8 @@ class RegisterRequest(_message.Message):
     model: str
     total_num_kv_heads: int
     allocation_id: str
-    def __init__(self, pool: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[_specs_pb2.LayerSpec, _Mapping]]] = ..., memory: _Optional[_Union[MemoryProfile, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_encoder_input_tokens: _Optional[int] = ..., model: _Optional[str] = ..., total_num_kv_heads: _Optional[int] = ..., allocation_id: _Optional[str] = ...) -> None: ...
+    in_engine: bool
+    def __init__(self, pool: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[_specs_pb2.LayerSpec, _Mapping]]] = ..., memory: _Optional[_Union[MemoryProfile, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_encoder_input_tokens: _Optional[int] = ..., model: _Optional[str] = ..., total_num_kv_heads: _Optional[int] = ..., allocation_id: _Optional[str] = ..., in_engine: _Optional[bool] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("session_id", "state", "num_registered")

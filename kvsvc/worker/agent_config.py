@@ -43,6 +43,9 @@ class WorkerAgentConfig:
         allow_replan: a different plan after tensors exist reallocates them (a standalone
             process) instead of stopping with ``REPLANNED`` (an engine that bound them).
         hostname: reported at registration.
+        in_engine: the agent runs inside an engine whose own workers hold the tensors
+            (vLLM on kvsvc): operators restart the engine to bring the rank back, and
+            ``kvsvc ctl`` says so.
         tls_ca / tls_cert / tls_key / tls_server_name: TLS of the channel to the server,
             as :class:`kvsvc_client.ClientOptions` takes them (None: the ``KVSVC_TLS_*``
             variable; ""; off); a CA or a client certificate makes the channel TLS.
@@ -73,6 +76,7 @@ class WorkerAgentConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_server_name: str | None = None
+    in_engine: bool = False
 
     def client_tls(self) -> ClientTls | None:
         """The channel's TLS settings, environment fallbacks applied (None: plaintext).

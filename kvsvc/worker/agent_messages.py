@@ -49,6 +49,7 @@ def register_request(
         max_model_len=config.max_model_len,
         max_num_encoder_input_tokens=config.max_num_encoder_input_tokens,
         model=config.model,
+        in_engine=config.in_engine,
     )
 
 

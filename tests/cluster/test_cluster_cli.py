@@ -29,7 +29,16 @@ def test_an_indexer_without_sources_or_with_a_bad_one_stops_at_once() -> None:
 
 
 def test_an_unreachable_redis_is_named() -> None:
-    result = kvsvc("indexer", "--redis", "redis://127.0.0.1:1", "--source", "h:1/p")
+    # Its /metrics on any free port: the ports are checked before Redis is asked.
+    result = kvsvc(
+        "indexer",
+        "--redis",
+        "redis://127.0.0.1:1",
+        "--source",
+        "h:1/p",
+        "--metrics-listen",
+        "127.0.0.1:0",
+    )
     assert result.returncode == 1 and "--redis redis://127.0.0.1:1" in result.stderr
 
 

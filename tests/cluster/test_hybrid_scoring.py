@@ -17,6 +17,7 @@ import pytest
 
 from kvsvc.cli import main as cli_main
 from kvsvc.cluster.layout import Keys
+from kvsvc.cluster.lease import LeaseKeeper
 from kvsvc.cluster.router import ScoreServicer
 from kvsvc.cluster.score import Scorer, _window_ands
 from kvsvc.cluster.store import SourceStore, Tracking, connect
@@ -151,7 +152,25 @@ def redis_url(
         yield url
 
 
-def make_engines(client: object, keys: Keys, models: dict[str, list[KVCacheSpec]]) -> list[Engine]:
+@pytest.fixture()
+def keepers() -> Iterator[list[LeaseKeeper]]:
+    """The lease keepers of a test's stores, closed when it ends."""
+    started: list[LeaseKeeper] = []
+    yield started
+    for keeper in started:
+        keeper.close()
+
+
+def make_engines(
+    client: object,
+    keys: Keys,
+    models: dict[str, list[KVCacheSpec]],
+    keepers: list[LeaseKeeper],
+) -> list[Engine]:
+    """Engines of ``models``, each indexed by a store that holds its source's lease the
+    way the indexer does: a LeaseKeeper renews it while the test writes. (Taken once and
+    never renewed, the lease lapsed under a test that ran past its 30 s on a loaded
+    machine, and the next write raised LeaseLost.)"""
     engines = []
     for m, (model, specs) in enumerate(models.items()):
         config = KVCacheConfig(
@@ -167,6 +186,10 @@ def make_engines(client: object, keys: Keys, models: dict[str, list[KVCacheSpec]
             name = f"10.0.{m}.{e}:1/{model}"
             store = SourceStore(client, name, "owner", keys, lease_ttl_s=30)
             assert store.acquire() == "new"
+            keeper = LeaseKeeper(store, name)
+            keepers.append(keeper)
+            keeper.start()
+            keeper.hold()
             store.install("e1", 0, tracking, {})
             engines.append(Engine(name, cache, store, tracking, random.Random(f"{model}/{e}")))
     return engines
@@ -195,10 +218,10 @@ def assert_scores_are_lookups(
         assert scores == lookups, f"prompt of {len(prompt)} tokens: {scores} != {lookups}"
 
 
-def test_hybrid_scores_equal_the_cores_lookups(redis_url: str) -> None:
+def test_hybrid_scores_equal_the_cores_lookups(redis_url: str, keepers: list[LeaseKeeper]) -> None:
     client = connect(redis_url)
     keys = Keys(f"hy{next(_prefixes)}")
-    engines = make_engines(client, keys, MODELS)
+    engines = make_engines(client, keys, MODELS, keepers)
     scorer = Scorer(client, SEED, keys)
     base = random.Random(3)
     prefixes = [[1000 * s + base.randrange(1000) for _ in range(72)] for s in range(1, 4)]
@@ -235,13 +258,16 @@ def counts_of(engine: Engine) -> dict[bytes, int]:
 
 
 def test_an_untracked_kind_makes_the_score_an_upper_bound(
-    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    redis_url: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    keepers: list[LeaseKeeper],
 ) -> None:
     """Chunked local attention is not indexed: the score is the tracked classes' hit
     (at least the Lookup), and the result names the engine."""
     client = connect(redis_url)
     keys = Keys(f"hy{next(_prefixes)}")
-    engines = make_engines(client, keys, {"full4+chunk8": [full(4), chunked(4, 8)]})
+    engines = make_engines(client, keys, {"full4+chunk8": [full(4), chunked(4, 8)]}, keepers)
     assert all(e.tracking.untracked == (1,) for e in engines)
     scorer = Scorer(client, SEED, keys)
     prefixes = [[7 * t + s for t in range(60)] for s in range(3)]

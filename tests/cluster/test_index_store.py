@@ -18,6 +18,7 @@ from kvsvc.cluster.layout import APPLY, Keys
 from kvsvc.cluster.score import Scorer
 from kvsvc.cluster.store import (
     STAGE_TTL_MS,
+    InvalidSource,
     LeaseLost,
     SourceMoved,
     SourceStore,
@@ -252,6 +253,24 @@ def test_a_hybrid_engine_needs_the_hash_in_every_tracked_group(redis_url: str, k
     assert scorer.score(tokens).scores == {"h:1/p": 32}
     a.apply("e1", 4, 4, both, [b"R" + in_group[0][0][1:]])  # block 0 left group 0
     assert scorer.score(tokens).scores == {"h:1/p": 0}
+
+
+def test_every_group_index_of_a_byte_is_indexed(redis_url: str, keys: Keys) -> None:
+    """Group indexes are one byte in the keys: 255 is indexed and scored, 256 refused
+    (the source is quarantined, naming it) with nothing written."""
+    client = connect(redis_url)
+    last = Tracking((255,), 16, 16, "xxh3_128", HASHER.fingerprint)
+    a = SourceStore(client, "h:1/p", "a", keys)
+    assert a.acquire() == "new"
+    tokens = prompt(2)
+    a.install("e1", 0, last, {b"\xff" + h: 1 for h in HASHER.block_hashes(tokens, 16, 16)})
+    assert Scorer(client, SEED, keys).score(tokens, max_registry_age=0).scores == {"h:1/p": 32}
+    b = SourceStore(client, "h:2/p", "b", keys)
+    assert b.acquire() == "new"
+    past = Tracking((256,), 16, 16, "xxh3_128", HASHER.fingerprint)
+    with pytest.raises(InvalidSource, match=r"group index 256 \(must be in \[0, 255\]\)"):
+        b.install("e1", 0, past, {})
+    assert b.state().epoch is None
 
 
 def test_after_redis_lost_everything_the_sources_get_ids_anew(redis_url: str, keys: Keys) -> None:

@@ -166,6 +166,9 @@ def test_multimodal_items_inside_the_prompt_pass() -> None:
     context = mm(("a", 0, 2), ("b", 4, 6))
     assert pool.allocate("r", list(range(10)), 10, start=RequestStart(hashing=context)).ok
     assert pool.lookup([*range(10), 1], context) == 8
+    # As many items as the limit (the count is refused past it, not at it).
+    at_limit = mm(*((f"i{i}", 0, 1) for i in range(MAX_MM_ITEMS)))
+    assert pool.allocate("s", list(range(10)), 10, start=RequestStart(hashing=at_limit)).ok
 
 
 # -- lookup ------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@
 - Ctrl-C in `kvsvc serve`'s first second: at most one line (it was a 52-line traceback,
   "Event loop is closed", or the signal was lost and the server ran on).
 - Ctrl-C while `kvsvc worker` imports torch: one line, exit 130 (it was a traceback).
+- Ctrl-C while the installed `kvsvc` command imports its subcommands: one line (issue 32).
+- A SIGTERM with live ranks: no rank "lost", no READY -> DEGRADED (issue 32).
 """
 
 from __future__ import annotations
@@ -88,6 +90,73 @@ def test_ctrl_c_while_serve_starts_is_one_line_at_most(delay: float) -> None:
     ]
     assert process.returncode in (0, 130, -signal.SIGINT), output  # -2: ended by the signal
     assert len(lines) <= 1 and "Traceback" not in output, output
+
+
+def _maps(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/maps").read_text()
+    except OSError:  # the process is gone
+        return ""
+
+
+KVSVC_SCRIPT = Path(sys.executable).with_name("kvsvc")
+
+
+@pytest.mark.skipif(not KVSVC_SCRIPT.exists(), reason="needs the installed kvsvc command")
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/PID/maps")
+def test_ctrl_c_while_the_kvsvc_command_imports_is_one_line() -> None:
+    """Regression (issue 32 item 12): the installed ``kvsvc`` command (not ``python -m
+    kvsvc``) built its parser, importing every subcommand and grpc with them, before
+    it handled Ctrl-C: a 36-line traceback. The signal is sent once grpc's C library is
+    mapped, i.e. in the middle of those imports, whatever this machine's speed."""
+    process = subprocess.Popen(
+        [str(KVSVC_SCRIPT), *SERVE[3:]],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while "cygrpc" not in _maps(process.pid) and process.poll() is None:
+        assert time.monotonic() < deadline, "grpc's library was never mapped"
+        time.sleep(0.002)
+    process.send_signal(signal.SIGINT)
+    output, _ = process.communicate(timeout=30)
+    lines = [
+        line
+        for line in output.splitlines()
+        if "kvsvc serving on" not in line and "kvsvc core build:" not in line
+    ]
+    assert process.returncode in (0, 130, -signal.SIGINT), output
+    assert len(lines) <= 1 and "Traceback" not in output, output
+
+
+def test_a_sigterm_with_live_ranks_reads_as_an_orderly_stop() -> None:
+    """Regression (issue 32 item 12): a plain SIGTERM logged "rank lost its plan stream"
+    and "READY -> DEGRADED" for every rank."""
+    server = spawn("server", [*SERVE[3:], "--world-size", "2", "--log-level", "INFO"])
+    port, _ = wait_for_ports(server, timeout=60)
+    address = f"127.0.0.1:{port}"
+    ranks = [FakeRank(address, "p", r, 2, llama_like_specs(), 1 << 20) for r in range(2)]
+    for rank in ranks:
+        rank.register()
+        rank.open_stream()
+    for rank in ranks:
+        assert not rank.wait_for_config().error
+        rank.report()
+    deadline = time.monotonic() + 30
+    while not any("-> READY" in line for line in server.lines):
+        assert time.monotonic() < deadline, server.output()
+        time.sleep(0.02)
+    server.process.send_signal(signal.SIGTERM)
+    server.process.wait(30)
+    for rank in ranks:
+        rank.close()
+    server.stop()
+    output = server.output()
+    assert server.process.returncode == 0, output
+    assert "shutting down" in output
+    assert "lost its plan stream" not in output and "DEGRADED" not in output, output
+    assert "kvsvc.security" not in output, output
 
 
 def _torch_is_loading(pid: int) -> bool:

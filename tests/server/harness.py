@@ -117,8 +117,10 @@ class FakeRank:
         max_model_len: int = 0,
         token: str | None = None,
         allocation_id: str = "",
+        in_engine: bool = False,
     ) -> None:
         self.channel = grpc.insecure_channel(address)
+        self.in_engine = in_engine
         self.stub = worker_pb2_grpc.WorkerServiceStub(self.channel)
         self.pool = pool
         self.rank = rank
@@ -148,6 +150,7 @@ class FakeRank:
                 max_model_len=self.max_model_len,
                 model="test-model",
                 allocation_id=self.allocation_id,
+                in_engine=self.in_engine,
             ),
             timeout=10,
             metadata=self.metadata,

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvsvc.demo.processes import spawn, wait_for_ports
+from tests.tooling import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -27,6 +28,26 @@ def test_metrics_listen_off_in_a_config_file_is_no_endpoint(tmp_path: Path) -> N
     finally:
         server.stop()
     assert port > 0 and metrics_port == 0, server.output()
+
+
+def test_flags_win_over_the_config_file(tmp_path: Path) -> None:
+    """``kvsvc serve --config f.toml --listen X --metrics-listen Y`` serves on X and Y,
+    whatever the file says (the file's values are the defaults the flags change)."""
+    config = tmp_path / "kvsvc.toml"
+    config.write_text(
+        'listen = "127.0.0.1:0"\nmetrics_listen = "off"\n\n'
+        '[[pools]]\nname = "p"\nmax_model_len = 256\n'
+    )
+    port = free_port()
+    server = spawn("server", [
+        "serve", "--config", str(config),
+        "--listen", f"127.0.0.1:{port}", "--metrics-listen", "127.0.0.1:0",
+    ])  # fmt: skip
+    try:
+        served, metrics_port = wait_for_ports(server, timeout=60)
+    finally:
+        server.stop()
+    assert served == port and metrics_port > 0, server.output()
 
 
 def test_the_unknown_key_message_lists_hash_seed_file(tmp_path: Path) -> None:

@@ -35,18 +35,31 @@ BLOCK_SIZE = 64
 # 4 layers x 2 heads x (64 + 64) x fp16 per token.
 BYTES_PER_BLOCK = 4 * 2 * 128 * 2 * BLOCK_SIZE
 NUM_BLOCKS = 24_000
-# Field -> (a value just over its bound, a value at it).
-OVERSIZED: dict[str, tuple[HashingContext, HashingContext]] = {
-    "lora_name": (HashingContext(lora_name="n" * MIB), HashingContext(lora_name="n" * 256)),
+# Case -> (the field, a value just over its bound, a value at it). Strings are bounded in
+# UTF-8 bytes: two- and four-byte characters (65 emoji are 260 bytes in 65 characters).
+OVERSIZED: dict[str, tuple[str, HashingContext, HashingContext]] = {
+    "lora_name": (
+        "lora_name",
+        HashingContext(lora_name="n" * MIB),
+        HashingContext(lora_name="n" * 256),
+    ),
     "cache_salt": (
+        "cache_salt",
         HashingContext(cache_salt="\u00e9" * (MAX_HASHING_STRING_BYTES // 2 + 1)),
         HashingContext(cache_salt="\u00e9" * (MAX_HASHING_STRING_BYTES // 2)),
     ),
+    "cache_salt-4-byte-characters": (
+        "cache_salt",
+        HashingContext(cache_salt="\U0001f600" * (MAX_HASHING_STRING_BYTES // 4 + 1)),
+        HashingContext(cache_salt="\U0001f600" * (MAX_HASHING_STRING_BYTES // 4)),
+    ),
     "lora_path": (
+        "lora_path",
         HashingContext(lora_name="a", lora_path="/" * (MAX_LORA_PATH_BYTES + 1)),
         HashingContext(lora_name="a", lora_path="/" * MAX_LORA_PATH_BYTES),
     ),
     "prompt_embeds_digests[1]": (
+        "prompt_embeds_digests[1]",
         HashingContext(prompt_embeds_digests=(b"d", b"d" * (MAX_HASHING_STRING_BYTES + 1))),
         HashingContext(prompt_embeds_digests=(b"d", b"d" * MAX_HASHING_STRING_BYTES)),
     ),
@@ -79,19 +92,21 @@ def _state(server: ServerThread) -> tuple[int, int]:
     return server.run(read)  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("field", list(OVERSIZED))
+@pytest.mark.parametrize("case", list(OVERSIZED))
 def test_an_oversized_hashing_string_is_refused_on_every_path_and_changes_nothing(
-    server: ServerThread, field: str
+    server: ServerThread, case: str
 ) -> None:
-    too_long, at_bound = OVERSIZED[field]
+    field, too_long, at_bound = OVERSIZED[case]
+    # A request id of its own: a case that fails leaves no live request to the next.
+    request = f"r{list(OVERSIZED).index(case)}"
     prompt = list(range(100, 100 + 2 * BLOCK_SIZE))
     before = _state(server)
     options = ClientOptions(retries=0, timeout=30)
     with KVCacheClient(server.address, pool="p", options=options) as kv:
         with pytest.raises(InvalidArgumentError, match=rf"start\.hashing\.{_re(field)}.*bytes"):
-            kv.allocate("r", prompt, len(prompt), start=RequestStart(hashing=too_long))
+            kv.allocate(request, prompt, len(prompt), start=RequestStart(hashing=too_long))
         step = kv.step()
-        step.allocate("r", prompt, len(prompt), start=RequestStart(hashing=too_long))
+        step.allocate(request, prompt, len(prompt), start=RequestStart(hashing=too_long))
         outcome = _only(step.send())
         assert isinstance(outcome, OperationError), outcome
         assert outcome.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -100,8 +115,8 @@ def test_an_oversized_hashing_string_is_refused_on_every_path_and_changes_nothin
             kv.lookup(prompt, too_long)
         assert _state(server) == before
         # At the bound it is served.
-        assert kv.allocate("r", prompt, len(prompt), start=RequestStart(hashing=at_bound)).ok
-        kv.free("r")
+        assert kv.allocate(request, prompt, len(prompt), start=RequestStart(hashing=at_bound)).ok
+        kv.free(request)
 
 
 def test_the_router_refuses_an_oversized_lora_name_naming_it() -> None:

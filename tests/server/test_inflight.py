@@ -67,9 +67,14 @@ def _lookup(stub: kvcache_pb2_grpc.KVCacheServiceStub, tokens: int) -> grpc.Stat
     return grpc.StatusCode.OK
 
 
-def _wait_inflight(server: ServerThread, kind: str, count: int) -> None:
+def _wait_inflight(
+    server: ServerThread, kind: str, count: int, unless: Future[grpc.StatusCode] | None = None
+) -> None:
+    """Until ``count`` calls of ``kind`` are in flight (or the call ``unless`` ended)."""
     deadline = time.monotonic() + 10
     while server.run(lambda: server.server.gate.inflight[kind]) < count:  # type: ignore[union-attr]
+        if unless is not None and unless.done():
+            return
         assert time.monotonic() < deadline, f"{count} {kind} calls never got in flight"
         time.sleep(0.01)
 
@@ -116,6 +121,23 @@ def test_request_bytes_in_flight_are_bounded(server: ServerThread) -> None:
             _wait_inflight(server, "engine", 2)
         assert first.result(20) == grpc.StatusCode.OK
         assert small.result(20) == grpc.StatusCode.OK
+
+
+def test_the_bytes_of_calls_that_ended_leave_the_bound(server: ServerThread) -> None:
+    """Calls one after another, more bytes in all than max_inflight_request_bytes: each
+    leaves the count as it ends, so two small calls still overlap on the idle server
+    (once the bytes stayed counted, every overlapping call was refused for good)."""
+    with grpc.insecure_channel(server.address) as channel, ThreadPoolExecutor(2) as pool:
+        stub = kvcache_pb2_grpc.KVCacheServiceStub(channel)
+        for _ in range(3):  # 3 x 40 KB, one at a time, past the 64 KB bound in all
+            assert _lookup(stub, BIG_PROMPT) == grpc.StatusCode.OK
+        assert server.run(lambda: server.server.gate.inflight_bytes) == 0  # type: ignore[union-attr]
+        with _Held(server):
+            first = pool.submit(_lookup, stub, 8)
+            _wait_inflight(server, "engine", 1)
+            second = pool.submit(_lookup, stub, 8)
+            _wait_inflight(server, "engine", 2, unless=second)
+        assert (first.result(20), second.result(20)) == (grpc.StatusCode.OK,) * 2
 
 
 def test_streams_are_bounded_apart_from_unary_calls(server: ServerThread) -> None:

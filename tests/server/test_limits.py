@@ -89,7 +89,7 @@ def test_a_step_over_max_step_operations_is_refused_whole(
     assert f"{MAX_STEP_OPERATIONS + 1} operations exceed the limit of {MAX_STEP_OPERATIONS}" in (
         message
     )
-    assert message.startswith("types")  # names the field
+    assert message.startswith("Step: ")  # names the call, in the API's terms
     assert pool_state(server) == before
     # At the bound the same operations run.
     step = kv.step()

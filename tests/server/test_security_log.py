@@ -5,13 +5,20 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import grpc
 import pytest
 
-from kvsvc.server.config import PoolConfig
+from kvsvc.server.config import PoolConfig, ServerConfig
 from kvsvc.v1 import worker_pb2
-from tests.server.harness import FakeRank, bring_up, llama_like_specs, running_server
+from tests.server.harness import (
+    FakeRank,
+    ServerThread,
+    bring_up,
+    llama_like_specs,
+    running_server,
+)
 
 
 def _lines(caplog: pytest.LogCaptureFixture, logger: str = "kvsvc.security") -> list[str]:
@@ -109,3 +116,56 @@ def test_a_report_or_a_plan_stream_needs_the_ranks_session() -> None:
         rank.allocation_id = "A-0"
         rank.report()  # the real session is served
         rank.close()
+
+
+def test_an_orderly_stop_reads_as_one(caplog: pytest.LogCaptureFixture) -> None:
+    """Regression (issue 32 item 12): a plain stop logged "lost its plan stream" and
+    "READY -> DEGRADED" for every rank, as if the ranks had died."""
+    caplog.set_level(logging.INFO, logger="kvsvc.server")
+    caplog.set_level(logging.INFO, logger="kvsvc.security")
+    config = ServerConfig(
+        pools=(PoolConfig(name="p", world_size=2, max_model_len=256),),
+        listen="127.0.0.1:0",
+        metrics_listen=None,
+    )
+    srv = ServerThread(config)
+    ranks = bring_up(srv, "p", world_size=2, kv_cache_bytes=64 * 32 * 1024)
+    _wait_for(caplog, "pool p: PLANNED -> READY", logger="kvsvc.server")
+    caplog.clear()
+    srv.stop()  # the plan streams are still open: the server ends them
+    for rank in ranks:
+        rank.close()
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("kvsvc")]
+    assert not [s for s in said if "lost its plan stream" in s or "DEGRADED" in s], said
+    assert not _lines(caplog)
+
+
+def test_a_rank_back_after_a_restart_with_its_tensors_is_no_security_event(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression (issue 32 item 12): a normal restart (the agent re-registers with the
+    tensors it had) logged "rank 0 is back ... with the tensors it had" as a WARNING on
+    kvsvc.security. Routine: INFO on kvsvc.server. Fresh tensors after a restart lose the
+    rank's KV data: a warning there, still no security event."""
+    from tests.server.test_restart import MEMORY, crash, rejoin, server_on
+
+    caplog.set_level(logging.INFO, logger="kvsvc.server")
+    caplog.set_level(logging.INFO, logger="kvsvc.security")
+    for allocation_id, level, how in (
+        ("A-0", logging.INFO, "with the tensors it had"),
+        ("B-0", logging.WARNING, "it holds fresh tensors: its KV data is gone"),
+    ):
+        state = tmp_path / allocation_id
+        with server_on(state) as srv:
+            (rank,) = bring_up(srv, kv_cache_bytes=MEMORY, allocation_id="A")
+            rank.close()
+            crash(srv)
+        caplog.clear()
+        with server_on(state) as srv:
+            rank = rejoin(srv, allocation_id=allocation_id)
+            rank.close()
+        back = [r for r in caplog.records if "rank 0 is back" in r.getMessage()]
+        assert len(back) == 1, caplog.text
+        assert back[0].name == "kvsvc.server" and back[0].levelno == level
+        assert how in back[0].getMessage()
+        assert not _lines(caplog)

@@ -30,6 +30,7 @@ from kvsvc.server.persistence.journal_store import PoolStore
 from kvsvc.server.persistence.records import JournalRecord, StateError
 from kvsvc.server.persistence.schema import SCHEMA_VERSION, create_journal_schema_v1
 from kvsvc.server.persistence.snapshot_file import read_snapshot
+from kvsvc.server.persistence.wal import wal_damage
 from kvsvc.v1 import kvcache_pb2, kvcache_pb2_grpc
 from tests.server.harness import ServerThread, bring_up
 from tests.server.test_restart import MEMORY, POOL, QUICK, core_state, crash, server_on
@@ -354,6 +355,140 @@ def test_a_truncated_wal_restores_under_a_new_epoch(tmp_path: Path) -> None:
         assert srv.run(lambda: srv.server.pools.get("p").events.epoch) == renewed
 
 
+def cut_state(tmp_path: Path) -> tuple[Path, str, int]:
+    """A state whose WAL lost its last frame (the last commit), as a power loss leaves
+    it; returns its directory, the epoch and the event sequence acknowledged before."""
+    state = tmp_path / "state"
+    with server_on(state, state_checkpoint_interval_s=3600) as srv:
+        ranks = bring_up(srv, kv_cache_bytes=MEMORY, allocation_id="A")
+        with KVCacheClient(srv.address, pool="p", options=QUICK) as kv:
+            for i in range(6):
+                assert kv.allocate(f"r{i}", [i + 1] * 40, 40, start=True).ok
+            epoch = kv.epoch
+            last_sequence = srv.run(lambda: srv.server.pools.get("p").events.last_sequence)
+        ranks[0].close()
+        with journal_db(state) as reader:  # keeps the WAL, as a kill would
+            reader.execute("SELECT COUNT(*) FROM journal").fetchone()
+            crash(srv)
+            cut = shutil.copytree(state, tmp_path / "cut")
+    page_size = int.from_bytes((cut / "p.db").read_bytes()[16:18], "big")
+    wal = cut / "p.db-wal"
+    with wal.open("r+b") as f:
+        f.truncate(wal.stat().st_size - (24 + page_size))
+    return cut, epoch, last_sequence
+
+
+@pytest.mark.parametrize(
+    "damage, said",
+    [
+        ("missing", "p.acked is missing"),
+        ("garbage", "p.acked is damaged"),
+        ("binary", "p.acked is damaged (not text)"),
+        ("other-lineage", "p.acked is another state's"),
+    ],
+)
+def test_a_cut_wal_without_a_sound_acked_marker_gets_a_new_epoch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str, said: str
+) -> None:
+    """Regression (issue 32 item 10): with the marker gone or garbage, a cut WAL's earlier
+    state was served under the epoch subscribers had read further in. A marker that
+    shows nothing now means a new epoch, with a warning that names the file."""
+    cut, epoch, last_sequence = cut_state(tmp_path)
+    marker = cut / "p.acked"
+    if damage == "missing":
+        marker.unlink()
+    elif damage == "garbage":
+        marker.write_text("not a position at all\n")
+    elif damage == "binary":
+        marker.write_bytes(b"\xff\xfe\x00garbage")
+    else:
+        marker.write_text(f"{'0' * 32} {10**6:020d}\n")
+    with caplog.at_level("WARNING", logger="kvsvc.server"), server_on(cut) as srv:
+        events = srv.run(lambda: srv.server.pools.get("p").events)
+        assert events.last_sequence < last_sequence
+        renewed = events.epoch
+        assert renewed != epoch
+    warned = [r.getMessage() for r in caplog.records if "new event epoch" in r.getMessage()]
+    assert len(warned) == 1 and said in warned[0], warned
+    with server_on(cut) as srv:  # the marker is sound again: the epoch stays
+        assert srv.run(lambda: srv.server.pools.get("p").events.epoch) == renewed
+
+
+def _flipped(state: Path, frame: int, to: Path) -> Path:
+    """A copy of ``state`` with one byte of WAL frame ``frame``'s page flipped (its
+    index file dropped: the first connection then rebuilds it, checking each frame)."""
+    copy = shutil.copytree(state, to)
+    (copy / "p.db-shm").unlink(missing_ok=True)
+    wal = copy / "p.db-wal"
+    page_size = int.from_bytes(wal.read_bytes()[8:12], "big")
+    data = bytearray(wal.read_bytes())
+    data[32 + frame * (24 + page_size) + 24 + page_size // 2] ^= 0x01
+    wal.write_bytes(bytes(data))
+    return copy
+
+
+def _pointer(state: Path) -> int:
+    """The snapshot generation the journal points at, as SQLite reads it."""
+    with journal_db(state) as conn:
+        return int(
+            conn.execute("SELECT value FROM meta WHERE key = 'snapshot_generation'").fetchone()[0]
+        )
+
+
+def test_a_flipped_wal_page_is_reported_as_the_fault_it_is(tmp_path: Path) -> None:
+    """Regression (issue 32 item 13): a flipped bit in a WAL frame makes SQLite stop reading
+    the log there, so the journal reads as an earlier state pointing at a snapshot that a
+    later one replaced; the start said only "snapshot-2.db does not exist". It now names
+    the damaged frame, the snapshot that replaced the one pointed at, and the ways on."""
+    state = tmp_path / "state"
+    with server_on(state, state_snapshot_every=10**9, state_checkpoint_interval_s=3600) as srv:
+        ranks = bring_up(srv, kv_cache_bytes=MEMORY, allocation_id="A")
+        writer = srv.run(lambda: srv.server.pools.get("p").persistence)
+        # A reader that keeps every commit from here on in the WAL (no checkpoint can
+        # copy a frame past its snapshot of the file into the database).
+        with journal_db(state) as reader:
+            reader.execute("BEGIN")
+            reader.execute("SELECT COUNT(*) FROM journal").fetchone()
+            with KVCacheClient(srv.address, pool="p", options=QUICK) as kv:
+                for generation in (2, 3):
+                    for i in range(4):
+                        assert kv.allocate(
+                            f"g{generation}-{i}", [generation] * 20, 20, start=True
+                        ).ok
+                    assert srv.call(writer.snapshot())
+                    assert writer.store.snapshot_generation == generation
+                assert kv.allocate("after", [9] * 20, 20, start=True).ok
+            ranks[0].close()
+            crash(srv)
+            pristine = shutil.copytree(state, tmp_path / "pristine")
+            reader.execute("ROLLBACK")
+    assert sorted(p.name for p in pristine.glob("p.snapshot-*.db")) == ["p.snapshot-3.db"]
+    # A frame whose loss leaves the journal pointing at snapshot 2: after the commit
+    # that pointed at it, before the one that pointed at 3.
+    frames = ((pristine / "p.db-wal").stat().st_size - 32) // (
+        24 + int.from_bytes((pristine / "p.db-wal").read_bytes()[8:12], "big")
+    )
+    frame = next(
+        k for k in range(frames) if _pointer(_flipped(pristine, k, tmp_path / f"probe-{k}")) == 2
+    )
+    with pytest.raises(StateError) as refused:
+        start(_flipped(pristine, frame, tmp_path / "start"))
+    message = str(refused.value)
+    assert "points at snapshot p.snapshot-2.db, which is not there" in message
+    assert "p.snapshot-3.db replaced it later" in message
+    assert f"p.db-wal is damaged: frame {frame + 1} of {frames}" in message
+    assert "--restore" in message
+    assert "does not exist" not in message
+    # What is not damage: a torn last frame (never committed), no log at all.
+    assert wal_damage(_flipped(pristine, frames - 1, tmp_path / "torn") / "p.db") is None
+    assert wal_damage(tmp_path / "nowhere" / "p.db") is None
+    header = shutil.copytree(pristine, tmp_path / "header")
+    data = bytearray((header / "p.db-wal").read_bytes())
+    data[20] ^= 0x01  # a salt: the header's checksum breaks
+    (header / "p.db-wal").write_bytes(bytes(data))
+    assert "header fails its checksum" in (wal_damage(header / "p.db") or "")
+
+
 def test_snapshots_without_their_journal_are_not_dropped_silently(tmp_path: Path) -> None:
     state = tmp_path / "state"
     make_state(state)
@@ -368,6 +503,74 @@ def test_snapshots_without_their_journal_are_not_dropped_silently(tmp_path: Path
     with server_on(state, restore=[str(moved)]) as srv:
         epoch = srv.run(lambda: srv.server.pools.get("p").events.epoch)
         assert epoch != read_snapshot(moved).identity["epoch"]
+
+
+def stopped_cleanly(state: Path) -> tuple[str, int]:
+    """A pool with three live requests, stopped cleanly (its final snapshot holds every
+    acknowledged call); returns its event epoch and last sequence."""
+    with server_on(state) as srv:
+        ranks = bring_up(srv, kv_cache_bytes=MEMORY, allocation_id="A")
+        with KVCacheClient(srv.address, pool="p", options=QUICK) as kv:
+            for i in range(3):
+                assert kv.allocate(f"r{i}", [1] * 20 + [i] * 10, 30, start=True).ok
+            epoch = kv.epoch
+            last_sequence = srv.run(lambda: srv.server.pools.get("p").events.last_sequence)
+        ranks[0].close()
+    assert epoch is not None
+    return epoch, last_sequence
+
+
+def test_restoring_an_up_to_date_snapshot_keeps_the_epoch(tmp_path: Path) -> None:
+    """The same way on, with the snapshot a clean stop wrote: it holds every call the
+    directory acknowledged, so no sequence number of its epoch was handed out past it.
+    A new epoch would make every subscriber and indexer resync for nothing."""
+    state = tmp_path / "state"
+    epoch, last_sequence = stopped_cleanly(state)
+    (snapshot,) = state.glob("p.snapshot-*.db")  # the final one, of the clean stop
+    assert read_snapshot(snapshot).identity["epoch"] == epoch
+    for journal in state.glob("p.db*"):
+        journal.unlink()
+    moved = shutil.move(snapshot, tmp_path / "moved.db")
+    with server_on(state, restore=[str(moved)]) as srv:
+        events = srv.run(lambda: srv.server.pools.get("p").events)
+        assert (events.epoch, events.last_sequence) == (epoch, last_sequence)
+
+
+def test_restore_files_must_each_be_a_configured_pool_once(tmp_path: Path) -> None:
+    stopped_cleanly(tmp_path / "state")
+    (snapshot,) = (tmp_path / "state").glob("p.snapshot-*.db")
+    first, second = (
+        shutil.copy(snapshot, tmp_path / "a.db"),
+        shutil.copy(snapshot, tmp_path / "b.db"),
+    )
+    with pytest.raises(StateError, match=r"--restore .*b\.db and .*a\.db are both pool 'p'"):
+        ServerThread(
+            ServerConfig(pools=(POOL,), listen="127.0.0.1:0", metrics_listen=None),
+            restore=[str(first), str(second)],
+        )
+    other = replace(POOL, name="q")
+    with pytest.raises(StateError, match=r"holds pool 'p', which is not configured \(pools: q\)"):
+        ServerThread(
+            ServerConfig(pools=(other,), listen="127.0.0.1:0", metrics_listen=None),
+            restore=[str(first)],
+        )
+
+
+def test_a_crashs_leftover_files_are_removed_at_start(tmp_path: Path) -> None:
+    """Snapshots of other generations and half-written files a crash left behind go when
+    the state is loaded; the current snapshot stays."""
+    state = tmp_path / "state"
+    make_state(state)
+    (current,) = state.glob("p.snapshot-*.db")
+    leftovers = [state / "p.snapshot-999.db", state / "p.snapshot-999.db-wal", state / "p.db.tmp7"]
+    for path in leftovers:
+        path.write_bytes(b"half written")
+    srv = start(state)
+    try:
+        assert [p for p in leftovers if p.exists()] == []
+        assert list(state.glob("p.snapshot-*.db")) == [current]
+    finally:
+        srv.stop()
 
 
 def unshare_works() -> bool:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
+import shlex
 import shutil
 import socket
 import ssl
@@ -191,9 +193,23 @@ def test_the_asyncio_client_speaks_tls_too(
     assert asyncio.run(usage()) > 0
 
 
+# What the clients add to gRPC's bare "Socket closed" (kvsvc_client.errors.connection_hint).
+PLAINTEXT_HINT = (
+    "; if the server uses TLS, give the client the CA that signed its certificate "
+    "(--tls-ca or KVSVC_TLS_CA; ClientOptions(tls_ca=...))"
+)
+NO_CERTIFICATE_HINT = (
+    "; if the server requires client certificates (mTLS), give the client one "
+    "(--tls-cert and --tls-key, or KVSVC_TLS_CERT and KVSVC_TLS_KEY; "
+    "ClientOptions(tls_cert=..., tls_key=...))"
+)
+
+
 def test_a_plaintext_client_is_refused(tls_server: ServerThread) -> None:
-    with pytest.raises(UnavailableError):
+    with pytest.raises(UnavailableError) as refused:
         list_pools(tls_server.address, quick(ClientOptions()))
+    assert str(refused.value).endswith("Socket closed" + PLAINTEXT_HINT)
+    assert refused.value.details.endswith("Socket closed")  # gRPC's own, unchanged
 
 
 def test_a_client_that_does_not_trust_the_servers_ca_is_refused(
@@ -319,18 +335,71 @@ def test_an_idle_connection_does_not_hold_up_other_scrapes(
 # ---------------------------------------------------------------- mTLS
 
 
-def test_mtls_refuses_a_client_without_a_certificate(
+def test_mtls_refuses_a_client_without_a_certificate_saying_what_it_lacks(
     mtls_server: ServerThread, certs: dict[str, DevCerts]
 ) -> None:
-    with pytest.raises(UnavailableError):
+    with pytest.raises(UnavailableError) as refused:
         list_pools(mtls_server.address, quick(trusting(certs["good"])))
+    assert str(refused.value).endswith("Socket closed" + NO_CERTIFICATE_HINT)
+
+    # The asyncio client says the same.
+    from kvsvc_client import AsyncKVCacheClient
+
+    async def pools() -> None:
+        options = quick(trusting(certs["good"]))
+        async with AsyncKVCacheClient(mtls_server.address, POOL, options=options) as kv:
+            await kv.list_pools()
+
+    with pytest.raises(UnavailableError) as refused:
+        asyncio.run(pools())
+    assert str(refused.value).endswith("Socket closed" + NO_CERTIFICATE_HINT)
 
 
 def test_mtls_refuses_a_certificate_signed_by_another_ca(
     mtls_server: ServerThread, certs: dict[str, DevCerts]
 ) -> None:
-    with pytest.raises(UnavailableError):
+    with pytest.raises(UnavailableError) as refused:
         list_pools(mtls_server.address, quick(trusting(certs["good"], client=certs["other"])))
+    assert "Socket closed" in str(refused.value)
+    assert "--tls-" not in str(refused.value)  # it sent a certificate: no hint to give
+
+
+def test_ctl_over_mtls_hints_and_prints_a_wait_ready_line_that_works(
+    certs: dict[str, DevCerts],
+) -> None:
+    """``ctl pools`` prints the line to wait with, with the TLS flags it was given: the
+    line as printed reaches the server (without them it would meet the handshake)."""
+    good = certs["good"]
+    env = {k: v for k, v in os.environ.items() if k not in TLS_ENV}
+    with running_server(pool(), heartbeat_timeout_s=600, **tls_kwargs(good, mutual=True)) as srv:
+        ctl = [sys.executable, "-m", "kvsvc", "ctl", "--server", srv.address, "--timeout", "5"]
+        tls_flags = ["--tls-ca", str(good.ca)]
+        refused = subprocess.run(
+            [*ctl, *tls_flags, "pools"], capture_output=True, text=True, timeout=60, env=env
+        )
+        assert refused.returncode == 1
+        assert refused.stderr.strip().endswith("Socket closed" + NO_CERTIFICATE_HINT)
+        tls_flags += ["--tls-cert", str(good.client_cert), "--tls-key", str(good.client_key)]
+        listed = subprocess.run(
+            [*ctl, *tls_flags, "pools"], capture_output=True, text=True, timeout=60, env=env
+        )
+        assert listed.returncode == 0, listed.stderr
+        line = re.search(r"`(kvsvc ctl [^`]*wait-ready[^`]*)` waits for READY", listed.stdout)
+        assert line, listed.stdout
+        argv = shlex.split(line.group(1))
+        assert argv[:4] == ["kvsvc", "ctl", "--server", srv.address]
+        assert all(flag in argv for flag in tls_flags)
+        rank = bring_up_over(
+            srv, ClientTls(str(good.ca), str(good.client_cert), str(good.client_key))
+        )
+        try:
+            waited = subprocess.run(
+                [sys.executable, "-m", *argv], capture_output=True, text=True, timeout=90, env=env
+            )
+        finally:
+            rank.close()
+        assert waited.returncode == 0, waited.stderr
+        assert waited.stdout.startswith(f"pool '{POOL}' is READY")
 
 
 def test_mtls_serves_a_client_with_a_good_certificate(

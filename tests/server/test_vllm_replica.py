@@ -22,6 +22,7 @@ from kvsvc_client import KVCacheClient, RequestStart, StepResultList
 from kvsvc.integrations.vllm.config import settings_from_additional_config, vllm_kwargs
 from kvsvc.integrations.vllm.manager import KvsvcError, KvsvcPoolReplica
 from kvsvc.server.config import PoolConfig
+from kvsvc.v1 import kvcache_pb2 as pb
 from tests.server.harness import ServerThread, bring_up, hybrid_specs, running_server
 
 POOL = "p"
@@ -128,6 +129,9 @@ def _doctored(results: StepResultList, change: Any) -> StepResultList:
         ("block ids", lambda r: r.new_block_ids.__setitem__(0, r.new_block_ids[0] + 1)),
         ("hits", lambda r: r.num_cached_tokens.__setitem__(1, r.num_cached_tokens[1] - 16)),
         ("null blocks", lambda r: r.num_null_blocks.__setitem__(0, 1)),
+        # Every other column as predicted: a NO_SPACE the replica did not predict means
+        # the server did not append what vLLM would run (e.g. at max_pool_tokens).
+        ("status", lambda r: r.statuses.__setitem__(1, pb.ALLOCATE_STATUS_NO_SPACE)),
     ],
 )
 def test_a_reply_that_differs_from_the_replica_stops_the_engine(
@@ -181,3 +185,14 @@ def test_a_forced_reset_makes_the_replica_resync(
     replica.flush()
     assert not replica.needs_resync
     assert server_tables(server, "x") == tuple(list(t) for t in replica.tables("x"))
+    # The replica counted the invalidation it resynced from: a later reply that differs
+    # for no reason the pool reports is a divergence again, not another silent resync.
+    state = replica.cache.request_state("x")
+    assert state is not None
+    replica.allocate_running("x", [*prompt, 1, 2], state.num_computed_tokens, 1, 0)
+    prediction, results = _sent_step(replica)
+    replica._check(prediction, results)
+    doctored = _doctored(results, lambda r: setattr(r, "num_free_blocks", r.num_free_blocks - 1))
+    with pytest.raises(KvsvcError, match="diverged"):
+        replica._check(prediction, doctored)
+    assert not replica.needs_resync

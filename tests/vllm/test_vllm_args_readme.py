@@ -1,10 +1,12 @@
-"""The documented ``vllm serve MODEL ... $(kvsvc vllm-args ...)`` line (docs/vllm.md, the
-vLLM page README points to), run as written by bash.
+"""The GPU page's ``vllm serve MODEL ... $(kvsvc vllm-args ...)`` line (docs/vllm.md,
+"On a GPU"), expanded by bash as written, into vLLM's own ``vllm serve`` parser.
 
-A stand-in ``vllm`` on the PATH hands its argv to vLLM 0.32's own ``vllm serve`` argument
-parser and engine arguments (what ``vllm serve`` builds the engine from) and prints what
-vLLM received; ``kvsvc`` on the PATH is this checkout's CLI. The scheduler class, worker
-class and kvsvc settings vLLM ends up with must be the ones the line asked for.
+Serving a model for real needs a GPU (the CPU recipe, which runs vLLM's server for real,
+is ``test_vllm_recipes.py``'s). Here ``vllm`` on the PATH hands its argv to vLLM's own
+``vllm serve`` argument parser and engine arguments (what ``vllm serve`` builds the engine
+from) and prints what vLLM received; ``kvsvc`` on the PATH is this checkout's CLI. The
+scheduler class, worker class and kvsvc settings vLLM ends up with must be the ones the
+line asked for: the shell's word splitting of ``$(...)`` must not break them.
 """
 
 from __future__ import annotations
@@ -46,8 +48,13 @@ print(json.dumps({
 
 
 def test_readmes_vllm_serve_line_gives_vllm_the_pool(tmp_path: Path) -> None:
-    blocks = code_blocks(section("vLLM on kvsvc", "docs/vllm.md"), "sh")
-    (line,) = [b.strip() for b in blocks if b.startswith("vllm serve")]
+    blocks = code_blocks(section("On a GPU", "docs/vllm.md"), "sh")
+    (line,) = [
+        command.strip()
+        for block in blocks
+        for command in block.splitlines()
+        if command.startswith("vllm serve")
+    ]
     assert "$(kvsvc vllm-args" in line and '"$(' not in line  # unquoted, as users type it
     # The line's MODEL, a local model directory (vLLM resolves the model's path).
     write_tiny_model(tmp_path / "MODEL")

@@ -33,7 +33,9 @@ def subscribe(ctx: Any, endpoint: str, topic: str = "") -> Any:
     return sub
 
 
-def replay(ctx: Any, endpoint: str, start: int) -> list[tuple[bytes, int, bytes]]:
+def replay(
+    ctx: Any, endpoint: str, start: int, timeout: float = 5.0
+) -> list[tuple[bytes, int, bytes]]:
     """Ask the replay socket for everything from ``start``: (topic, seq, payload) each.
 
     A DEALER speaks to vLLM's ROUTER: ``[b"", start]`` out, ``[b"", topic, seq, payload]``
@@ -45,7 +47,7 @@ def replay(ctx: Any, endpoint: str, start: int) -> list[tuple[bytes, int, bytes]
         sock.send_multipart([b"", start.to_bytes(8, "big")])
         out = []
         while True:
-            assert sock.poll(5000), "no end-of-replay marker within 5 s"
+            assert sock.poll(int(timeout * 1000)), f"no end-of-replay marker within {timeout} s"
             frames = sock.recv_multipart()
             assert len(frames) == 4 and frames[0] == b"", frames
             _, topic, seq, payload = frames

@@ -42,6 +42,9 @@ class KvsvcSettings:
             ``--frames-listen``) for the scheduler's calls, every scheduling step's: the
             same calls without gRPC's per-call work. The workers (registration, the plan
             stream) still use ``server``. None: everything over ``server``.
+        allow_untested_vllm: run on a vLLM release outside the range kvsvc proves
+            (:data:`kvsvc.integrations.vllm.compat.SUPPORTED`), with a warning, instead
+            of refusing to start.
     """
 
     server: str
@@ -54,6 +57,7 @@ class KvsvcSettings:
     tls_key: str | None = None
     tls_server_name: str | None = None
     frames: str | None = None
+    allow_untested_vllm: bool = False
 
     @property
     def engine_target(self) -> str:
@@ -73,6 +77,8 @@ class KvsvcSettings:
         for key in TLS_KEYS:
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
+        if self.allow_untested_vllm:
+            out["allow_untested_vllm"] = True
         return out
 
 
@@ -82,6 +88,7 @@ def vllm_kwargs(
     auth_token: str | None = None,
     *,
     frames: str | None = None,
+    allow_untested_vllm: bool = False,
     **tls: str | None,
 ) -> dict[str, Any]:
     """Keyword arguments that make ``vllm.LLM(model=..., **vllm_kwargs(...))`` run on kvsvc.
@@ -98,6 +105,8 @@ def vllm_kwargs(
             ``_FILE`` forms), either falling back to ``KVSVC_AUTH_TOKEN``.
         frames: the scheduler's calls over the server's framed transport at this address
             (``unix:PATH`` or ``HOST:PORT`` of ``kvsvc serve --frames-listen``).
+        allow_untested_vllm: start on a vLLM release outside the supported range (with a
+            warning) instead of refusing.
         tls: ``tls_ca``, ``tls_cert``, ``tls_key``, ``tls_server_name`` for a server with
             TLS (see :class:`KvsvcSettings`); unset ones come from ``KVSVC_TLS_*``.
 
@@ -108,7 +117,10 @@ def vllm_kwargs(
         ValueError: an empty server address or pool name, an unknown TLS key, or a
             client certificate without its key.
     """
-    settings = make_settings(server, pool, auth_token, frames=frames, **tls)
+    settings = dataclasses.replace(
+        make_settings(server, pool, auth_token, frames=frames, **tls),
+        allow_untested_vllm=allow_untested_vllm,
+    )
     return {
         "scheduler_cls": SCHEDULER_CLS,
         "worker_cls": WORKER_CLS,
@@ -195,7 +207,12 @@ def shell_inert_json(value: Any) -> str:
 
 
 def vllm_serve_flags(
-    server: str, pool: str, *, frames: str | None = None, **tls: str | None
+    server: str,
+    pool: str,
+    *,
+    frames: str | None = None,
+    allow_untested_vllm: bool = False,
+    **tls: str | None,
 ) -> list[str]:
     """``vllm serve`` flags equivalent to :func:`vllm_kwargs` (the token stays in the env;
     TLS paths are no secret and may go in, or come from ``KVSVC_TLS_*``).
@@ -204,7 +221,10 @@ def vllm_serve_flags(
     unchanged (no whitespace, no glob or quote character to remove): the settings go as
     ``--additional-config=JSON`` in :func:`shell_inert_json`'s form.
     """
-    settings = make_settings(server, pool, frames=frames, **tls)
+    settings = dataclasses.replace(
+        make_settings(server, pool, frames=frames, **tls),
+        allow_untested_vllm=allow_untested_vllm,
+    )
     return [
         "--scheduler-cls",
         SCHEDULER_CLS,
@@ -240,4 +260,5 @@ def settings_from_additional_config(additional_config: Any) -> KvsvcSettings:
         settings,
         rpc_timeout=float(raw.get("rpc_timeout", KvsvcSettings.rpc_timeout)),
         plan_timeout=float(raw.get("plan_timeout", KvsvcSettings.plan_timeout)),
+        allow_untested_vllm=raw.get("allow_untested_vllm") is True,
     )

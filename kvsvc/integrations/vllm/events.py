@@ -10,8 +10,11 @@ kvsvc unchanged. Per pool, it sees what one vLLM engine would send::
 
 ``KVEventBatch`` is ``[ts, [event, ...], data_parallel_rank]`` (an array); each event a map
 tagged ``"type": "BlockStored" | "BlockRemoved" | "AllBlocksCleared"``. The structs below
-have vLLM 0.32's names, fields, field order and msgspec options, so their bytes are the
-bytes vLLM's own classes produce and decode. kvsvc does not import vLLM for it.
+have vLLM's names, fields, field order and msgspec options, so their bytes are the bytes
+vLLM's own classes produce and decode; kvsvc does not import vLLM for it. The format
+follows the release a server is told (``kv_events_vllm_version``): 0.33 added a 16th
+``BlockStored`` field (``lookahead_token_ids``), which alone changes the map header msgspec
+writes, so each release's bytes come from its own struct.
 
 Sequence numbers: the pool's event batches are numbered 1, 2, 3, ... (``WatchEvents``); the
 ZMQ sequence is that number - 1, so it starts at 0 and steps by one like vLLM's counter, and
@@ -32,12 +35,18 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvsvc.core import events as kv
-from kvsvc.server.config import KVEventsTarget, ServerConfig, is_bind_endpoint, kv_events_targets
+from kvsvc.server.config import (
+    DEFAULT_KV_EVENTS_MAX_HELD_BYTES,
+    KVEventsTarget,
+    ServerConfig,
+    kv_events_targets,
+)
 from kvsvc.server.plugins import EventSink
 from kvsvc.specs import sliding_window_of
 
@@ -108,6 +117,24 @@ class BlockStored(KVCacheEvent):
     session_id: str | None = None
 
 
+class BlockStoredLookahead(BlockStored, tag="BlockStored"):  # type: ignore[call-arg]
+    """vLLM 0.33+'s ``BlockStored``: the tokens beyond each block its hash covers (None
+    without lookahead hashing)."""
+
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+# The BlockStored struct of each release's format (major.minor).
+BLOCK_STORED_OF: dict[str, type[BlockStored]] = {
+    "0.32": BlockStored,
+    "0.33": BlockStoredLookahead,
+    "0.34": BlockStoredLookahead,
+}
+# What a server publishes unless told otherwise: the newest release's bytes (any release's
+# consumer decodes them: an unknown field left at its default is not sent).
+DEFAULT_VLLM_FORMAT = "0.34"
+
+
 class BlockRemoved(KVCacheEvent):
     """Blocks left the prefix index."""
 
@@ -149,8 +176,10 @@ def to_vllm_batch(
     *,
     data_parallel_rank: int | None = 0,
     int_hashes: bool = True,
+    vllm_format: str = DEFAULT_VLLM_FORMAT,
 ) -> KVEventBatch:
-    """kvsvc's batch as vLLM 0.32's block pool words the same changes.
+    """kvsvc's batch as vLLM's block pool words the same changes (in ``vllm_format``'s
+    bytes: a key of :data:`BLOCK_STORED_OF`).
 
     - ``BlockStored``: the same hashes, parent, tokens and group, annotated as vLLM's
       ``KVCacheManager.take_events`` annotates it (``kv_cache_spec_kind``, and
@@ -160,8 +189,8 @@ def to_vllm_batch(
       (kvsvc groups a step's removals of a group in one event).
 
     What kvsvc's events do not carry stays unset, as vLLM leaves it when it does not know:
-    ``lora_id`` (kvsvc names adapters, it has no integer id), ``session_id``,
-    ``locality``, ``ownership``.
+    ``session_id``, ``locality``, ``ownership``. ``lora_id`` is the engine's integer id
+    of the adapter when the engine gave one (vLLM on kvsvc does).
 
     Args:
         batch: one drained batch of a pool.
@@ -170,7 +199,9 @@ def to_vllm_batch(
         data_parallel_rank: the rank vLLM's publisher stamps on every batch (a kvsvc
             pool is one engine, rank 0).
         int_hashes: hashes as 64-bit ints (vLLM's default), else the hash bytes.
+        vllm_format: the release whose bytes to produce.
     """
+    stored_class = BLOCK_STORED_OF[vllm_format]
     events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
     for event in batch.events:
         if isinstance(event, kv.BlockStored):
@@ -178,12 +209,12 @@ def to_vllm_batch(
             parent = event.parent_block_hash
             keys = event.extra_keys
             events.append(
-                BlockStored(
+                stored_class(
                     block_hashes=[_external(h, int_hashes) for h in event.block_hashes],
                     parent_block_hash=None if parent is None else _external(parent, int_hashes),
                     token_ids=event.token_ids,
                     block_size=event.block_size,
-                    lora_id=None,
+                    lora_id=event.lora_id,
                     medium=event.medium,
                     lora_name=event.lora_name,
                     extra_keys=(
@@ -231,13 +262,18 @@ class ZmqEventPublisher:
         target: the pool's endpoints and topic.
         buffer_steps: batches kept for replay.
         hwm: high-water mark of the PUB socket (ZMQ drops beyond it per subscriber).
+        max_held_bytes: bytes the PUB socket may hold for a subscriber that does not take
+            its messages; past it the socket is reset (see :meth:`_send`).
         max_queue: batches waiting for the publisher thread; beyond it the oldest goes.
         int_hashes: publish hashes as 64-bit ints (vLLM's default), else the bytes.
+        vllm_format: the vLLM release whose bytes to publish (``"0.32"`` ... ``"0.34"``).
         data_parallel_rank: stamped on every batch.
         context: the ZMQ context (default: the process's shared one).
     """
 
     SHUTDOWN_TIMEOUT_S = 1.0
+    # ZMQ's own bytes per queued message of ours (three frames' message structures).
+    MESSAGE_OVERHEAD = 256
     LINGER_MS = 500
     REPLAY_POLL_MS = 100
 
@@ -247,8 +283,10 @@ class ZmqEventPublisher:
         *,
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
+        max_held_bytes: int = DEFAULT_KV_EVENTS_MAX_HELD_BYTES,
         max_queue: int = 100_000,
         int_hashes: bool = True,
+        vllm_format: str = DEFAULT_VLLM_FORMAT,
         data_parallel_rank: int | None = 0,
         context: Any | None = None,
     ) -> None:
@@ -258,8 +296,16 @@ class ZmqEventPublisher:
         self._topic = target.topic.encode("utf-8")
         self._buffer_steps = buffer_steps
         self._hwm = hwm
+        self._max_held_bytes = max_held_bytes
+        # What ZMQ may hold for the subscribers (publisher thread, see _send): bytes sent,
+        # and (tracker, bytes sent before it) of the tracked payloads not all took yet.
+        self._sent_bytes = self._since_sentinel = 0
+        self._sentinels: deque[tuple[Any, int]] = deque()
+        self.held_bytes = 0
+        self.num_resets = 0
         self._max_queue = max_queue
         self._int_hashes = int_hashes
+        self._vllm_format = vllm_format
         self._dp_rank = data_parallel_rank
         self._ctx = context if context is not None else zmq.Context.instance()
         # Hot path <-> publisher thread.
@@ -285,17 +331,18 @@ class ZmqEventPublisher:
             OSError: a socket could not be bound or connected (nothing is left open).
         """
         try:
-            self._pub = self._ctx.socket(zmq.PUB)
-            self._pub.set_hwm(self._hwm)
-            if is_bind_endpoint(self.endpoint):
+            self._pub = self._new_pub()
+            if self.target.binds:
                 self._pub.bind(self.endpoint)
                 self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
             else:
                 self._pub.connect(self.endpoint)
             if self.replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
-                # Room for one whole replay per client: a ROUTER drops what exceeds it.
-                self._replay.setsockopt(zmq.SNDHWM, self._buffer_steps + 1)
+                # Room for one whole replay and its end marker per client (a ROUTER drops
+                # what exceeds it), twice over as vLLM 0.33 sets it: ZMQ acknowledges
+                # reads only every HWM/2 messages, so up to HWM/2 may look unread.
+                self._replay.setsockopt(zmq.SNDHWM, 2 * (self._buffer_steps + 1))
                 self._replay.bind(self.replay_endpoint)
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as exc:
@@ -389,15 +436,92 @@ class ZmqEventPublisher:
                             windows,
                             data_parallel_rank=self._dp_rank,
                             int_hashes=self._int_hashes,
+                            vllm_format=self._vllm_format,
                         )
                     )
-                    self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+                    self._send(seq, payload)
                 except Exception:
                     log.exception("kv events of pool %r: batch %d not sent", self.target.pool, seq)
                     continue
                 with self._buffer_lock:
                     self._buffer.append((seq, payload))
                 self.num_published_batches += 1
+
+    def _send(self, seq: int, payload: bytes) -> None:
+        """Publish one payload, keeping what ZMQ holds for its subscribers within
+        ``max_held_bytes``.
+
+        ZMQ bounds what it holds for a subscriber that does not take its messages by
+        count only (``hwm``, 100,000 by default): 4 such subscribers held 150 MB of small
+        batches, big ones would hold far more, and a PUB socket says nothing of its
+        subscribers. So every ``max_held_bytes / 64`` bytes one payload goes out
+        zero-copy with a tracker, which ZMQ marks done once every subscriber has taken
+        it: the bytes sent since the oldest payload not done are what the slowest
+        subscriber holds (within one such step). Past the bound the socket is closed and
+        opened again on the same endpoint, which frees what it held: the subscribers
+        reconnect and see a sequence gap, which vLLM's consumers fill from the replay
+        socket. One that reads keeps up; one that stopped stays cut off at the bound.
+        """
+        parts = (self._topic, seq.to_bytes(8, "big"), payload)
+        size = len(payload) + self.MESSAGE_OVERHEAD
+        step = max(1 << 16, self._max_held_bytes // 64)
+        if self._since_sentinel >= step:
+            tracker = self._pub.send_multipart(parts, copy=False, track=True)
+            self._sentinels.append((tracker, self._sent_bytes))
+            self._since_sentinel = 0
+        else:
+            self._pub.send_multipart(parts)
+        self._sent_bytes += size
+        self._since_sentinel += size
+        sentinels = self._sentinels
+        while sentinels and sentinels[0][0].done:
+            sentinels.popleft()
+        self.held_bytes = self._sent_bytes - sentinels[0][1] + step if sentinels else 0
+        if self.held_bytes > self._max_held_bytes:
+            self._reset_pub()
+
+    def _reset_pub(self) -> None:
+        """Close the PUB socket and open it again (see :meth:`_send`)."""
+        self.num_resets += 1
+        if self.num_resets & (self.num_resets - 1) == 0:  # 1, 2, 4, ...: loud but bounded
+            log.warning(
+                "kv events of pool %r: a subscriber had not taken %d bytes of batches "
+                "(kv_events_max_held_bytes: %d); the PUB socket is reset, so subscribers "
+                "reconnect and see a sequence gap (reset %d so far)",
+                self.target.pool,
+                self.held_bytes,
+                self._max_held_bytes,
+                self.num_resets,
+            )
+        self._pub.close(linger=0)
+        self._sentinels.clear()
+        self.held_bytes = self._since_sentinel = 0
+        self._pub = self._new_pub()
+        for attempt in range(200):
+            try:
+                if self.target.binds:
+                    self._pub.bind(self.endpoint)  # the port it had: subscribers come back
+                else:
+                    self._pub.connect(self.endpoint)
+                return
+            except zmq.ZMQError as exc:
+                # ZMQ closes the old listener in its own thread: the port frees soon.
+                if exc.errno != zmq.EADDRINUSE or attempt == 199:
+                    log.error(
+                        "kv events of pool %r: cannot open %s again after a reset (%s): "
+                        "nothing is published until the server restarts",
+                        self.target.pool,
+                        self.endpoint,
+                        exc,
+                    )
+                    return
+                time.sleep(0.01)
+
+    def _new_pub(self) -> Any:
+        pub = self._ctx.socket(zmq.PUB)
+        pub.set_hwm(self._hwm)
+        pub.copy_threshold = 0  # a tracked payload is never copied (see _send)
+        return pub
 
     def _replay_loop(self) -> None:
         while not self._closing:
@@ -470,8 +594,10 @@ class ZmqKVEvents(EventSink):
                 target,
                 buffer_steps=config.kv_events_buffer_steps,
                 hwm=config.kv_events_hwm,
+                max_held_bytes=config.kv_events_max_held_bytes,
                 max_queue=config.kv_events_max_queue,
                 int_hashes=config.kv_events_int_hashes,
+                vllm_format=config.kv_events_vllm_version,
             )
             pool.events.add_listener(_PoolFeed(pool, publisher))
             publishers[target.pool] = publisher

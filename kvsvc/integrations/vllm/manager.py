@@ -76,6 +76,7 @@ _ALLOCATE = pb.STEP_OPERATION_TYPE_ALLOCATE
 _FREE = pb.STEP_OPERATION_TYPE_FREE
 _PREEMPT = pb.STEP_OPERATION_TYPE_PREEMPT
 _OK = pb.ALLOCATE_STATUS_OK
+_NO_SPACE = pb.ALLOCATE_STATUS_NO_SPACE
 _RECOMPUTE = pb.ALLOCATE_STATUS_RECOMPUTE
 # The server's bound on free_queue_head_limit: a larger queue is read in pages.
 _MAX_HEAD = 65536
@@ -113,6 +114,7 @@ class _Prediction:
     column layout (see ``StepResponse`` in kvcache.proto)."""
 
     request_ids: list[str] = field(default_factory=list)
+    statuses: list[int] = field(default_factory=list)
     num_new_blocks: list[int] = field(default_factory=list)
     new_block_ids: list[int] = field(default_factory=list)
     num_null_blocks: list[int] = field(default_factory=list)
@@ -382,7 +384,7 @@ class KvsvcPoolReplica:
                 f"engine has {self.num_groups}"
             )
         if (
-            statuses.count(_OK) == len(statuses)
+            statuses == prediction.statuses
             and list(response.num_new_blocks) == prediction.num_new_blocks
             and list(response.new_block_ids) == prediction.new_block_ids
             and list(response.num_cached_tokens) == prediction.num_cached_tokens
@@ -419,7 +421,7 @@ class KvsvcPoolReplica:
             want_pos += sum(want_counts)
             status = response.statuses[i]
             if (
-                status != _OK
+                status != prediction.statuses[i]
                 or got_counts != want_counts
                 or got != want
                 or response.num_cached_tokens[i] != prediction.num_cached_tokens[i]
@@ -510,15 +512,17 @@ class KvsvcPoolReplica:
     # -- what the scheduler asks ---------------------------------------------------------
 
     def lookup(
-        self, token_ids: Sequence[int], hashing: HashingContext | None
+        self,
+        token_ids: Sequence[int],
+        hashing: HashingContext | None,
+        max_cache_hit_tokens: int | None = None,
     ) -> tuple[int, tuple[list[int], ...]]:
-        """The prefix hit an admission of ``token_ids`` gets now: tokens, blocks per group."""
-        cache = self.cache
+        """The prefix hit an admission of ``token_ids`` gets now: tokens, blocks per group
+        (at most ``max_cache_hit_tokens``; None: all but the last token)."""
         try:
-            prepared = cache.prepare_lookup(token_ids, _core_hashing(hashing))
+            return self.cache.lookup_capped(token_ids, _core_hashing(hashing), max_cache_hit_tokens)
         except CoreError as exc:
             raise KvsvcError(f"{self._where}: {exc}") from None
-        return cache.probe_lookup(prepared)
 
     def blocks_to_admit(
         self,
@@ -555,6 +559,8 @@ class KvsvcPoolReplica:
             resumed=start.resumed,
             num_encoder_tokens=start.num_encoder_tokens,
             num_prompt_tokens=start.num_prompt_tokens,
+            max_cache_hit_tokens=start.max_cache_hit_tokens,
+            num_draft_tokens=start.num_draft_tokens,
         )
         try:
             outcome = self.cache.allocate(
@@ -583,9 +589,12 @@ class KvsvcPoolReplica:
         num_computed_tokens: int,
         num_new_tokens: int,
         num_lookahead_tokens: int,
+        num_in_flight_tokens: int = 0,
     ) -> tuple[list[int], ...] | None:
         """Slots for a running request: its new blocks per group, or None (the pool is
-        short; nothing changed, nothing queued)."""
+        short; nothing changed, nothing queued). ``num_in_flight_tokens``: vLLM's count
+        of the request's scheduled tokens whose outputs are still coming (async
+        scheduling)."""
         cache = self.cache
         request = cache.request_state(request_id)
         if request is None:
@@ -605,35 +614,73 @@ class KvsvcPoolReplica:
                 num_new_tokens,
                 num_lookahead_tokens,
                 num_rejected_tokens=rejected,
+                num_in_flight_tokens=num_in_flight_tokens,
             )
         except CoreError as exc:
             raise KvsvcError(f"{self._where}: allocation for {request_id!r}: {exc}") from None
-        if not outcome.ok:
-            return None
-        self._num_sent[request_id] = sent + len(tokens)
+        if not outcome.ok and not outcome.released:
+            return None  # nothing changed: nothing to tell the server
+        if outcome.ok:
+            self._num_sent[request_id] = sent + len(tokens)
         self.pending.allocate(
             request_id,
             tokens,
             num_new_tokens,
             num_lookahead_tokens=num_lookahead_tokens,
             num_rejected_tokens=rejected,
+            num_in_flight_tokens=num_in_flight_tokens,
         )
+        if not outcome.ok:
+            # Refused, but the window's passed blocks were released before the check (as
+            # vLLM releases them): the server must release the same ones, in this order.
+            self._predict(request_id, (), outcome.num_null_blocks, _NO_SPACE)
+            return None
         self._predict(request_id, outcome.new_block_ids, outcome.num_null_blocks)
         return outcome.new_block_ids
 
-    def append_tokens(self, request_id: str, all_token_ids: Sequence[int]) -> None:
-        """Async scheduling: outputs arrived after their slots were allocated; send them so
-        the pool caches the blocks they complete (a zero-token allocation)."""
+    def cache_outputs(
+        self,
+        request_id: str,
+        all_token_ids: Sequence[int],
+        num_computed_tokens: int,
+        num_tokens_to_cache: int,
+    ) -> None:
+        """vLLM's ``cache_blocks(request, num_tokens_to_cache)`` after outputs arrived
+        (async scheduling, speculative decoding): send the request's new tokens, the drafts
+        vLLM rejected (``num_computed_tokens`` is vLLM's count after taking them off) and
+        the tokens still in flight, so the pool caches exactly the blocks vLLM caches."""
         sent = self._num_sent.get(request_id)
-        if sent is None:
-            return
+        request = self.cache.request_state(request_id)
+        if sent is None or request is None:
+            return  # not admitted (or already freed): nothing to cache
         tokens = all_token_ids[sent:]
-        if not tokens:
-            return
-        outcome = self.cache.allocate(request_id, tokens, 0)
-        assert outcome.ok, "a zero-token allocation needs no block"
+        rejected = request.num_computed_tokens - num_computed_tokens
+        in_flight = num_computed_tokens - num_tokens_to_cache
+        if rejected < 0 or in_flight < 0:
+            raise KvsvcError(
+                f"{self._where}: request {request_id!r} has {num_computed_tokens} computed "
+                f"tokens in vLLM ({num_tokens_to_cache} to cache) but "
+                f"{request.num_computed_tokens} in the pool"
+            )
+        if (
+            not tokens
+            and not rejected
+            and not self.cache.would_cache(request_id, num_tokens_to_cache)
+        ):
+            return  # nothing for the pool to do
+        try:
+            outcome = self.cache.cache_outputs(
+                request_id,
+                tokens,
+                num_rejected_tokens=rejected,
+                num_in_flight_tokens=in_flight,
+            )
+        except CoreError as exc:
+            raise KvsvcError(f"{self._where}: outputs of {request_id!r}: {exc}") from None
         self._num_sent[request_id] = sent + len(tokens)
-        self.pending.allocate(request_id, tokens, 0)
+        self.pending.cache(
+            request_id, tokens, num_rejected_tokens=rejected, num_in_flight_tokens=in_flight
+        )
         self._predict(request_id, outcome.new_block_ids, outcome.num_null_blocks)
 
     def free(self, request_id: str, *, preempted: bool) -> None:
@@ -652,10 +699,12 @@ class KvsvcPoolReplica:
         request_id: str,
         new_block_ids: Sequence[Sequence[int]],
         num_null_blocks: Sequence[int],
+        status: int = _OK,
     ) -> None:
         """Record what the server must answer for the operation just queued."""
         prediction = self._prediction
         prediction.request_ids.append(request_id)
+        prediction.statuses.append(status)
         groups = self.num_groups
         if new_block_ids:
             for ids in new_block_ids:
@@ -664,7 +713,7 @@ class KvsvcPoolReplica:
             prediction.num_null_blocks.extend(num_null_blocks)
         else:
             prediction.num_new_blocks.extend([0] * groups)
-            prediction.num_null_blocks.extend([0] * groups)
+            prediction.num_null_blocks.extend(num_null_blocks or [0] * groups)
         prediction.num_cached_tokens.append(0)
 
     def tables(self, request_id: str) -> tuple[list[int], ...]:
@@ -674,12 +723,26 @@ class KvsvcPoolReplica:
         return self.cache.manager.coordinator.get_blocks(request_id)
 
     def cached_tokens(self, request_id: str) -> int:
-        """Tokens of the request whose blocks are cached in every cacheable group."""
-        counts = [
-            m.num_cached_block.get(request_id, 0) * m.block_size
-            for m in self.cache.manager.coordinator.managers
-            if not isinstance(m, CrossAttentionManager)
-        ]
+        """vLLM's ``estimate_cached_tokens``: per cacheable group, the tokens up to the
+        request's last block that is in the prefix index (a block a window skipped, or
+        not yet full, is not); the smallest over the groups."""
+        if not self.cache.has_request(request_id):
+            return 0
+        coordinator = self.cache.manager.coordinator
+        cached_hashes = self.cache.manager.block_pool.block_hash
+        counts = []
+        for manager, table in zip(
+            coordinator.managers, coordinator.get_blocks(request_id), strict=True
+        ):
+            if isinstance(manager, CrossAttentionManager):
+                continue
+            tokens = 0
+            for index in range(len(table) - 1, -1, -1):
+                block_id = table[index]
+                if block_id and cached_hashes[block_id] is not None:
+                    tokens = (index + 1) * manager.block_size
+                    break
+            counts.append(tokens)
         return min(counts) if counts else 0
 
     def usage(self) -> float:
@@ -715,6 +778,7 @@ def _core_hashing(hashing: HashingContext | None) -> CoreHashingContext | None:
             for item in hashing.mm_items
         ),
         prompt_embeds_digests=tuple(hashing.prompt_embeds_digests),
+        lora_id=hashing.lora_id or None,
     )
 
 
@@ -739,5 +803,6 @@ def hashing_context(request: Any, block_size: int) -> HashingContext | None:
         lora_path=(getattr(lora, "lora_path", None) or "") if lora is not None else "",
         mm_items=items,
         prompt_embeds_digests=tuple(digests),
+        lora_id=int(lora.lora_int_id) if lora is not None else 0,
     )
     return None if context == HashingContext() else context

@@ -26,15 +26,14 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
-    ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     KVCacheConfig,
-    SlidingWindowSpec,
 )
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
+from kvsvc.integrations.vllm import compat
 from kvsvc.integrations.vllm.config import settings_from_additional_config
 from kvsvc.integrations.vllm.manager import (
     KvsvcError,
@@ -122,9 +121,9 @@ class KvsvcKVCacheManager:
         null_block.is_null = True
         self._block_objects: list[KVCacheBlock | None] = [None] * kv_cache_config.num_blocks
         self._block_objects[0] = null_block
-        # The last lookup: (request id, hit tokens, hit blocks per group), consumed by its
-        # admission.
-        self._lookup: tuple[str, int, tuple[list[int], ...]] | None = None
+        # The last lookup: (request id, hit tokens, hit blocks per group, hit cap),
+        # consumed by its admission (which hands the server the same cap).
+        self._lookup: tuple[str, int, tuple[list[int], ...], int | None] | None = None
 
     # -- blocks as vLLM's objects --------------------------------------------------------
 
@@ -160,7 +159,17 @@ class KvsvcKVCacheManager:
         return stats
 
     def prefix_cache_lookup_enabled(self, request: Request) -> bool:
-        return self.enable_caching and not request.skip_reading_prefix_cache
+        return self.enable_caching and compat.prefix_cache_hit_limit(request) != 0
+
+    def get_num_cached_tokens(self, request: Request) -> int:
+        """vLLM 0.34's probe for cache-aware admission: the request's cached prefix, from
+        the replica, touching nothing (as vLLM's, capped at all but the last token)."""
+        if not self.prefix_cache_lookup_enabled(request):
+            return 0
+        num_hit_tokens, _ = self.replica.lookup(
+            request.all_token_ids, hashing_context(request, self.block_size)
+        )
+        return num_hit_tokens
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
         if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
@@ -199,21 +208,25 @@ class KvsvcKVCacheManager:
 
     # -- lookups and allocations ---------------------------------------------------------
 
-    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
-        """The cached prefix, from the replica (no RPC)."""
-        if not self.prefix_cache_lookup_enabled(request):
-            self._lookup = (request.request_id, 0, ())
+    def get_computed_blocks(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int]:
+        """The cached prefix, from the replica (no RPC); ``max_cache_hit_length`` (vLLM
+        0.33+) tightens the request's own cap."""
+        cap = compat.max_cache_hit_tokens(request, max_cache_hit_length)
+        if not self.enable_caching or cap == 0:
+            self._lookup = (request.request_id, 0, (), cap)
             return self.empty_kv_cache_blocks, 0, 0
         num_hit_tokens, hits = self.replica.lookup(
-            request.all_token_ids, hashing_context(request, self.block_size)
+            request.all_token_ids, hashing_context(request, self.block_size), cap
         )
-        self._lookup = (request.request_id, num_hit_tokens, hits)
+        self._lookup = (request.request_id, num_hit_tokens, hits, cap)
         return self._blocks(hits), num_hit_tokens, 0
 
     def get_computed_blocks_for_connector(
-        self, request: Request
+        self, request: Request, max_cache_hit_length: int | None = None
     ) -> tuple[KVCacheBlocks, int, int, bool]:
-        return (*self.get_computed_blocks(request), False)
+        return (*self.get_computed_blocks(request, max_cache_hit_length), False)
 
     def allocate_slots(
         self,
@@ -250,6 +263,7 @@ class KvsvcKVCacheManager:
                 request.num_computed_tokens,
                 num_new_tokens,
                 num_lookahead_tokens,
+                request.num_in_flight_tokens,
             )
             if new is None:
                 return None
@@ -281,6 +295,11 @@ class KvsvcKVCacheManager:
         lookup = self._lookup
         self._lookup = None
         request_id = request.request_id
+        cap = (
+            lookup[3]
+            if lookup is not None and lookup[0] == request_id
+            else compat.max_cache_hit_tokens(request, None)
+        )
         if num_hit_tokens:
             if lookup is None or lookup[0] != request_id or lookup[1] != num_hit_tokens:
                 raise KvsvcError(
@@ -310,12 +329,15 @@ class KvsvcKVCacheManager:
             return None
         start = RequestStart(
             hashing=hashing_context(request, self.block_size),
-            skip_prefix_cache_read=bool(request.skip_reading_prefix_cache),
+            skip_prefix_cache_read=cap == 0,
             resumed=request.num_preemptions > 0,
             num_encoder_tokens=num_encoder_tokens,
             num_prompt_tokens=(
                 request.num_prompt_tokens if request.num_tokens > request.num_prompt_tokens else 0
             ),
+            max_cache_hit_tokens=None if cap == 0 else cap,
+            # vLLM pads an admission with one token left to 1 + its drafts.
+            num_draft_tokens=max(0, computed + num_new_tokens - request.num_tokens),
         )
         tables = replica.admit(
             request_id, request.all_token_ids, num_new_tokens, num_lookahead_tokens, start
@@ -329,9 +351,15 @@ class KvsvcKVCacheManager:
         self.replica.free(request.request_id, preempted=not request.is_finished())
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Async scheduling delivers outputs after their slots: send them to be cached."""
+        """Outputs arrived after their slots (async scheduling, speculative decoding):
+        the pool caches the request's blocks up to ``num_computed_tokens``, as vLLM's."""
         if self.enable_caching:
-            self.replica.append_tokens(request.request_id, request.all_token_ids)
+            self.replica.cache_outputs(
+                request.request_id,
+                request.all_token_ids,
+                request.num_computed_tokens,
+                num_computed_tokens,
+            )
 
     def remove_skipped_blocks(
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
@@ -406,16 +434,51 @@ def _check_supported(scheduler: Scheduler, kv_cache_config: KVCacheConfig) -> No
             raise KvsvcError(f"kvsvc's vLLM scheduler does not serve {reason} yet")
     if scheduler.connector is not None:
         raise KvsvcError("kvsvc's vLLM scheduler does not support KV connectors")
-    drops_blocks = any(
-        isinstance(group.kv_cache_spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec))
-        for group in kv_cache_config.kv_cache_groups
+    refusal = eagle_refusal(
+        bool(getattr(scheduler, "use_eagle_block_drop", False)),
+        compat.num_hash_lookahead_tokens(scheduler.vllm_config),
+        int(getattr(scheduler.vllm_config, "num_prefill_lookahead_tokens", 0) or 0),
     )
-    if drops_blocks and scheduler.scheduler_config.async_scheduling:
-        raise KvsvcError(
-            "kvsvc's vLLM scheduler does not serve sliding-window or chunked-local attention "
-            "with async scheduling (vLLM frees their out-of-window blocks on the processed-"
-            "token basis there, which a Step does not carry): run with async_scheduling=False"
+    if refusal:
+        raise KvsvcError(refusal)
+
+
+def eagle_refusal(
+    drops_block: bool, num_hash_lookahead_tokens: int, num_prefill_lookahead_tokens: int = 0
+) -> str:
+    """Why kvsvc refuses an EAGLE/MTP configuration ("" when it serves it).
+
+    EAGLE-style drafters build a position's draft KV from the next token as well, so
+    vLLM keeps a hit's trailing block out of reach: it drops the last matched block
+    (``use_eagle_block_drop``), or from 0.33 makes each block's hash cover the next
+    tokens (``num_hash_lookahead_tokens``); multi-module MTP also leaves its last
+    ``num_prefill_lookahead_tokens - 1`` tokens uncached (their KV is re-prefilled).
+    kvsvc's pool models none of these yet, so its hits would differ from stock vLLM's:
+    refused, naming the settings that turn them off (vLLM then warns that acceptance
+    rates may drop) or the drafters kvsvc serves.
+    """
+    if num_prefill_lookahead_tokens > 1:
+        return (
+            f"kvsvc's vLLM scheduler does not serve multi-module MTP with prefix caching: "
+            f"vLLM re-prefills each request's last {num_prefill_lookahead_tokens - 1} "
+            "tokens and caches them later, which kvsvc's pool does not model yet. Use one "
+            "MTP module (num_speculative_tokens 1) or an EAGLE, draft-model or n-gram "
+            "drafter, or run without prefix caching"
         )
+    if not drops_block and not num_hash_lookahead_tokens:
+        return ""
+    what = (
+        f"hashes blocks with the {num_hash_lookahead_tokens} token(s) after them"
+        if num_hash_lookahead_tokens
+        else "drops the last block of every prefix-cache hit"
+    )
+    return (
+        f"kvsvc's vLLM scheduler does not serve EAGLE/MTP speculative decoding with prefix "
+        f"caching as this vLLM runs it: it {what}, which kvsvc's pool does not model yet. "
+        'Turn both off in --speculative-config: {"disable_eagle_block_drop": true, '
+        '"disable_lookahead_block_hashes": true} (vLLM 0.33+; 0.32 has only the first), '
+        "use a draft-model or n-gram drafter, or run without prefix caching"
+    )
 
 
 def replica_config(kv_cache_config: KVCacheConfig) -> KvsvcKVCacheConfig:
@@ -452,8 +515,14 @@ class KvsvcScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         kv_cache_config: KVCacheConfig = self.kv_cache_config
-        _check_supported(self, kv_cache_config)
         settings = settings_from_additional_config(self.vllm_config.additional_config)
+        try:
+            compat.check_version(
+                compat.installed_version(), allow_untested=settings.allow_untested_vllm
+            )
+        except compat.UnsupportedVllmError as exc:
+            raise KvsvcError(str(exc)) from None
+        _check_supported(self, kv_cache_config)
         if self.enable_kv_cache_events:
             logger.warning(
                 "vLLM's KV events are not published with kvsvc's scheduler: kvsvc publishes the "

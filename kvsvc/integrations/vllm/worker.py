@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 from kvsvc_client import resolve_token
 from vllm.platforms import current_platform
 
+from kvsvc.integrations.vllm import compat
 from kvsvc.integrations.vllm.config import KvsvcSettings, settings_from_additional_config
 from kvsvc.integrations.vllm.specs import kvsvc_specs_from_vllm
 from kvsvc.planner import allocated_bytes as planned_bytes
@@ -367,6 +368,7 @@ class KvsvcWorker(_PlatformWorker):
             tls_cert=settings.tls_cert,
             tls_key=settings.tls_key,
             tls_server_name=settings.tls_server_name,
+            in_engine=True,
         )
 
     def _memory_profile(self, kv_cache_bytes: int) -> MemoryProfile:
@@ -392,12 +394,13 @@ class KvsvcWorker(_PlatformWorker):
     def _vllm_block_sizes(self, vllm_specs: Mapping[str, VllmKVCacheSpec]) -> dict[str, int]:
         """The block size vLLM's own grouping gives each layer (page unification may
         change a layer's), so the plan is compared with what vLLM would allocate."""
+        from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
         own = {name: spec.block_size for name, spec in vllm_specs.items()}
         try:
-            from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
-            from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
-
-            groups = get_kv_cache_groups(self.vllm_config, dict(vllm_specs))
+            groups = compat.kv_cache_groups(self.vllm_config, dict(vllm_specs))
+        except ImportError:
+            raise  # a release kvsvc does not know where to ask: never guess
         except Exception:  # grouping fails later in the engine core, with vLLM's message
             logger.debug("vLLM's KV cache grouping failed; comparing spec block sizes")
             return own

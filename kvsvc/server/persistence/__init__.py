@@ -41,6 +41,7 @@ Modules, from the bottom::
 
     records        the plain records (journal rows, ranks, snapshots) and StateError
     durability     a full disk told apart from a damaged file; the acknowledged position
+    wal            a damaged write-ahead log told apart from one that simply ends
     schema         the SQLite format both files share: tables, versions, migrations
     snapshot_file  writing and reading a snapshot file
     journal_store  PoolStore: one pool's journal database

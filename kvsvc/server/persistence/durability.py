@@ -12,7 +12,9 @@ journal row it committed there (no sync: it is in the page cache as soon as the 
 killed process leaves both; a power loss may leave either). If a restart finds the journal
 ends before that row, the WAL was cut (a power loss in ``normal`` mode, a damaged or
 truncated file): the state is an earlier one than subscribers saw, and its event sequence
-numbers after that point were handed out already, so the pool gets a new epoch.
+numbers after that point were handed out already, so the pool gets a new epoch. A marker
+that is missing, garbage or another lineage's tells nothing, so the state cannot be shown
+whole: it gets a new epoch too (never earlier state under the same epoch).
 """
 
 from __future__ import annotations
@@ -75,14 +77,29 @@ class AckedMarker:
     def read(self) -> int | None:
         """The position the marker holds for this store (None: absent, unreadable, or
         another lineage's: nothing can be told then)."""
+        return self.read_checked()[0]
+
+    def read_checked(self) -> tuple[int | None, str | None]:
+        """The position the marker holds for this store, or why it holds none: a line
+        that says what is wrong with the file (missing, unreadable, garbage, another
+        lineage's), for a restart to say why it cannot trust the state's epoch."""
         try:
-            text = self.path.read_text(encoding="ascii")
-        except (OSError, UnicodeDecodeError):
-            return None
+            text = self.path.read_bytes().decode("ascii")
+        except FileNotFoundError:
+            return None, f"{self.path} is missing"
+        except OSError as exc:
+            return None, f"{self.path} cannot be read ({exc.strerror})"
+        except UnicodeDecodeError:
+            return None, f"{self.path} is damaged (not text)"
         parts = text.split()
-        if len(parts) != 2 or parts[0] != self.store_id or not parts[1].isdigit():
-            return None
-        return int(parts[1])
+        if len(parts) != 2 or not parts[1].isdigit() or len(parts[1]) > _SEQ_WIDTH:
+            return None, f"{self.path} is damaged (it holds {text[:60]!r}, not a position)"
+        if parts[0] != self.store_id:
+            return None, (
+                f"{self.path} is another state's (store id {parts[0][:_ID_WIDTH]}, this "
+                f"state's {self.store_id})"
+            )
+        return int(parts[1]), None
 
     def write(self, seq: int) -> None:
         """Record ``seq`` as committed (one ``pwrite`` of a fixed-size line, no sync).

@@ -30,8 +30,25 @@ from kvsvc.server.persistence.schema import (
     rollback,
 )
 from kvsvc.server.persistence.snapshot_file import read_snapshot, snapshot_name, write_snapshot
+from kvsvc.server.persistence.wal import wal_damage, wal_path
 
 _INSERT_ROW = "INSERT INTO journal VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+# What an operator can do with a journal that lost commits it had acknowledged.
+_WAYS_ON = (
+    "The state cannot be served as it was acknowledged: move {pool}.db* out of the state "
+    "directory, then start with --restore on the pool's newest snapshot (moved out too; "
+    "the calls journaled after it are lost: a new event epoch, engines free and readmit "
+    "their requests), or with no file to start the pool empty"
+)
+
+
+def _generation_of(name: str, pool: str) -> int | None:
+    """N of ``<pool>.snapshot-N.db`` (None: another file)."""
+    prefix, suffix = f"{pool}.snapshot-", ".db"
+    middle = name[len(prefix) : -len(suffix)]
+    if name.startswith(prefix) and name.endswith(suffix) and middle.isdigit():
+        return int(middle)
+    return None
 
 
 class PoolStore:
@@ -82,6 +99,17 @@ class PoolStore:
             check_file(conn, path, JOURNAL_FORMAT, migrate=True)
             configure_wal(conn, synchronous)
             return cls(directory, pool, conn)
+        except StateError as exc:
+            # While this connection is open the log is still there to be read.
+            damage = wal_damage(path)
+            conn.close()
+            if damage is None:
+                raise
+            raise StateError(
+                f"{path} is damaged: {damage}; it reads as an earlier state whose pages do "
+                f"not fit those already written to the database ({exc}). "
+                f"{_WAYS_ON.format(pool=pool)}"
+            ) from None
         except BaseException:
             conn.close()
             raise
@@ -139,19 +167,28 @@ class PoolStore:
         self._checkpoint_conn = None
         self.acked.close()
 
-    def check_acknowledged(self) -> int | None:
-        """At a restart, before anything is written: the last journal row acknowledged
-        when that is beyond the journal's end (the WAL was cut: this is an earlier state
-        than the one served), else None. Records the journal's end as acknowledged.
+    def check_acknowledged(self) -> str | None:
+        """At a restart, before anything is written: why this may be an earlier state
+        than the one acknowledged (the journal ends before the last row acknowledged: the
+        WAL was cut; or the acknowledged position is missing or garbage, so nothing
+        shows the journal is whole), else None. Records the journal's end as acknowledged
+        when it is not earlier (:meth:`renew_epoch` records it otherwise).
 
         Raises:
             StateError: the position cannot be recorded (the message says a full disk).
         """
-        acknowledged = self.acked.read()
-        lost = acknowledged if acknowledged is not None and acknowledged > self.last_seq else None
-        if lost is None:
-            self._write_acked()
-        return lost
+        acknowledged, problem = self.acked.read_checked()
+        if problem is not None:
+            return f"{problem}: nothing shows that the journal holds every acknowledged change"
+        assert acknowledged is not None
+        if acknowledged > self.last_seq:
+            cause = wal_damage(self.path) or "a power loss, or a damaged file"
+            return (
+                f"its journal ends at row {self.last_seq}, but row {acknowledged} was "
+                f"acknowledged (its write-ahead log was cut: {cause})"
+            )
+        self._write_acked()
+        return None
 
     def renew_epoch(self, epoch: str) -> None:
         """Give the state a new event epoch (an earlier state than the one acknowledged:
@@ -190,8 +227,11 @@ class PoolStore:
         """The current snapshot, checked against this store.
 
         Raises:
-            StateError: missing, damaged, or another store's.
+            StateError: missing (saying why: the journal lost its latest commits, or the
+                file was removed), damaged, or another store's.
         """
+        if not self.snapshot_path().exists():
+            raise StateError(self._missing_snapshot())
         snapshot = read_snapshot(self.snapshot_path())
         if snapshot.identity.get("store_id") != self.identity.get("store_id"):
             raise StateError(
@@ -208,6 +248,37 @@ class PoolStore:
                 f"{self.snapshot_generation} at {self.snapshot_seq}"
             )
         return snapshot
+
+    def _missing_snapshot(self) -> str:
+        """Why the snapshot the journal points at is not there. A snapshot file is only
+        deleted once a later one is pointed at, so a later one beside a journal that
+        points at a deleted one means the journal lost the commits since (a damaged or
+        cut write-ahead log), not that a file went missing."""
+        generation = self.snapshot_generation
+        later = sorted(
+            (g, path.name)
+            for path in self.directory.glob(f"{self.pool}.snapshot-*.db")
+            if (g := _generation_of(path.name, self.pool)) is not None and g > generation
+        )
+        missing = f"{self.path} points at snapshot {self.snapshot_path().name}, which is not there"
+        if not later:
+            return (
+                f"{missing}: the file was removed or moved (no later snapshot is there either); "
+                "put it back, or move the pool's files away to start it empty"
+            )
+        cause = wal_damage(self.path) or (
+            f"{wal_path(self.path).name} was cut or damaged (it ends before those commits)"
+        )
+        acknowledged = self.acked.read()
+        lost = (
+            f"; the journal ends at row {self.last_seq}, row {acknowledged} was acknowledged"
+            if acknowledged is not None and acknowledged > self.last_seq
+            else ""
+        )
+        return (
+            f"{missing}: {later[-1][1]} replaced it later, so the journal lost its latest "
+            f"commits: {cause}{lost}. {_WAYS_ON.format(pool=self.pool)}"
+        )
 
     def ranks(self) -> list[RankRecord]:
         return read_ranks(self._conn, self.path)

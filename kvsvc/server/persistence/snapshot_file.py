@@ -9,6 +9,7 @@ import json
 import os
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import cbor2
 import xxhash
@@ -104,6 +105,27 @@ def read_snapshot(path: Path) -> Snapshot:
     finally:
         conn.close()
     return Snapshot(identity, generation, journal_seq, state, server_state, ranks, created_at)
+
+
+def read_snapshot_identity(path: Path) -> dict[str, Any]:
+    """What the snapshot in ``path`` was made for (its pool, settings and plan inputs),
+    without reading its state: ``kvsvc serve --restore`` configures the pool from it.
+
+    Raises:
+        StateError: a missing, foreign, damaged or newer-schema file.
+    """
+    conn = connect(path, create=False)
+    try:
+        check_file(conn, path, SNAPSHOT_FORMAT, migrate=True)
+        try:
+            identity = json.loads(read_meta(conn)["identity"])
+        except (KeyError, ValueError, TypeError, sqlite3.Error) as exc:
+            raise StateError(f"{path} is damaged: {type(exc).__name__}: {exc}") from None
+    finally:
+        conn.close()
+    if not isinstance(identity, dict):
+        raise StateError(f"{path} is damaged: its identity is not a JSON object")
+    return identity
 
 
 def snapshot_name(pool: str, generation: int) -> str:

@@ -28,9 +28,26 @@ from kvsvc.server.persistence.snapshot_file import write_snapshot
 
 log = logging.getLogger("kvsvc.server")
 
-# Replay work (units of ~3 us: an operation, or 64 tokens) after which a snapshot replaces
-# the journal: a restart replays about a second at most.
+# Replay work (units of ~3 us) after which a snapshot replaces the journal, and the
+# multiple of it at which one is taken even before snapshot_min_interval_s has passed: a
+# restart replays well under two seconds whatever the load (state_bench measures it).
 DEFAULT_SNAPSHOT_EVERY = 200_000
+SNAPSHOT_OVERDUE_FACTOR = 2
+# What replaying one journal row costs, in those units (measured by state_bench at 1M
+# blocks and 10,000 live requests, with a margin for slower machines): reading, checking
+# and parsing the row, applying it, rebuilding and digesting its reply, and keeping it for
+# retries, ~45-60 us for a single Allocate or Free; then ~2.5 us per operation and
+# ~0.1-0.2 us per token (hashing a prompt, appending tokens). Counting a row as one unit,
+# as this once did, under-counted single-call traffic 20-90 times: after 150 s of Allocate
+# and Free calls no snapshot had been taken, and a restart replayed 81,000 rows in 22 s.
+ROW_REPLAY_UNITS = 25
+TOKENS_PER_REPLAY_UNIT = 16
+
+
+def replay_units(operations: int, tokens: int) -> int:
+    """The replay work of a journal row of ``operations`` operations carrying ``tokens``
+    token ids (see :data:`ROW_REPLAY_UNITS`)."""
+    return ROW_REPLAY_UNITS + operations + tokens // TOKENS_PER_REPLAY_UNIT
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +86,7 @@ class StateSettings:
         lock: asyncio.Lock,
         capture: Callable[[], SnapshotCapture],
         publish: Callable[[Any], None],
+        journal_units: int | None = None,
     ) -> PoolPersistence:
         """The writer of ``store`` with these settings (see :class:`PoolPersistence`)."""
         return PoolPersistence(
@@ -80,6 +98,7 @@ class StateSettings:
             snapshot_min_interval_s=self.snapshot_min_interval_s,
             checkpoint_interval_s=self.checkpoint_interval_s,
             publish=publish,
+            journal_units=journal_units,
         )
 
 
@@ -99,9 +118,12 @@ class PoolPersistence:
     with UNAVAILABLE, so nothing is acknowledged that the disk does not hold (the pool's
     memory may be ahead of the disk then; restart the server).
 
-    A snapshot replaces the journal once it holds ``snapshot_every`` units of replay work:
-    ``capture`` copies the pool's state, called under the pool's ``lock`` (between two
-    calls); encoding and writing it run in a thread.
+    A snapshot replaces the journal once it holds ``snapshot_every`` units of replay work
+    (:func:`replay_units`) and the last one is ``snapshot_min_interval_s`` old, or at once
+    (one at a time) when it holds ``SNAPSHOT_OVERDUE_FACTOR`` times that: the interval
+    spares a big pool's copy under moderate load, and never lets the replay grow past the
+    bound under a heavy one. ``capture`` copies the pool's state, called under the pool's
+    ``lock`` (between two calls); encoding and writing it run in a thread.
     """
 
     def __init__(
@@ -115,6 +137,7 @@ class PoolPersistence:
         snapshot_min_interval_s: float = 10.0,
         checkpoint_interval_s: float = 1.0,
         publish: Callable[[Any], None] | None = None,
+        journal_units: int | None = None,
     ) -> None:
         if synchronous not in SYNCHRONOUS_MODES:
             raise ValueError(f"state_synchronous must be one of {SYNCHRONOUS_MODES}")
@@ -126,9 +149,15 @@ class PoolPersistence:
         self.snapshot_min_interval_s = snapshot_min_interval_s
         self.checkpoint_interval_s = checkpoint_interval_s
         self.last_seq = store.last_seq
-        # Replay work journaled since the snapshot (see record's ``work``): not kept on
-        # disk, so a restart counts the journal it found as one snapshot's worth.
-        self.work_since_snapshot = 0 if store.last_seq == store.snapshot_seq else snapshot_every
+        # Replay work journaled since the snapshot (see record's ``units``): at a restart,
+        # what the journal it replayed weighed (``journal_units``), or, unknown, one
+        # snapshot's worth.
+        if store.last_seq == store.snapshot_seq:
+            self.work_since_snapshot = 0
+        else:
+            self.work_since_snapshot = (
+                journal_units if journal_units is not None else snapshot_every
+            )
         # Event batches of the recorded changes go to subscribers once committed.
         self._publish = publish
         self._batches: list[Any] = []
@@ -170,7 +199,7 @@ class PoolPersistence:
         payload: bytes,
         reply: bytes,
         batches: Sequence[Any] = (),
-        work: int = 0,
+        units: int = ROW_REPLAY_UNITS,
     ) -> int:
         """Journal one applied call, right after the change and the events drain (under
         the pool's lock); returns its ticket. Schedules a snapshot when one is due.
@@ -181,11 +210,10 @@ class PoolPersistence:
             payload: the request as it came over the wire.
             reply: the serialized reply the caller gets (the row keeps its digest).
             batches: the events the call made, published once the commit is done.
-            work: tokens + 64 per operation, as the servicers count it (replaying costs
-                one unit, ~3 us, per operation and per 64 tokens).
+            units: what replaying the row costs (:func:`replay_units`).
         """
         self.last_seq += 1
-        self.work_since_snapshot += 1 + work // 64
+        self.work_since_snapshot += max(units, ROW_REPLAY_UNITS)
         self._records.append(
             JournalRecord(
                 self.last_seq,
@@ -214,12 +242,17 @@ class PoolPersistence:
 
     def snapshot_due(self) -> bool:
         """Whether the journal holds enough replay work (and the last snapshot is old
-        enough) that a snapshot should replace it: keeps restarts short."""
+        enough, unless the work is overdue) that a snapshot should replace it: keeps
+        restarts short."""
+        work = self.work_since_snapshot
         return (
             self.failed is None
             and not self.snapshotting
-            and self.work_since_snapshot >= self.snapshot_every
-            and time.monotonic() - self._last_snapshot >= self.snapshot_min_interval_s
+            and work >= self.snapshot_every
+            and (
+                work >= SNAPSHOT_OVERDUE_FACTOR * self.snapshot_every
+                or time.monotonic() - self._last_snapshot >= self.snapshot_min_interval_s
+            )
         )
 
     def _next_ticket(self) -> int:
