@@ -191,9 +191,11 @@ def test_eagle_with_its_block_handling_off_schedules_alike(mode: str, models: Pa
 def test_eagle_with_its_block_handling_is_refused_naming_the_settings(models: Path) -> None:
     setup = Setup(num_speculative_tokens=2, speculative_method="eagle")
     workload = churn("dense", False)
-    with kvsvc_pool("dense", workload.num_blocks, max_model_len=MAX_MODEL_LEN) as pool:
-        with pytest.raises(KvsvcError) as refused:
-            kvsvc_engine(setup, workload, pool, models)
+    with (
+        kvsvc_pool("dense", workload.num_blocks, max_model_len=MAX_MODEL_LEN) as pool,
+        pytest.raises(KvsvcError) as refused,
+    ):
+        kvsvc_engine(setup, workload, pool, models)
     message = str(refused.value)
     assert "EAGLE/MTP" in message and "disable_eagle_block_drop" in message
     if VLLM_VERSION >= (0, 33):
@@ -210,9 +212,7 @@ def test_a_vllm_outside_the_range_is_refused_unless_allowed(
     with kvsvc_pool("dense", workload.num_blocks, max_model_len=MAX_MODEL_LEN) as pool:
         with pytest.raises(KvsvcError) as refused:
             kvsvc_engine(Setup(), workload, pool, models)
-        assert str(refused.value).startswith(
-            "kvsvc runs vLLM 0.32 to 0.34; this is vLLM 0.99.0"
-        )
+        assert str(refused.value).startswith("kvsvc runs vLLM 0.32 to 0.34; this is vLLM 0.99.0")
         assert "allow_untested_vllm" in str(refused.value)
         engine = kvsvc_engine(Setup(allow_untested_vllm=True), workload, pool, models)
         engine.close()
