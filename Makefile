@@ -79,7 +79,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(call install_torch,$(PY))
 	@echo "   kvsvc (editable) with grpcio, protobuf, numpy, pytest, ruff, mypy, ..."
-	$(QUIET_EDITABLE) $(PY) -m pip install --progress-bar off -e '.[worker,dev,cluster,docs]'
+	$(QUIET_EDITABLE) $(PY) -m pip install --progress-bar off -e '.[worker,dev,cluster,replay,docs]'
 	touch $(STAMP)
 	@echo "== $(VENV) is ready"
 

@@ -15,6 +15,10 @@ What it measures, in one run:
   (PING) measured in the same run, with redis-py's hiredis parser and its pure-Python one;
   and the same over 1,000 hybrid engines (full attention + a 1,024-token sliding window,
   the window's blocks with holes), scored by the hybrid rule;
+- Route for the same prompt over the same 1,000 engines, each with a load report
+  (``Router.route``: the bitmaps, the load vector and Redis's time in one pipelined round
+  trip, then the policy over every engine), p50 / p99 with both parsers, beside Score's in
+  the same run;
 - Redis memory per indexed block: ``used_memory`` grown by the index, divided by the
   (engine, block) entries it holds, and by its distinct block hashes.
 
@@ -46,7 +50,9 @@ from typing import Any
 from kvsvc.cluster.hashing import PromptHasher
 from kvsvc.cluster.indexer import _events_to_ops
 from kvsvc.cluster.layout import Keys
-from kvsvc.cluster.score import Scorer
+from kvsvc.cluster.load import LoadPublisher
+from kvsvc.cluster.route import Router
+from kvsvc.cluster.score import Scorer, TokenPrompt
 from kvsvc.cluster.store import SourceStore, Tracking, connect
 
 SEED = "cluster-bench-seed"
@@ -333,6 +339,46 @@ def bench_score(
     }
 
 
+def publish_loads(url: str, names: list[str], prefix: str = "score") -> None:
+    """A load report for every engine (running requests 0-7, as a fleet would have)."""
+    keys = Keys(prefix)
+    redis_client = connect(url, cluster=False)
+    loads = LoadPublisher(redis_client, keys, ttl_s=3600)
+    for i, name in enumerate(names):
+        engine = SourceStore(redis_client, name, "bench", keys).ensure_id()
+        loads.publish(engine, i % 8, 32 * (i % 8), 4096)
+
+
+def bench_route(
+    url: str, prompt: list[int], expected: dict[str, int], calls: int, hiredis: bool
+) -> dict[str, Any]:
+    """Route over the engines of ``expected`` (indexed, each with a load report), Score in
+    the same loop: p50 / p99 of each."""
+    redis_client = client(url, hiredis)
+    scorer = Scorer(redis_client, SEED, Keys("score"))
+    router = Router(Scorer(redis_client, SEED, Keys("score")))
+    first = router.route(TokenPrompt(prompt))
+    assert first.num_candidates == len(expected), "every engine weighed"
+    assert first.chosen.report is not None, "the engines' loads were read"
+    assert first.chosen.cached == expected[first.chosen.engine]
+    route_ms, score_ms = [], []
+    for _ in range(calls):  # interleaved, so both see the same machine
+        t0 = time.perf_counter()
+        router.route(TokenPrompt(prompt))
+        t1 = time.perf_counter()
+        scorer.score(prompt)
+        t2 = time.perf_counter()
+        route_ms.append((t1 - t0) * 1e3)
+        score_ms.append((t2 - t1) * 1e3)
+    return {
+        "parser": "hiredis" if hiredis else "python",
+        "route_p50_ms": statistics.median(route_ms),
+        "route_p99_ms": percentile(route_ms, 0.99),
+        "score_p50_ms": statistics.median(score_ms),
+        "score_p99_ms": percentile(score_ms, 0.99),
+    }
+
+
 def redis_memory(url: str) -> int:
     return int(connect(url, cluster=False).info("memory")["used_memory"])
 
@@ -438,6 +484,32 @@ def bench_real_servers(url: str, servers: int, seconds: float) -> dict[str, Any]
 # -- main --------------------------------------------------------------------------------
 
 
+def route_only(args: argparse.Namespace) -> int:
+    """Route and Score over the same engines, with one Redis round trip (PING) measured
+    in the same run."""
+    redis = Redis()
+    try:
+        prompt = list(range(100, 100 + 4096))
+        expected = populate_for_score(redis.url, args.engines, prompt)
+        publish_loads(redis.url, list(expected))
+        parsers = [True, False] if has_hiredis() else [False]
+        pings = [bench_score(redis.url, prompt, expected, args.score_calls, h) for h in parsers]
+        route = [bench_route(redis.url, prompt, expected, args.score_calls, h) for h in parsers]
+    finally:
+        redis.stop()
+    if args.json:
+        print(json.dumps({"cpus": os.cpu_count(), "score": pings, "route": route}, indent=2))
+        return 0
+    for r, p in zip(route, pings, strict=True):
+        print(
+            f"{args.engines} engines, {r['parser']} parser: Route p50 / p99 "
+            f"{r['route_p50_ms']:.2f} / {r['route_p99_ms']:.2f} ms; Score in the same loop "
+            f"{r['score_p50_ms']:.2f} / {r['score_p99_ms']:.2f} ms; PING "
+            f"{p['rtt_p50_ms']:.3f} / {p['rtt_p99_ms']:.3f} ms"
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -447,9 +519,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=4, help="indexer writer threads")
     parser.add_argument("--servers", type=int, default=2, help="real kvsvc servers (0: none)")
     parser.add_argument("--score-calls", type=int, default=2000)
+    parser.add_argument(
+        "--route-only",
+        action="store_true",
+        help="only Route and Score side by side, with PING (a minute: for a quiet moment "
+        "on a shared machine)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.engines, args.batches, args.servers, args.score_calls = 100, 10, 0, 200
+    if args.route_only:
+        return route_only(args)
     redis = Redis()
     try:
         base = redis_memory(redis.url)
@@ -477,6 +557,8 @@ def main(argv: list[str] | None = None) -> int:
         expected = populate_for_score(redis.url, args.engines, prompt)
         parsers = [True, False] if has_hiredis() else [False]
         score = [bench_score(redis.url, prompt, expected, args.score_calls, h) for h in parsers]
+        publish_loads(redis.url, list(expected))
+        route = [bench_route(redis.url, prompt, expected, args.score_calls, h) for h in parsers]
         hybrid_expected = populate_for_hybrid_score(redis.url, args.engines, prompt)
         hybrid = [
             bench_score(redis.url, prompt, hybrid_expected, args.score_calls, h, "score-hybrid")
@@ -500,6 +582,7 @@ def main(argv: list[str] | None = None) -> int:
             "bitmap_bytes_per_block": bitmap_bytes,
         },
         "score": score,
+        "route": route,
         "score_hybrid": hybrid,
         "real_servers": real,
     }
@@ -535,6 +618,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"Redis round trip (PING), p50 / p99 ({s['parser']} parser)",
                 f"{s['rtt_p50_ms']:.3f} / {s['rtt_p99_ms']:.3f} ms",
                 "",
+            )
+        )
+    for s in route:
+        rows.append(
+            (
+                f"Route, 4,096 tokens over {args.engines} engines with their loads, p50 / p99 "
+                f"({s['parser']} parser)",
+                f"{s['route_p50_ms']:.2f} / {s['route_p99_ms']:.2f} ms",
+                f"p99 <= 2 ms; Score in the same loop {s['score_p50_ms']:.2f} / "
+                f"{s['score_p99_ms']:.2f} ms",
             )
         )
     for s in hybrid:

@@ -1,4 +1,5 @@
-"""The ``kvsvc`` command line: plan, serve, worker, demo, ctl, vllm-args, indexer, router."""
+"""The ``kvsvc`` command line: plan, serve, worker, demo, ctl, vllm-args, indexer, router,
+replay."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "vllm-args",
     "indexer",
     "router",
+    "replay",
 )
 # Subcommands whose parser lives in their own package: name -> (module, function).
 ELSEWHERE: dict[str, tuple[str, str]] = {

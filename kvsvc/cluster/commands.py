@@ -1,4 +1,5 @@
-"""``kvsvc indexer``, ``kvsvc router`` and ``kvsvc ctl score``: the cluster index's commands.
+"""``kvsvc indexer``, ``kvsvc router``, ``kvsvc ctl score`` and ``kvsvc ctl route``: the
+cluster index's commands.
 
 Nothing here imports redis at module level: ``kvsvc --help`` works without the
 ``cluster`` extra, and a command that needs it says how to install it.
@@ -69,6 +70,8 @@ def _host_port(text: str, flag: str) -> tuple[str, int]:
 def add_indexer_parser(subparsers: Any) -> None:
     from kvsvc.cluster.source import (
         DEFAULT_LEASE_TTL_S,
+        DEFAULT_LOAD_INTERVAL_S,
+        DEFAULT_LOAD_TTL_S,
         DEFAULT_MAX_BATCH_EVENTS,
         DEFAULT_PURGE_AFTER_S,
     )
@@ -144,6 +147,22 @@ def add_indexer_parser(subparsers: Any) -> None:
         help=f"block events per Redis script call at most (default {DEFAULT_MAX_BATCH_EVENTS})",
     )
     parser.add_argument(
+        "--load-interval",
+        type=float,
+        default=DEFAULT_LOAD_INTERVAL_S,
+        metavar="S",
+        help="ask each source's load (GetUsage: running requests, blocks held) this often "
+        f"and write it for Route (default {DEFAULT_LOAD_INTERVAL_S:g}; 0: never)",
+    )
+    parser.add_argument(
+        "--load-ttl",
+        type=float,
+        default=DEFAULT_LOAD_TTL_S,
+        metavar="S",
+        help="a load report counts this long (default "
+        f"{DEFAULT_LOAD_TTL_S:g}); past it Route counts the engine at the mean load",
+    )
+    parser.add_argument(
         "--metrics-listen",
         default=DEFAULT_INDEXER_METRICS,
         metavar="HOST:PORT",
@@ -192,6 +211,13 @@ def run_indexer(args: argparse.Namespace) -> int:
                 raise ValueError(f"{flag} must be > 0, got {value:g}")
         if args.max_batch_events < 1:
             raise ValueError(f"--max-batch-events must be >= 1, got {args.max_batch_events}")
+        if not args.load_interval >= 0:
+            raise ValueError(f"--load-interval must be >= 0, got {args.load_interval:g}")
+        if args.load_interval and not args.load_ttl >= 2 * args.load_interval:
+            raise ValueError(
+                f"--load-ttl {args.load_ttl:g} must be at least twice --load-interval "
+                f"{args.load_interval:g} (a report must outlive the wait for the next one)"
+            )
         metrics_address = (
             None
             if args.metrics_listen == "off"
@@ -254,6 +280,8 @@ def run_indexer(args: argparse.Namespace) -> int:
         max_batch_events=args.max_batch_events,
         client_options=client_options,
         keys=Keys(args.key_prefix),
+        load_interval_s=args.load_interval,
+        load_ttl_s=args.load_ttl,
     )
     indexer = Indexer(client, options, metrics)
     indexer.set_sources(sources)
@@ -294,13 +322,15 @@ def run_indexer(args: argparse.Namespace) -> int:
 def add_router_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "router",
-        help="serve ClusterIndexService.Score from the cluster index on Redis",
-        description="Answer ClusterIndexService.Score (gRPC): per indexed engine, the "
-        "cached prefix tokens of a prompt, from the index `kvsvc indexer` keeps in Redis. "
-        "Prompts are hashed with the servers' algorithm and --hash-seed-file.",
+        help="serve ClusterIndexService Score and Route from the cluster index on Redis",
+        description="Answer ClusterIndexService (gRPC) from the index `kvsvc indexer` keeps "
+        "in Redis: Score (per indexed engine, the cached prefix tokens of a prompt) and "
+        "Route (the engine a prompt should go to, by its cached prefix and the engines' "
+        "live load). Prompts are hashed with the servers' algorithm and --hash-seed-file.",
     )
     _redis_flags(parser)
     _seed_flags(parser)
+    add_policy_flags(parser)
     parser.add_argument(
         "--listen",
         default=DEFAULT_ROUTER_LISTEN,
@@ -320,6 +350,99 @@ def add_router_parser(subparsers: Any) -> None:
     )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
     parser.set_defaults(func=run_router)
+
+
+def add_policy_flags(parser: Any) -> None:
+    """Route's weights: --config (its [route] table), --prefix-weight, --load-weight,
+    --load-floor (read back with :func:`policy_from_args`)."""
+    from kvsvc.cluster.route import (
+        DEFAULT_LOAD_FLOOR,
+        DEFAULT_LOAD_WEIGHT,
+        DEFAULT_PREFIX_WEIGHT,
+    )
+
+    group = parser.add_argument_group(
+        "Route's policy",
+        "score = prefix weight x cached tokens - load weight x relative load x prompt "
+        "tokens; relative load = load / max(the other engines' mean load, load floor) "
+        "(docs/cluster.md, "
+        "Routing). Flags win over --config's [route] table.",
+    )
+    group.add_argument(
+        "--config",
+        metavar="FILE",
+        help="TOML file whose [route] table sets prefix_weight, load_weight, load_floor",
+    )
+    group.add_argument(
+        "--prefix-weight",
+        type=float,
+        metavar="W",
+        help=f"weight of the cached prefix tokens (default {DEFAULT_PREFIX_WEIGHT:g})",
+    )
+    group.add_argument(
+        "--load-weight",
+        type=float,
+        metavar="W",
+        help=f"weight of the load penalty, in prompt lengths (default {DEFAULT_LOAD_WEIGHT:g})",
+    )
+    group.add_argument(
+        "--load-floor",
+        type=float,
+        metavar="N",
+        help="least mean load of the other engines (requests) relative loads are taken "
+        "against (default "
+        f"{DEFAULT_LOAD_FLOOR:g})",
+    )
+
+
+ROUTE_CONFIG_KEYS = ("prefix_weight", "load_weight", "load_floor")
+
+
+def policy_from_args(args: argparse.Namespace) -> Any:
+    """Route's policy: the defaults, then --config's [route] table, then the flags.
+
+    Raises:
+        ValueError: an unreadable or malformed file, an unknown key, or a bad weight (the
+            flag or key named).
+    """
+    import tomllib
+
+    from kvsvc.cluster.route import RoutePolicy
+    from kvsvc.errors import InvalidArgument
+
+    values: dict[str, float] = {}
+    if args.config:
+        try:
+            data = tomllib.loads(Path(args.config).read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ValueError(f"--config {args.config}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"--config {args.config}: {exc}") from None
+        unknown = sorted(set(data) - {"route"})
+        table = data.get("route", {})
+        if not isinstance(table, dict):
+            raise ValueError(f"--config {args.config}: [route] must be a table")
+        unknown += [f"route.{k}" for k in sorted(set(table) - set(ROUTE_CONFIG_KEYS))]
+        if unknown:
+            raise ValueError(
+                f"--config {args.config}: unknown keys {', '.join(unknown)} (the [route] "
+                f"table takes {', '.join(ROUTE_CONFIG_KEYS)})"
+            )
+        for key, value in table.items():
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise ValueError(f"--config {args.config}: route.{key} must be a number")
+            values[key] = float(value)
+    for key in ROUTE_CONFIG_KEYS:
+        flag = getattr(args, key)
+        if flag is not None:
+            values[key] = flag
+    policy = RoutePolicy(**values)
+    try:
+        policy.check("route")
+    except InvalidArgument as exc:
+        flag = "--" + exc.field.removeprefix("route.").replace("_", "-")
+        raise ValueError(f"{exc} ({flag}, or the key of --config's [route] table)") from None
+    return policy
 
 
 def _read_tokens(path: str) -> list[str]:
@@ -342,6 +465,7 @@ def run_router(args: argparse.Namespace) -> int:
     except ImportError:
         print(f"kvsvc router: {_NO_REDIS}", file=sys.stderr)
         return 2
+    from kvsvc.cluster.route import Router
     from kvsvc.cluster.router import create_router
     from kvsvc.cluster.score import Scorer
     from kvsvc.cluster.store import connect
@@ -349,6 +473,7 @@ def run_router(args: argparse.Namespace) -> int:
     from kvsvc.tls import ServerTls, TlsFileError
 
     try:
+        policy = policy_from_args(args)
         seed = _read_seed(args)
         listener = Listener(
             args.listen, "router gRPC", "--listen", *_host_port(args.listen, "--listen")
@@ -378,13 +503,19 @@ def run_router(args: argparse.Namespace) -> int:
         return 1
     try:
         scorer = Scorer(client, seed, Keys(args.key_prefix))
-        server, port = create_router(scorer, args.listen, tokens, tls)
+        server, port = create_router(scorer, args.listen, tokens, tls, Router(scorer, policy))
     except TlsFileError as exc:
         print(f"kvsvc router: {exc}", file=sys.stderr)
         return 1
     except ListenError as exc:  # taken since the check
         print(exc.report("kvsvc router"), file=sys.stderr)
         return 1
+    # The port line last and alone: scripts (and tests) read the port as its last word.
+    print(
+        f"kvsvc router: Route's policy: prefix weight {policy.prefix_weight:g}, load weight "
+        f"{policy.load_weight:g}, load floor {policy.load_floor:g}",
+        flush=True,
+    )
     print(f"kvsvc router serving on port {port}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -478,4 +609,117 @@ def run_score(args: argparse.Namespace) -> int:
     print(f"{'ENGINE':<{width}}  CACHED TOKENS  (prompt: {len(tokens)} tokens)")
     for name, cached in ranked.items():
         print(f"{name:<{width}}  {cached}")
+    return 0
+
+
+# -- kvsvc ctl route ---------------------------------------------------------------------
+
+
+def add_route_parser(commands: Any) -> None:
+    """``kvsvc ctl route``: added to ctl's subcommands."""
+    route = commands.add_parser(
+        "route",
+        help="ask which engine a prompt should go to (Route) from the cluster index on Redis",
+        description="The engine (HOST:PORT/POOL) the prompt in --tokens-file should go to, "
+        "by its cached prefix and the engines' live load, as `kvsvc router` answers Route: "
+        "with the runner-up and the term that decided. --json prints "
+        '{"chosen": {...}, "runner_up": {...}, "decided_by": "prefix|load|tie|only", ...}.',
+    )
+    _redis_flags(route)
+    _seed_flags(route)
+    add_policy_flags(route)
+    route.add_argument("--tokens-file", required=True, metavar="FILE", help="the prompt")
+    route.add_argument("--cache-salt", default="", help="the prompt's cache salt, if any")
+    route.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="HOST:PORT/POOL",
+        help="a candidate (again for more; default: every indexed engine)",
+    )
+    route.add_argument("--json", action="store_true", help="print the answer as JSON")
+
+
+def _candidate_json(c: Any) -> dict[str, Any]:
+    report = c.report
+    return {
+        "engine": c.engine,
+        "num_cached_tokens": c.cached,
+        "load": {
+            "reported": report is not None,
+            "num_running_requests": report.running if report is not None else None,
+            "num_used_blocks": report.used_blocks if report is not None else None,
+            "num_blocks": report.num_blocks if report is not None else None,
+            "age_seconds": round(c.age_s, 3),
+            "num_routed_since_report": c.routed_since,
+            "relative_load": c.relative,
+        },
+        "score": c.score,
+    }
+
+
+def run_route(args: argparse.Namespace) -> int:
+    try:
+        import redis
+    except ImportError:
+        print(f"kvsvc ctl: {_NO_REDIS}", file=sys.stderr)
+        return 2
+    from kvsvc.cluster.route import Router
+    from kvsvc.cluster.score import Scorer, TokenPrompt
+    from kvsvc.cluster.store import connect
+    from kvsvc.core.hashing import HashingContext
+    from kvsvc.errors import FailedPrecondition, InvalidArgument
+
+    try:
+        policy = policy_from_args(args)
+        tokens = read_tokens_file(args.tokens_file)
+        seed = _read_seed(args)
+        client = connect(args.redis)
+        hashing = HashingContext(cache_salt=args.cache_salt) if args.cache_salt else None
+        router = Router(Scorer(client, seed, Keys(args.key_prefix)), policy)
+        result = router.route(TokenPrompt(tokens, hashing), args.engine or None)
+    except (ValueError, InvalidArgument) as exc:
+        print(f"kvsvc ctl: {exc}", file=sys.stderr)
+        return 2
+    except FailedPrecondition as exc:
+        print(f"kvsvc ctl: {exc}", file=sys.stderr)
+        return 1
+    except redis.exceptions.RedisError as exc:
+        print(f"kvsvc ctl: --redis {args.redis}: {exc}", file=sys.stderr)
+        return 1
+    for name in result.seed_mismatch:
+        print(f"kvsvc ctl: warning: {name} hashes with another seed", file=sys.stderr)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "chosen": _candidate_json(result.chosen),
+                    "runner_up": (_candidate_json(result.runner_up) if result.runner_up else None),
+                    "decided_by": result.decided_by,
+                    "num_prompt_tokens": result.num_prompt_tokens,
+                    "num_candidates": result.num_candidates,
+                    "policy": {
+                        "prefix_weight": policy.prefix_weight,
+                        "load_weight": policy.load_weight,
+                        "load_floor": policy.load_floor,
+                    },
+                }
+            )
+        )
+        return 0
+
+    def line(role: str, c: Any) -> str:
+        load = f"{c.report.running} running" if c.report is not None else "no fresh load report"
+        return (
+            f"{role:<10} {c.engine}  cached {c.cached} tokens, {load}, relative load "
+            f"{c.relative:.2f}, score {c.score:.0f}"
+        )
+
+    print(line("chosen", result.chosen))
+    if result.runner_up is not None:
+        print(line("runner-up", result.runner_up))
+    print(
+        f"decided by: {result.decided_by}  ({result.num_candidates} candidates, prompt "
+        f"{result.num_prompt_tokens} tokens)"
+    )
     return 0

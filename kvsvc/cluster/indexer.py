@@ -14,6 +14,9 @@ of bits (:class:`kvsvc.cluster.store.SourceStore`). A follower's life::
                          │ Redis error ──▶ back off, then snapshot (Redis may have lost data)
                          │ source unreachable ──▶ retry; past purge_after: purge it
 
+While it follows a source, the lease holder also asks its server's ``GetUsage`` every
+``load_interval_s`` and writes the engine's load for Route (:mod:`kvsvc.cluster.load`).
+
 Several indexers may follow the same sources: each source's lease (in Redis) names the
 one that writes it, the others stand by and take over within ``lease_ttl_s`` of its
 holder going away, resuming from the sequence stored in Redis. Restarting an indexer
@@ -33,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from kvsvc.cluster.layout import SLIDING_WINDOW_KINDS
+from kvsvc.cluster.load import LoadPublisher
 from kvsvc.cluster.metrics import IndexerMetrics
 from kvsvc.cluster.source import IndexerOptions, SourceThread, redis_error_type
 from kvsvc.cluster.store import (
@@ -107,6 +111,8 @@ class Follower(SourceThread):
         self._resync = False
         self._untracked_said: tuple[int, ...] = ()
         self._epoch = ""
+        self._load = LoadPublisher(client, options.keys, options.load_ttl_s)
+        self._load_failing = False
 
     def _interrupt(self) -> None:
         kv = self._kv  # its WatchEvents stream ends when the client closes
@@ -339,14 +345,23 @@ class Follower(SourceThread):
         )
         reader.start()
         # The keeper renews the lease meanwhile; this loop only looks, between two runs,
-        # whether it lapsed all the same.
+        # whether it lapsed all the same, and asks the source's load every load_interval_s.
         tick = self.options.lease_ttl_s / 3
+        load_every = self.options.load_interval_s
+        next_load = time.monotonic()  # the first report at once
         try:
             while not self._stop.is_set():
                 if self.lease.lapsed:
                     self._check_retaken()
+                wait = tick
+                if load_every > 0:
+                    now = time.monotonic()
+                    if now >= next_load:
+                        self._report_load(kv)
+                        next_load = now + load_every
+                    wait = min(wait, next_load - now)
                 try:
-                    first = batches.get(timeout=tick)
+                    first = batches.get(timeout=max(0.001, wait))
                 except queue.Empty:
                     continue
                 run = [first]
@@ -365,6 +380,25 @@ class Follower(SourceThread):
             self._kv = None
             kv.close()
             reader.join(5)
+
+    def _report_load(self, kv: Any) -> None:
+        """Ask the source's GetUsage and write its load for Route. A failed GetUsage is
+        counted and skipped (its last report ages out past its TTL; the event stream says
+        whether the source is down); a Redis error goes up like any other."""
+        from kvsvc_client import KVCacheError
+
+        try:
+            usage = kv.usage(timeout=max(1.0, self.options.load_interval_s))
+        except KVCacheError as exc:
+            self.metrics.load_reports.labels("error").inc()
+            if not self._load_failing:
+                _log.warning("%s: GetUsage for its load: %s", self.name, exc)
+            self._load_failing = True
+            return
+        self._load_failing = False
+        used = usage.num_blocks - usage.num_free_blocks
+        self._load.publish(self.store.ensure_id(), usage.num_requests, used, usage.num_blocks)
+        self.metrics.load_reports.labels("ok").inc()
 
     def _check_retaken(self) -> None:
         """The lease lapsed: take it again (LeaseLost if another indexer has it). One

@@ -8,6 +8,8 @@ Keys (``P`` is the key prefix, ``kvsvc`` by default; ``S`` a source's name,
       P:{P:registry}:next_id          STRING the last id handed out
       P:{P:registry}:sources          HASH   S -> JSON of the indexed source (id, hashing
                                              settings, block size); the engines Score lists
+      P:{P:registry}:load             STRING the engines' live load: 24 bytes per engine
+                                             id (:mod:`kvsvc.cluster.load`), read by Route
 
     one slot per source, tag {P:src:S}  everything one indexer writes for one source
       P:{P:src:S}:meta                HASH   epoch, seq (the last batch applied), the
@@ -112,6 +114,11 @@ class Keys:
     @property
     def sources(self) -> str:
         return self._registry("sources")
+
+    @property
+    def load(self) -> str:
+        """The load vector (:mod:`kvsvc.cluster.load`): in the registry's slot."""
+        return self._registry("load")
 
     def source(self, source: str, name: str) -> str:
         """One of a source's keys (``meta``, ``blocks``, ``pending``, ``lease``, ...)."""

@@ -102,6 +102,15 @@ class IndexerMetrics:
         )
         for state in STATES:
             self.sources.labels(state)
+        self.load_reports = Counter(
+            "kvsvc_indexer_load_reports_total",
+            "Engine load reports (GetUsage) written for Route, by outcome (ok; error: the "
+            "source's GetUsage failed, its last report ages out)",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in ("ok", "error"):
+            self.load_reports.labels(outcome)
         self.apply_seconds = Histogram(
             "kvsvc_indexer_apply_seconds",
             "Time to apply one run of batches to Redis (script and bits)",

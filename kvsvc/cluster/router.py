@@ -1,8 +1,9 @@
 """``ClusterIndexService`` over gRPC (``kvsvc router``), and its Python client.
 
-The servicer is a thin adapter over :class:`kvsvc.cluster.score.Scorer`: it decodes the
-prompt (repeated or packed ids) and the hashing context with the server's own wire
-functions, scores, and answers every engine highest first.
+The servicer is a thin adapter over :class:`kvsvc.cluster.score.Scorer` (Score) and
+:class:`kvsvc.cluster.route.Router` (Route): it decodes the prompt (repeated or packed ids,
+or block hashes) and the hashing context with the server's own wire functions, and
+answers Score's engines highest first, Route's chosen engine and runner-up.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ import hmac
 import logging
 from collections.abc import Callable, Collection, Sequence
 from concurrent import futures
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
-from kvsvc.cluster.score import MAX_SCORE_TOKENS, Scorer
-from kvsvc.errors import InvalidArgument
+from kvsvc.cluster.route import RoutePolicy, Router, RouteResult
+from kvsvc.cluster.score import MAX_SCORE_TOKENS, HashesPrompt, Prompt, Scorer, TokenPrompt
+from kvsvc.errors import FailedPrecondition, InvalidArgument
 from kvsvc.ports import ListenError
 from kvsvc.tls import ClientTls, ServerTls, ServerTlsSource, open_channel
 from kvsvc.v1 import cluster_pb2, cluster_pb2_grpc
@@ -28,31 +31,141 @@ HEALTH_SERVICE = "grpc.health.v1.Health"
 # Score calls served at once (each a thread: hashing is CPU, Redis a round trip).
 ROUTER_THREADS = 8
 SCORE_TIMEOUT_S = 10.0
-# Largest Score request the router reads: the longest prompt it takes (MAX_SCORE_TOKENS)
-# as token_ids (varints, up to 5 bytes each for ids below 2^31; packed: 4 bytes), plus
-# room for the hashing context and the engine names. gRPC's default (4 MiB) was below
-# the prompt alone: the documented bound could not be reached.
-ROUTER_MAX_MESSAGE_BYTES = 5 * MAX_SCORE_TOKENS + (4 << 20)
+# Largest Score or Route request the router reads: the longest prompt it takes
+# (MAX_SCORE_TOKENS) as token_ids (varints, up to 5 bytes each for ids below 2^31;
+# packed: 4 bytes), plus room for the hashing context (4 MiB) and Route's candidates
+# (MAX_ROUTE_CANDIDATES names of MAX_ENGINE_NAME_BYTES: 4 MiB, with their tags). gRPC's
+# default (4 MiB) was below the prompt alone: the documented bound could not be reached.
+ROUTER_MAX_MESSAGE_BYTES = 5 * MAX_SCORE_TOKENS + (9 << 20)
+
+
+def _token_ids(request: Any) -> Sequence[int]:
+    from kvsvc.server.wire import token_ids_of
+
+    if len(request.packed_token_ids) // 4 > MAX_SCORE_TOKENS:
+        raise InvalidArgument("packed_token_ids", f"more than {MAX_SCORE_TOKENS} tokens")
+    return token_ids_of(
+        request.token_ids, request.packed_token_ids, "token_ids", "packed_token_ids"
+    )
+
+
+def route_prompt(request: Any) -> Prompt:
+    """A RouteRequest's prompt: its token ids (and hashing context), or its block hashes.
+
+    Raises:
+        InvalidArgument: both forms or neither, or a bad field of either (named).
+    """
+    from kvsvc.server.wire import hashing_from_pb
+
+    if request.block_hashes:
+        if request.token_ids or request.packed_token_ids:
+            raise InvalidArgument("block_hashes", "give token ids or block hashes, not both")
+        if request.HasField("hashing"):
+            raise InvalidArgument(
+                "hashing", "block hashes carry their hashing context already: give none"
+            )
+        return HashesPrompt(
+            list(request.block_hashes), request.block_size, request.num_prompt_tokens
+        )
+    if request.block_size:
+        raise InvalidArgument("block_size", "only with block_hashes")
+    tokens = _token_ids(request)
+    if request.num_prompt_tokens and request.num_prompt_tokens != len(tokens):
+        raise InvalidArgument(
+            "num_prompt_tokens",
+            f"{request.num_prompt_tokens} but {len(tokens)} token ids (leave it 0 with token ids)",
+        )
+    return TokenPrompt(tokens, hashing_from_pb(request.hashing, "hashing"))
+
+
+def policy_from_pb(message: Any) -> RoutePolicy:
+    """A RoutePolicy message as the router's policy (checked; fields named ``policy.*``)."""
+    return RoutePolicy(message.prefix_weight, message.load_weight, message.load_floor).check()
+
+
+def policy_to_pb(policy: RoutePolicy) -> cluster_pb2.RoutePolicy:
+    return cluster_pb2.RoutePolicy(
+        prefix_weight=policy.prefix_weight,
+        load_weight=policy.load_weight,
+        load_floor=policy.load_floor,
+    )
+
+
+_TERMS = {
+    "prefix": cluster_pb2.ROUTE_TERM_PREFIX,
+    "load": cluster_pb2.ROUTE_TERM_LOAD,
+    "tie": cluster_pb2.ROUTE_TERM_TIE,
+    "only": cluster_pb2.ROUTE_TERM_ONLY_CANDIDATE,
+}
+
+
+def route_response(result: RouteResult) -> cluster_pb2.RouteResponse:
+    def candidate(c: Any) -> cluster_pb2.RouteCandidate:
+        report = c.report
+        load = cluster_pb2.EngineLoad(
+            reported=report is not None,
+            num_routed_since_report=c.routed_since,
+            relative_load=c.relative,
+            age_seconds=c.age_s,
+        )
+        if report is not None:
+            load.num_running_requests = report.running
+            load.num_used_blocks = report.used_blocks
+            load.num_blocks = report.num_blocks
+        return cluster_pb2.RouteCandidate(
+            engine=c.engine, num_cached_tokens=c.cached, load=load, score=c.score
+        )
+
+    response = cluster_pb2.RouteResponse(
+        chosen=candidate(result.chosen),
+        decided_by=_TERMS[result.decided_by],
+        num_prompt_tokens=result.num_prompt_tokens,
+        num_candidates=result.num_candidates,
+        seed_mismatch=list(result.seed_mismatch),
+        upper_bound=list(result.upper_bound),
+        policy=policy_to_pb(result.policy),
+    )
+    if result.runner_up is not None:
+        response.runner_up.CopyFrom(candidate(result.runner_up))
+    return response
 
 
 class ScoreServicer(cluster_pb2_grpc.ClusterIndexServiceServicer):
-    """Answers Score from the index; Redis errors are UNAVAILABLE, bad input
-    INVALID_ARGUMENT naming the field."""
+    """Answers Score and Route from the index; Redis errors are UNAVAILABLE, bad input
+    INVALID_ARGUMENT naming the field.
 
-    def __init__(self, scorer: Scorer) -> None:
+    Args:
+        scorer: the index's scorer.
+        router: Route's policy and its routed-since counts (None: one with the default
+            weights over ``scorer``).
+    """
+
+    def __init__(self, scorer: Scorer, router: Router | None = None) -> None:
         self.scorer = scorer
+        self.router = router or Router(scorer)
+
+    def Route(self, request: Any, context: Any) -> cluster_pb2.RouteResponse:
+        import redis
+
+        try:
+            prompt = route_prompt(request)
+            policy = policy_from_pb(request.policy) if request.HasField("policy") else None
+            result = self.router.route(prompt, list(request.engines) or None, policy)
+        except InvalidArgument as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except FailedPrecondition as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except redis.exceptions.RedisError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"the index's Redis: {exc}")
+        return route_response(result)
 
     def Score(self, request: Any, context: Any) -> cluster_pb2.ScoreResponse:
         import redis
 
-        from kvsvc.server.wire import hashing_from_pb, token_ids_of
+        from kvsvc.server.wire import hashing_from_pb
 
         try:
-            if len(request.packed_token_ids) // 4 > MAX_SCORE_TOKENS:
-                raise InvalidArgument("packed_token_ids", f"more than {MAX_SCORE_TOKENS} tokens")
-            tokens = token_ids_of(
-                request.token_ids, request.packed_token_ids, "token_ids", "packed_token_ids"
-            )
+            tokens = _token_ids(request)
             hashing = hashing_from_pb(request.hashing, "hashing")
             result = self.scorer.score(tokens, hashing, set(request.engines) or None)
         except InvalidArgument as exc:
@@ -99,7 +212,11 @@ class _TokenCheck(grpc.ServerInterceptor):
 
 
 def create_router(
-    scorer: Scorer, listen: str, tokens: Sequence[str] = (), tls: ServerTls | None = None
+    scorer: Scorer,
+    listen: str,
+    tokens: Sequence[str] = (),
+    tls: ServerTls | None = None,
+    router: Router | None = None,
 ) -> tuple[grpc.Server, int]:
     """A started gRPC server with ClusterIndexService and health; ``(server, port)``.
 
@@ -109,6 +226,7 @@ def create_router(
         tokens: bearer tokens a caller must send one of (none: open).
         tls: the listener's certificate (re-read when its files change; a client CA
             makes it mTLS); None: plaintext.
+        router: what answers Route (None: the default weights over ``scorer``).
 
     Raises:
         ListenError: the address cannot be bound (``kvsvc router`` checks it first, so
@@ -134,7 +252,7 @@ def create_router(
         (
             SERVICE,
             cluster_pb2_grpc.add_ClusterIndexServiceServicer_to_server,
-            ScoreServicer(scorer),
+            ScoreServicer(scorer, router),
         ),
         (HEALTH_SERVICE, health_pb2_grpc.add_HealthServicer_to_server, health_servicer),
     ):
@@ -235,3 +353,137 @@ class ClusterIndexClient:
         except grpc.RpcError as exc:
             raise error_from_rpc(exc) from None
         return {s.engine: s.num_cached_tokens for s in response.scores}
+
+    def route(
+        self,
+        token_ids: Sequence[int] = (),
+        *,
+        hashing: Any = None,
+        block_hashes: Sequence[bytes] = (),
+        block_size: int = 0,
+        num_prompt_tokens: int = 0,
+        engines: Collection[str] = (),
+        policy: RoutePolicy | None = None,
+        timeout: float | None = None,
+    ) -> RouteAnswer:
+        """The engine a prompt should go to (ClusterIndexService.Route).
+
+        Args:
+            token_ids: the prompt (or give ``block_hashes``).
+            hashing: a :class:`kvsvc_client.HashingContext` (with token ids).
+            block_hashes: instead of token ids, the hashes the engines index for the
+                prompt's full blocks of ``block_size`` tokens, with ``num_prompt_tokens``.
+            engines: candidates, as ``HOST:PORT/POOL`` (empty: every indexed engine).
+            policy: weights for this call (None: the router's).
+
+        Raises:
+            kvsvc_client.KVCacheError: the call failed (InvalidArgumentError naming the
+                field, FailedPreconditionError when there is no engine to choose,
+                UnavailableError when the router or its Redis is down, ...).
+        """
+        from kvsvc_client._wire import hashing_to_pb, pack_token_ids
+        from kvsvc_client.errors import error_from_rpc
+
+        request = cluster_pb2.RouteRequest(
+            engines=list(engines),
+            block_hashes=list(block_hashes),
+            block_size=block_size,
+            num_prompt_tokens=num_prompt_tokens,
+        )
+        if token_ids:
+            packed = pack_token_ids(token_ids)
+            if packed is not None:
+                request.packed_token_ids = packed
+            else:
+                request.token_ids.extend(token_ids)
+        pb_hashing = hashing_to_pb(hashing)
+        if pb_hashing is not None:
+            request.hashing.CopyFrom(pb_hashing)
+        if policy is not None:
+            request.policy.CopyFrom(policy_to_pb(policy))
+        try:
+            response = self._stub.Route(
+                request, timeout=timeout or self.timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
+        return RouteAnswer.from_pb(response)
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedEngine:
+    """One candidate of a Route answer (RouteCandidate).
+
+    Attributes:
+        engine: ``HOST:PORT/POOL``.
+        num_cached_tokens: leading prompt tokens it has cached.
+        reported: whether its server's load report was fresh (else the mean counted).
+        num_running_requests / num_used_blocks / num_blocks: that report.
+        num_routed_since_report: prompts the router sent it since.
+        relative_load: the load weighed, over max(mean, load_floor).
+        score: what Route maximised.
+    """
+
+    engine: str
+    num_cached_tokens: int
+    reported: bool
+    num_running_requests: int
+    num_used_blocks: int
+    num_blocks: int
+    num_routed_since_report: int
+    relative_load: float
+    score: float
+
+    @classmethod
+    def from_pb(cls, c: Any) -> RoutedEngine:
+        load = c.load
+        return cls(
+            c.engine,
+            c.num_cached_tokens,
+            load.reported,
+            load.num_running_requests,
+            load.num_used_blocks,
+            load.num_blocks,
+            load.num_routed_since_report,
+            load.relative_load,
+            c.score,
+        )
+
+
+_TERM_NAMES = {value: name for name, value in _TERMS.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class RouteAnswer:
+    """Route's answer (RouteResponse).
+
+    Attributes:
+        chosen: the engine to send the prompt to.
+        runner_up: the best of the others (None with one candidate).
+        decided_by: ``"prefix"``, ``"load"``, ``"tie"`` or ``"only"``.
+        num_prompt_tokens / num_candidates: the prompt's length, the engines weighed.
+        policy: the weights used.
+    """
+
+    chosen: RoutedEngine
+    runner_up: RoutedEngine | None
+    decided_by: str
+    num_prompt_tokens: int
+    num_candidates: int
+    policy: RoutePolicy
+    seed_mismatch: tuple[str, ...] = ()
+    upper_bound: tuple[str, ...] = ()
+
+    @classmethod
+    def from_pb(cls, response: Any) -> RouteAnswer:
+        p = response.policy
+        return cls(
+            RoutedEngine.from_pb(response.chosen),
+            RoutedEngine.from_pb(response.runner_up) if response.HasField("runner_up") else None,
+            _TERM_NAMES.get(response.decided_by, "unspecified"),
+            response.num_prompt_tokens,
+            response.num_candidates,
+            RoutePolicy(p.prefix_weight, p.load_weight, p.load_floor),
+            tuple(response.seed_mismatch),
+            tuple(response.upper_bound),
+        )

@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +74,88 @@ class ScoreResult:
     upper_bound: tuple[str, ...] = ()
 
 
+# Most block hashes a prompt may be given as (a 2^20-token prompt in blocks of 16), and
+# their longest (sha256: 32 bytes).
+MAX_PROMPT_HASHES = 1 << 16
+MAX_HASH_BYTES = 64
+
+
+@dataclass(frozen=True, slots=True)
+class TokenPrompt:
+    """A prompt as token ids (and hashing context): hashed here as the engines hash it."""
+
+    token_ids: Sequence[int]
+    hashing: HashingContext | None = None
+    full_attention_only = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def check(self) -> None:
+        if len(self.token_ids) > MAX_SCORE_TOKENS:
+            raise InvalidArgument(
+                "token_ids",
+                f"{len(self.token_ids)} tokens exceed the limit of {MAX_SCORE_TOKENS}",
+            )
+
+    def block_hashes(
+        self,
+        hasher: Callable[[str], PromptHasher],
+        algo: str,
+        hash_block_size: int,
+        block_size: int,
+    ) -> list[bytes] | None:
+        return hasher(algo).block_hashes(self.token_ids, hash_block_size, block_size, self.hashing)
+
+
+@dataclass(frozen=True, slots=True)
+class HashesPrompt:
+    """A prompt as the chained hashes of its full blocks of ``block_size`` tokens, as the
+    engines index them (computed by the caller with the cluster's algorithm and seed).
+    Engines indexed at another block size, or with sliding-window groups (whose windows
+    need hashes the caller did not send), count nothing cached."""
+
+    hashes: Sequence[bytes]
+    block_size: int
+    num_tokens: int
+    full_attention_only = True
+
+    def check(self) -> None:
+        if not 1 <= self.block_size <= MAX_SCORE_TOKENS:
+            raise InvalidArgument(
+                "block_size", f"must be in [1, {MAX_SCORE_TOKENS}] with block_hashes"
+            )
+        if len(self.hashes) > MAX_PROMPT_HASHES:
+            raise InvalidArgument(
+                "block_hashes", f"{len(self.hashes)} hashes exceed the limit of {MAX_PROMPT_HASHES}"
+            )
+        for i, h in enumerate(self.hashes):
+            if not 1 <= len(h) <= MAX_HASH_BYTES:
+                raise InvalidArgument(
+                    f"block_hashes[{i}]", f"{len(h)} bytes (must be 1 to {MAX_HASH_BYTES})"
+                )
+        least = len(self.hashes) * self.block_size
+        if not least <= self.num_tokens <= MAX_SCORE_TOKENS:
+            raise InvalidArgument(
+                "num_prompt_tokens",
+                f"{self.num_tokens}: must be at least block_hashes x block_size ({least}) and "
+                f"at most {MAX_SCORE_TOKENS}",
+            )
+
+    def block_hashes(
+        self,
+        hasher: Callable[[str], PromptHasher],
+        algo: str,
+        hash_block_size: int,
+        block_size: int,
+    ) -> list[bytes] | None:
+        return list(self.hashes) if block_size == self.block_size else None
+
+
+Prompt = TokenPrompt | HashesPrompt
+
+
 # A tracked class as the scorer sees it: (window tokens, 0 for full attention; block size;
 # whether it is the source's primary class, whose bitmaps are ``P:b:H``).
 _Rule = tuple[int, int, bool]
@@ -105,6 +187,19 @@ class _Plan:
     mismatch: tuple[str, ...]
     width: int  # bitmap bytes read per block
     upper_bound: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedScore:
+    """A score between :meth:`Scorer.prepare` and :meth:`Scorer.finish`: the engines to
+    score and, in ``order``, the bitmap keys to read (each once)."""
+
+    plan: _Plan
+    scores: dict[str, int]
+    families: list[_Family]
+    keys_of: list[list[list[bytes]]]
+    order: list[bytes]
+    max_tokens: int = 0
 
 
 def _window_ands(present: Sequence[int], window_blocks: int) -> list[int]:
@@ -196,29 +291,55 @@ class Scorer:
             InvalidArgument: a prompt over MAX_SCORE_TOKENS, a bad token id or
                 multimodal item, or an ``xxh3_128`` index without a seed.
         """
-        if len(token_ids) > MAX_SCORE_TOKENS:
-            raise InvalidArgument(
-                "token_ids", f"{len(token_ids)} tokens exceed the limit of {MAX_SCORE_TOKENS}"
-            )
-        registry = self.registry(max_registry_age)
+        prepared = self.prepare(TokenPrompt(token_ids, hashing), engines, max_registry_age)
+        values = self._read_bitmaps(prepared.order) if prepared.order else []
+        return self.finish(prepared, values)
+
+    def prepare(
+        self,
+        prompt: Prompt,
+        engines: Collection[str] | None = None,
+        max_registry_age: float = REGISTRY_MAX_AGE_S,
+        registry: Registry | None = None,
+    ) -> PreparedScore:
+        """The first half of a score: the engines to score and the bitmap keys to read
+        (:meth:`finish` is the second; a caller that reads more in the same round trip,
+        as Route reads the engines' loads, reads ``order`` itself).
+
+        Args:
+            registry: the engines as read (None: :meth:`registry`, at most
+                ``max_registry_age`` old); a caller that needs the same read after
+                passes it.
+
+        Raises:
+            InvalidArgument: see :meth:`score`; for block hashes, a bad count, size or
+                block size.
+        """
+        prompt.check()
+        if registry is None:
+            registry = self.registry(max_registry_age)
         plan = self._plan(registry, engines)
         scores = dict.fromkeys(plan.names, 0)
-        if len(token_ids) < 2 or not plan.families:
-            return ScoreResult(scores, 0, plan.mismatch, plan.upper_bound)
-        max_tokens = len(token_ids) - 1  # >= 1 token left to compute, as Lookup caps it
-        hashed: dict[tuple[str, int, int], list[bytes]] = {}
+        num_tokens = prompt.num_tokens
+        if num_tokens < 2 or not plan.families:
+            return PreparedScore(plan, scores, [], [], [])
+        max_tokens = num_tokens - 1  # >= 1 token left to compute, as Lookup caps it
+        hashed: dict[tuple[str, int, int], list[bytes] | None] = {}
         # Per family, per rule: the bitmap keys of the blocks a hit can use.
+        families: list[_Family] = []
         keys_of: list[list[list[bytes]]] = []
         wanted: dict[bytes, None] = {}
         for family in plan.families:
             family_keys = []
             for window, block_size, primary in family.rules:
                 source = (family.algo, family.hash_block_size, block_size)
-                hashes = hashed.get(source)
-                if hashes is None:
-                    hashes = hashed[source] = self._hasher(family.algo).block_hashes(
-                        token_ids, family.hash_block_size, block_size, hashing
+                if source not in hashed:
+                    hashed[source] = prompt.block_hashes(
+                        self._hasher, family.algo, family.hash_block_size, block_size
                     )
+                hashes = hashed[source]
+                if hashes is None or (prompt.full_attention_only and not family.full_only):
+                    break  # the prompt cannot be scored for this family: nothing cached
                 if family.full_only:
                     count = max_tokens // block_size
                 else:  # up to the longest aligned hit
@@ -230,23 +351,29 @@ class Scorer:
                 cut = -family.hash_bytes if family.hash_bytes else 0
                 rule_keys = [prefix + h[cut:] for h in hashes[:count]]
                 family_keys.append(rule_keys)
-                wanted.update(dict.fromkeys(rule_keys))
-            keys_of.append(family_keys)
-        order = list(wanted)
-        values = self._read_bitmaps(order) if order else []
+            else:
+                families.append(family)
+                keys_of.append(family_keys)
+                for rule_keys in family_keys:
+                    wanted.update(dict.fromkeys(rule_keys))
+        return PreparedScore(plan, scores, families, keys_of, list(wanted), max_tokens)
+
+    def finish(self, prepared: PreparedScore, values: Sequence[bytes | None]) -> ScoreResult:
+        """The scores from the bitmaps read for ``prepared.order`` (in that order)."""
+        plan, scores = prepared.plan, prepared.scores
         width = plan.width
         bitmaps = {
             key: int.from_bytes(raw[:width].ljust(width, b"\0"), "big")
-            for key, raw in zip(order, values, strict=True)
+            for key, raw in zip(prepared.order, values, strict=True)
             if raw
         }
-        for family, family_keys in zip(plan.families, keys_of, strict=True):
+        for family, family_keys in zip(prepared.families, prepared.keys_of, strict=True):
             present = [[bitmaps.get(key, 0) for key in rule_keys] for rule_keys in family_keys]
             if family.full_only:
                 self._score_run(family, present[0], scores)
             else:
-                self._score_rules(family, present, max_tokens // family.align, scores)
-        return ScoreResult(scores, len(order), plan.mismatch, plan.upper_bound)
+                self._score_rules(family, present, prepared.max_tokens // family.align, scores)
+        return ScoreResult(scores, len(prepared.order), plan.mismatch, plan.upper_bound)
 
     @staticmethod
     def _score_run(family: _Family, present: list[int], scores: dict[str, int]) -> None:

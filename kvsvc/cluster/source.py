@@ -24,6 +24,10 @@ _log = logging.getLogger("kvsvc.cluster")
 DEFAULT_LEASE_TTL_S = 10.0
 DEFAULT_PURGE_AFTER_S = 300.0
 DEFAULT_MAX_BATCH_EVENTS = 20_000
+# Load reports for Route (kvsvc.cluster.load): how often each source's GetUsage is asked,
+# and how long a report counts (past it, Route counts the engine's load as the mean).
+DEFAULT_LOAD_INTERVAL_S = 0.5
+DEFAULT_LOAD_TTL_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +41,8 @@ class IndexerOptions:
         :class:`kvsvc_client.ClientOptions`, None for its defaults with
         ``role="indexer"``.
     keys: the key layout (prefix).
+    load_interval_s: ask each source's load (GetUsage) this often for Route; 0: never.
+    load_ttl_s: how long a load report counts.
     """
 
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S
@@ -44,6 +50,8 @@ class IndexerOptions:
     max_batch_events: int = DEFAULT_MAX_BATCH_EVENTS
     client_options: Any = None
     keys: Keys = field(default_factory=Keys)
+    load_interval_s: float = DEFAULT_LOAD_INTERVAL_S
+    load_ttl_s: float = DEFAULT_LOAD_TTL_S
 
 
 def redis_error_type() -> type[Exception]:

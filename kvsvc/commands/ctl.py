@@ -19,7 +19,7 @@ def add_parser(subparsers: Any) -> None:
         "ctl",
         help="inspect a running server",
         description="Inspect a running kvsvc server: its pools, a pool's plan, usage and events; "
-        "score a prompt against the cluster index (score).",
+        "score a prompt against the cluster index (score), or ask where it should go (route).",
     )
     parser.add_argument(
         "--server",
@@ -140,9 +140,11 @@ def add_parser(subparsers: Any) -> None:
     )
     snapshot.add_argument("pool")
     snapshot.add_argument("--out", required=True, metavar="FILE", help="the file to write")
-    from kvsvc.cluster.commands import add_score_parser
+    from kvsvc.cluster.commands import add_route_parser, add_score_parser
 
-    add_score_parser(commands)  # reads the cluster index in Redis, not --server
+    # Both read the cluster index in Redis, not --server.
+    add_score_parser(commands)
+    add_route_parser(commands)
     parser.set_defaults(func=run)
 
 
@@ -428,6 +430,10 @@ def run(args: argparse.Namespace) -> int:
         from kvsvc.cluster.commands import run_score
 
         return run_score(args)
+    if args.ctl_command == "route":
+        from kvsvc.cluster.commands import run_route
+
+        return run_route(args)
     pool = getattr(args, "pool", "")
     try:
         tls = client_tls_from_args(args)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvsvc.v1 import kvcache_pb2 as kvsvc_dot_v1_dot_kvcache__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvsvc/v1/cluster.proto\x12\x08kvsvc.v1\x1a\x16kvsvc/v1/kvcache.proto\"w\n\x0cScoreRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x18\n\x10packed_token_ids\x18\x02 \x01(\x0c\x12)\n\x07hashing\x18\x03 \x01(\x0b\x32\x18.kvsvc.v1.HashingContext\x12\x0f\n\x07\x65ngines\x18\x04 \x03(\t\"8\n\x0b\x45ngineScore\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x05\"b\n\rScoreResponse\x12%\n\x06scores\x18\x01 \x03(\x0b\x32\x15.kvsvc.v1.EngineScore\x12\x15\n\rseed_mismatch\x18\x02 \x03(\t\x12\x13\n\x0bupper_bound\x18\x03 \x03(\t2O\n\x13\x43lusterIndexService\x12\x38\n\x05Score\x12\x16.kvsvc.v1.ScoreRequest\x1a\x17.kvsvc.v1.ScoreResponseB\x8d\x01\n\x0c\x63om.kvsvc.v1B\x0c\x43lusterProtoP\x01Z.github.com/kvsvc/kvsvc/gen/go/kvsvc/v1;kvsvcv1\xa2\x02\x03KXX\xaa\x02\x08Kvsvc.V1\xca\x02\x08Kvsvc\\V1\xe2\x02\x14Kvsvc\\V1\\GPBMetadata\xea\x02\tKvsvc::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvsvc/v1/cluster.proto\x12\x08kvsvc.v1\x1a\x16kvsvc/v1/kvcache.proto\"w\n\x0cScoreRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x18\n\x10packed_token_ids\x18\x02 \x01(\x0c\x12)\n\x07hashing\x18\x03 \x01(\x0b\x32\x18.kvsvc.v1.HashingContext\x12\x0f\n\x07\x65ngines\x18\x04 \x03(\t\"8\n\x0b\x45ngineScore\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x05\"b\n\rScoreResponse\x12%\n\x06scores\x18\x01 \x03(\x0b\x32\x15.kvsvc.v1.EngineScore\x12\x15\n\rseed_mismatch\x18\x02 \x03(\t\x12\x13\n\x0bupper_bound\x18\x03 \x03(\t\"\xe3\x01\n\x0cRouteRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x18\n\x10packed_token_ids\x18\x02 \x01(\x0c\x12)\n\x07hashing\x18\x03 \x01(\x0b\x32\x18.kvsvc.v1.HashingContext\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\x05\x12\x0f\n\x07\x65ngines\x18\x07 \x03(\t\x12%\n\x06policy\x18\x08 \x01(\x0b\x32\x15.kvsvc.v1.RoutePolicy\"M\n\x0bRoutePolicy\x12\x15\n\rprefix_weight\x18\x01 \x01(\x01\x12\x13\n\x0bload_weight\x18\x02 \x01(\x01\x12\x12\n\nload_floor\x18\x03 \x01(\x01\"\xb6\x01\n\nEngineLoad\x12\x10\n\x08reported\x18\x01 \x01(\x08\x12\x1c\n\x14num_running_requests\x18\x02 \x01(\x05\x12\x17\n\x0fnum_used_blocks\x18\x03 \x01(\x04\x12\x12\n\nnum_blocks\x18\x04 \x01(\x04\x12\x13\n\x0b\x61ge_seconds\x18\x05 \x01(\x01\x12\x1f\n\x17num_routed_since_report\x18\x06 \x01(\x05\x12\x15\n\rrelative_load\x18\x07 \x01(\x01\"n\n\x0eRouteCandidate\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x05\x12\"\n\x04load\x18\x03 \x01(\x0b\x32\x14.kvsvc.v1.EngineLoad\x12\r\n\x05score\x18\x04 \x01(\x01\"\x95\x02\n\rRouteResponse\x12(\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x18.kvsvc.v1.RouteCandidate\x12+\n\trunner_up\x18\x02 \x01(\x0b\x32\x18.kvsvc.v1.RouteCandidate\x12\'\n\ndecided_by\x18\x03 \x01(\x0e\x32\x13.kvsvc.v1.RouteTerm\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\x05\x12\x16\n\x0enum_candidates\x18\x05 \x01(\x05\x12\x15\n\rseed_mismatch\x18\x06 \x03(\t\x12\x13\n\x0bupper_bound\x18\x07 \x03(\t\x12%\n\x06policy\x18\x08 \x01(\x0b\x32\x15.kvsvc.v1.RoutePolicy*\x86\x01\n\tRouteTerm\x12\x1a\n\x16ROUTE_TERM_UNSPECIFIED\x10\x00\x12\x15\n\x11ROUTE_TERM_PREFIX\x10\x01\x12\x13\n\x0fROUTE_TERM_LOAD\x10\x02\x12\x12\n\x0eROUTE_TERM_TIE\x10\x03\x12\x1d\n\x19ROUTE_TERM_ONLY_CANDIDATE\x10\x04\x32\x89\x01\n\x13\x43lusterIndexService\x12\x38\n\x05Score\x12\x16.kvsvc.v1.ScoreRequest\x1a\x17.kvsvc.v1.ScoreResponse\x12\x38\n\x05Route\x12\x16.kvsvc.v1.RouteRequest\x1a\x17.kvsvc.v1.RouteResponseB\x8d\x01\n\x0c\x63om.kvsvc.v1B\x0c\x43lusterProtoP\x01Z.github.com/kvsvc/kvsvc/gen/go/kvsvc/v1;kvsvcv1\xa2\x02\x03KXX\xaa\x02\x08Kvsvc.V1\xca\x02\x08Kvsvc\\V1\xe2\x02\x14Kvsvc\\V1\\GPBMetadata\xea\x02\tKvsvc::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,12 +33,24 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvsvc.v1.cluster_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\014com.kvsvc.v1B\014ClusterProtoP\001Z.github.com/kvsvc/kvsvc/gen/go/kvsvc/v1;kvsvcv1\242\002\003KXX\252\002\010Kvsvc.V1\312\002\010Kvsvc\\V1\342\002\024Kvsvc\\V1\\GPBMetadata\352\002\tKvsvc::V1'
+  _globals['_ROUTETERM']._serialized_start=1226
+  _globals['_ROUTETERM']._serialized_end=1360
   _globals['_SCOREREQUEST']._serialized_start=60
   _globals['_SCOREREQUEST']._serialized_end=179
   _globals['_ENGINESCORE']._serialized_start=181
   _globals['_ENGINESCORE']._serialized_end=237
   _globals['_SCORERESPONSE']._serialized_start=239
   _globals['_SCORERESPONSE']._serialized_end=337
-  _globals['_CLUSTERINDEXSERVICE']._serialized_start=339
-  _globals['_CLUSTERINDEXSERVICE']._serialized_end=418
+  _globals['_ROUTEREQUEST']._serialized_start=340
+  _globals['_ROUTEREQUEST']._serialized_end=567
+  _globals['_ROUTEPOLICY']._serialized_start=569
+  _globals['_ROUTEPOLICY']._serialized_end=646
+  _globals['_ENGINELOAD']._serialized_start=649
+  _globals['_ENGINELOAD']._serialized_end=831
+  _globals['_ROUTECANDIDATE']._serialized_start=833
+  _globals['_ROUTECANDIDATE']._serialized_end=943
+  _globals['_ROUTERESPONSE']._serialized_start=946
+  _globals['_ROUTERESPONSE']._serialized_end=1223
+  _globals['_CLUSTERINDEXSERVICE']._serialized_start=1363
+  _globals['_CLUSTERINDEXSERVICE']._serialized_end=1500
 # @@protoc_insertion_point(module_scope)

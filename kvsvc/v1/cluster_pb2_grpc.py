@@ -40,6 +40,11 @@ class ClusterIndexServiceStub:
                 request_serializer=kvsvc_dot_v1_dot_cluster__pb2.ScoreRequest.SerializeToString,
                 response_deserializer=kvsvc_dot_v1_dot_cluster__pb2.ScoreResponse.FromString,
                 _registered_method=True)
+        self.Route = channel.unary_unary(
+                '/kvsvc.v1.ClusterIndexService/Route',
+                request_serializer=kvsvc_dot_v1_dot_cluster__pb2.RouteRequest.SerializeToString,
+                response_deserializer=kvsvc_dot_v1_dot_cluster__pb2.RouteResponse.FromString,
+                _registered_method=True)
 
 
 class ClusterIndexServiceServicer:
@@ -54,6 +59,15 @@ class ClusterIndexServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Route(self, request, context):
+        """The engine a prompt should go to: the one whose cached prefix of it, less a penalty
+        for its load relative to the others', is highest; with the runner-up and the term
+        that decided. A read: it changes nothing in the index.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ClusterIndexServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -61,6 +75,11 @@ def add_ClusterIndexServiceServicer_to_server(servicer, server):
                     servicer.Score,
                     request_deserializer=kvsvc_dot_v1_dot_cluster__pb2.ScoreRequest.FromString,
                     response_serializer=kvsvc_dot_v1_dot_cluster__pb2.ScoreResponse.SerializeToString,
+            ),
+            'Route': grpc.unary_unary_rpc_method_handler(
+                    servicer.Route,
+                    request_deserializer=kvsvc_dot_v1_dot_cluster__pb2.RouteRequest.FromString,
+                    response_serializer=kvsvc_dot_v1_dot_cluster__pb2.RouteResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -91,6 +110,33 @@ class ClusterIndexService:
             '/kvsvc.v1.ClusterIndexService/Score',
             kvsvc_dot_v1_dot_cluster__pb2.ScoreRequest.SerializeToString,
             kvsvc_dot_v1_dot_cluster__pb2.ScoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Route(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsvc.v1.ClusterIndexService/Route',
+            kvsvc_dot_v1_dot_cluster__pb2.RouteRequest.SerializeToString,
+            kvsvc_dot_v1_dot_cluster__pb2.RouteResponse.FromString,
             options,
             channel_credentials,
             insecure,

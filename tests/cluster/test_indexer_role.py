@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from kvsvc_client import ClientOptions, KVCacheClient, PermissionDeniedError
 
+from kvsvc.cluster.layout import Keys
 from kvsvc.demo.processes import spawn
 from kvsvc.server.config import PoolConfig
 from tests.cluster.redis_procs import RedisServer, require_redis_package
@@ -63,6 +64,12 @@ def test_the_indexer_follows_a_server_with_an_indexer_token(
             timeout=30,
             what="the indexer's first snapshot",
         )
+        # The load Route weighs: the indexer's GetUsage is allowed, its report is in Redis.
+        import redis as redis_py
+
+        load_key = Keys().load
+        with redis_py.Redis.from_url(redis.url) as client:
+            wait_for(lambda: client.exists(load_key), timeout=30, what="the indexer's load report")
         assert not any("UNAUTHENTICATED" in line or "PERMISSION" in line for line in indexer.lines)
     finally:
         indexer.stop(5)

@@ -7,7 +7,8 @@ Four roles (DESIGN, "Who may do what"):
 - ``agent``: the Worker API (Register, WatchPlan, ReportAllocation, Heartbeat);
 - ``admin``: the Admin API (ListPools, GetPlan, ...), and the KVCache API's views of the
   whole pool and its reset (GetUsage, WatchEvents, SnapshotIndex, ResetPrefixCache);
-- ``indexer``: exactly what ``kvsvc indexer`` calls: WatchEvents and SnapshotIndex. Not
+- ``indexer``: exactly what ``kvsvc indexer`` calls: WatchEvents and SnapshotIndex, and
+  GetUsage (the pool's counts, which it publishes as the engine's load for Route). Not
   SnapshotPool (a pool's whole state, its hash seed included: SnapshotIndex carries only
   the seed's fingerprint, and the cluster's routers get the seed from their operator),
   not the resets: an indexer's token that leaks cannot invalidate a pool.
@@ -94,7 +95,9 @@ _METHOD_ROLES: dict[str, frozenset[Role]] = {
     # Read-only views both need: an engine waits for its pool to be READY and learns its
     # shape; an operator (kvsvc ctl) reads usage.
     f"/{_ADMIN}/ListPools": _ENGINE_OR_ADMIN,
-    f"/{_KVCACHE}/GetUsage": _ENGINE_OR_ADMIN,
+    # Usage is counts only (no token ids, no salts): the indexer reads it for the load
+    # Route weighs (kvsvc.cluster.indexer).
+    f"/{_KVCACHE}/GetUsage": frozenset({Role.ENGINE, Role.ADMIN, Role.INDEXER}),
     # Every engine's requests, as the pool sees them: operators (`kvsvc ctl events`) and
     # indexers (`kvsvc indexer`) only.
     f"/{_KVCACHE}/WatchEvents": _ADMIN_OR_INDEXER,
