@@ -461,7 +461,8 @@ def test_every_documented_command_uses_flags_it_has(name: str, line: str) -> Non
 def test_the_vllm_page_s_ipc_endpoint_rule_is_the_server_s() -> None:
     """The page's example: one pool publishes on the ipc:// path as given; only later pools
     get ``_<pool>`` appended (the walk-through found "is appended" imprecise)."""
-    from kvsvc.server.config import ServerConfig, kv_events_targets
+    from kvsvc.server.config import ServerConfig
+    from kvsvc.server.kv_events_targets import kv_events_targets
 
     text = " ".join(section("KV events in vLLM's format", "docs/vllm.md").split())
     example = re.search(r"publishes on `(ipc://\S+)` itself, not `(ipc://\S+)`", text)

@@ -27,7 +27,6 @@ from kvsvc.server.config import (
     HASH_ALGOS,
     KV_EVENTS_VLLM_VERSIONS,
     LAYOUTS,
-    POOL_PLACEHOLDER,
     STATE_SYNCHRONOUS,
     ConfigError,
     ConfigFileError,
@@ -36,6 +35,7 @@ from kvsvc.server.config import (
     load_config_file,
     server_config_from_dict,
 )
+from kvsvc.server.kv_events_targets import POOL_PLACEHOLDER
 from kvsvc.server.transports.auth import env_tokens, load_credentials
 from kvsvc.units import parse_bytes
 

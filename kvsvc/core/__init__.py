@@ -11,7 +11,7 @@ Pure Python, no I/O: no gRPC, Prometheus or torch. Layers, each with one job::
     seed                 the seed file (the core's one file read) and its fingerprint
 """
 
-from kvsvc.core.block_pool import NULL_BLOCK_ID, BlockPool, FreeBlockQueue
+from kvsvc.core.block_pool import NULL_BLOCK_ID, BlockPool
 from kvsvc.core.coordinator import (
     HybridCoordinator,
     KVCacheCoordinator,
@@ -28,6 +28,7 @@ from kvsvc.core.events import (
     KVEventBatch,
     KVEventQueue,
 )
+from kvsvc.core.free_queue import FreeBlockQueue
 from kvsvc.core.hashing import (
     DEFAULT_SHA256_CBOR_SEED,
     HASH_ALGOS,

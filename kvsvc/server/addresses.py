@@ -10,13 +10,8 @@ one that cannot be bound in one error, a line each with the flag that moves it.
 from __future__ import annotations
 
 from kvsvc.ports import Listener, check_listeners, is_unix_address
-from kvsvc.server.config import (
-    ServerConfig,
-    is_bind_endpoint,
-    kv_events_targets,
-    listen_addresses,
-    split_host_port,
-)
+from kvsvc.server.config import ServerConfig, listen_addresses, split_host_port
+from kvsvc.server.kv_events_targets import is_bind_endpoint, kv_events_targets
 from kvsvc.server.transports.frames_listener import FRAMES_LISTEN_FLAG
 from kvsvc.server.transports.grpc_listener import LISTEN_FLAG
 

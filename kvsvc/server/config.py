@@ -14,7 +14,8 @@ A config file looks like::
 Unknown keys are errors (a typo must not silently fall back to a default).
 
 vLLM-format KV events (``kv_events_zmq`` and the other ``kv_events_*`` keys) give each pool
-its own ZMQ publisher; :func:`kv_events_targets` says where each pool's goes.
+its own ZMQ publisher; :func:`kvsvc.server.kv_events_targets.kv_events_targets` says where
+each pool's goes.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from typing import Any
 
 from kvsvc.keepalive import SERVER_MIN_PING_INTERVAL_S
 from kvsvc.ports import DEFAULT_UNIX_SOCKET_MODE, is_unix_address, unix_path
+from kvsvc.server.config_errors import ConfigError, ConfigFileError
+from kvsvc.server.kv_events_targets import kv_events_targets
 from kvsvc.tls import ServerTls, TlsFileError
 
 HASH_ALGOS = ("xxh3_128", "sha256_cbor")
@@ -35,14 +38,11 @@ DEFAULT_LISTEN = "127.0.0.1:50051"
 DEFAULT_METRICS_LISTEN = "127.0.0.1:9400"
 # vLLM's own default topic (KVEventsConfig.topic): consumers written for vLLM subscribe to it.
 DEFAULT_KV_EVENTS_TOPIC = ""
-KV_EVENTS_SCHEMES = ("tcp://", "ipc://", "inproc://")
 # The vLLM releases whose KV event bytes a server can publish (kv_events_vllm_version).
 KV_EVENTS_VLLM_VERSIONS = ("0.32", "0.33", "0.34")
 # What the vLLM-format publisher's PUB socket may hold for subscribers that have not
 # taken it (kv_events_max_held_bytes).
 DEFAULT_KV_EVENTS_MAX_HELD_BYTES = 64 << 20
-# Replaced by the pool's name in kv_events_topic (and nowhere else).
-POOL_PLACEHOLDER = "{pool}"
 # WatchEvents bounds (see kvsvc.server.events for what each protects).
 DEFAULT_EVENT_BUFFER_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_SUBSCRIBERS = 64
@@ -57,15 +57,6 @@ DEFAULT_MAX_INFLIGHT_STREAMS = 1024
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # A gRPC request message being read (see kvsvc.server.transports.gate).
 DEFAULT_GRPC_READ_TIMEOUT_S = 30.0
-
-
-class ConfigError(ValueError):
-    """A server or pool setting is invalid; the message names it."""
-
-
-class ConfigFileError(ConfigError):
-    """A file a setting names cannot be used (missing, unreadable, wrong content): the
-    environment is wrong rather than the settings (``kvsvc serve`` exits 1, not 2)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,7 +292,7 @@ class ServerConfig:
             socket at this endpoint (None: off). Bound when it has ``*`` or ``::`` or is
             ``ipc://``/``inproc://``, connected otherwise (vLLM's rule), unless
             ``kv_events_bind``. Pool ``i`` (config order) uses port + ``i`` (see
-            :func:`kv_events_targets`).
+            :func:`~kvsvc.server.kv_events_targets.kv_events_targets`).
         kv_events_bind: bind ``kv_events_zmq`` even when it names a host, which vLLM's
             rule connects to: ``tcp://127.0.0.1:5557`` then publishes on loopback only.
         kv_events_replay: ROUTER endpoint answering replay requests (always bound).
@@ -635,143 +626,6 @@ def join_host_port(host: str, port: int) -> str:
 
 def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host else host
-
-
-@dataclass(frozen=True, slots=True)
-class KVEventsTarget:
-    """Where one pool publishes its vLLM-format KV events.
-
-    Attributes:
-        pool: the pool's name.
-        endpoint: its PUB endpoint (bound or connected: :attr:`binds`).
-        replay_endpoint: its ROUTER endpoint for replay requests, if any (bound).
-        topic: the topic frame of its messages.
-        bind: True: the PUB binds ``endpoint`` whatever it names (``kv_events_bind``);
-            None: vLLM's rule (:func:`is_bind_endpoint`). See :attr:`binds`.
-    """
-
-    pool: str
-    endpoint: str
-    replay_endpoint: str | None
-    topic: str
-    bind: bool | None = None
-
-    @property
-    def binds(self) -> bool:
-        """Whether the PUB binds ``endpoint`` (else it connects to it)."""
-        return self.bind if self.bind is not None else is_bind_endpoint(self.endpoint)
-
-
-def is_bind_endpoint(endpoint: str) -> bool:
-    """vLLM's rule: bind a wildcard or ipc/inproc endpoint, connect to anything else."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-
-
-def _tcp_port(endpoint: str, what: str) -> int:
-    _, sep, port = endpoint.rpartition(":")
-    if endpoint.startswith("tcp://") and sep and port.isdigit() and int(port) <= 65535:
-        return int(port)
-    raise ConfigError(f"{what}: expected tcp://HOST:PORT, got {endpoint!r}")
-
-
-def _check_endpoint(endpoint: str, what: str) -> None:
-    if not endpoint.startswith(KV_EVENTS_SCHEMES) or endpoint in KV_EVENTS_SCHEMES:
-        raise ConfigError(
-            f"{what}: expected a ZMQ endpoint ({', '.join(s + '...' for s in KV_EVENTS_SCHEMES)})"
-            f", got {endpoint!r}"
-        )
-    if endpoint.startswith("tcp://"):
-        _tcp_port(endpoint, what)
-
-
-def offset_endpoint(endpoint: str, index: int, pool: str) -> str:
-    """The endpoint of the ``index``-th pool: what vLLM does for data-parallel rank ``index``.
-
-    TCP ports go up by ``index`` (port 0 stays 0: the OS picks one per socket); other
-    transports get ``_<pool>`` appended. The first pool keeps the endpoint as given.
-    """
-    if index == 0:
-        return endpoint
-    if endpoint.startswith("tcp://"):
-        port = _tcp_port(endpoint, "kv_events endpoint")
-        if port == 0:
-            return endpoint
-        if port + index > 65535:
-            raise ConfigError(
-                f"kv events endpoint {endpoint!r}: pool {pool!r} (number {index + 1}) would "
-                f"use port {port + index}, beyond 65535"
-            )
-        base = endpoint[: endpoint.rfind(":")]
-        return f"{base}:{port + index}"
-    return f"{endpoint}_{pool}"
-
-
-def kv_events_targets(config: ServerConfig) -> list[KVEventsTarget]:
-    """Each pool's vLLM-format event endpoints, in config order (empty when off).
-
-    Every pool gets its own PUB socket, replay socket, sequence numbers and replay buffer,
-    as each data-parallel rank of vLLM does: a consumer written for vLLM follows one
-    socket's sequence and replays from that socket, so pools sharing a socket would look
-    to it like one engine with gaps. Pool ``i`` uses the configured TCP ports + ``i``.
-
-    Raises:
-        ConfigError: a malformed endpoint, a port beyond 65535, a connected endpoint with
-            port 0, or two sockets that would bind the same port or path.
-    """
-    if config.kv_events_zmq is None:
-        return []
-    _check_endpoint(config.kv_events_zmq, "kv_events_zmq")
-    if config.kv_events_replay is not None:
-        _check_endpoint(config.kv_events_replay, "kv_events_replay")
-    connects = not (config.kv_events_bind or is_bind_endpoint(config.kv_events_zmq))
-    if connects and _tcp_port(config.kv_events_zmq, "kv_events_zmq") == 0:
-        raise ConfigError(
-            f"kv_events_zmq {config.kv_events_zmq!r} is connected to (no '*' in it), so it "
-            "needs a real port; use tcp://*:PORT to bind, or kv_events_bind "
-            "(--kv-events-bind) to bind that host's address"
-        )
-    targets = []
-    bound: dict[str, str] = {}
-    for index, pool in enumerate(config.pools):
-        endpoint = offset_endpoint(config.kv_events_zmq, index, pool.name)
-        replay = (
-            offset_endpoint(config.kv_events_replay, index, pool.name)
-            if config.kv_events_replay is not None
-            else None
-        )
-        target = KVEventsTarget(
-            pool=pool.name,
-            endpoint=endpoint,
-            replay_endpoint=replay,
-            topic=config.kv_events_topic.replace(POOL_PLACEHOLDER, pool.name),
-            bind=True if config.kv_events_bind else None,
-        )
-        for what, address, binds in (
-            ("kv_events_zmq", endpoint, target.binds),
-            ("kv_events_replay", replay, True),
-        ):
-            if address is None or not binds:
-                continue
-            if address.startswith("tcp://"):
-                port = _tcp_port(address, what)
-                if port == 0:
-                    continue  # the OS picks a free port for each socket
-                key = f"tcp:{port}"
-            else:
-                key = address
-            if key in bound:
-                hint = (
-                    f"; pool i uses port + i, so leave {len(config.pools)} ports between "
-                    "kv_events_zmq and kv_events_replay"
-                    if key.startswith("tcp:")
-                    else ""
-                )
-                raise ConfigError(
-                    f"{what} of pool {pool.name!r} ({address}) collides with {bound[key]}{hint}"
-                )
-            bound[key] = f"{what} of pool {pool.name!r} ({address})"
-        targets.append(target)
-    return targets
 
 
 # metrics_listen (and --metrics-listen) that turns /metrics off.

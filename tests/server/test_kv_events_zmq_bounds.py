@@ -27,13 +27,8 @@ pytest.importorskip("msgspec")
 
 from kvsvc.core import events as kv  # noqa: E402
 from kvsvc.demo.processes import spawn  # noqa: E402
-from kvsvc.server.config import (  # noqa: E402
-    ConfigError,
-    KVEventsTarget,
-    PoolConfig,
-    ServerConfig,
-    kv_events_targets,
-)
+from kvsvc.server.config import ConfigError, PoolConfig, ServerConfig  # noqa: E402
+from kvsvc.server.kv_events_targets import KVEventsTarget, kv_events_targets  # noqa: E402
 
 BUDGET = 2 << 20
 POOL = PoolConfig(name="p", max_model_len=256)

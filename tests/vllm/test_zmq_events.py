@@ -414,7 +414,7 @@ def test_int_hashes_are_vllms_int_hashes_and_the_default(monkeypatch: pytest.Mon
 
 def test_a_full_queue_drops_the_oldest_and_the_gap_shows(ctx: Any) -> None:
     from kvsvc.integrations.vllm.events import ZmqEventPublisher as Publisher
-    from kvsvc.server.config import KVEventsTarget
+    from kvsvc.server.kv_events_targets import KVEventsTarget
 
     target = KVEventsTarget("p", "inproc://pub", "inproc://replay", "t")
     publisher = Publisher(target, max_queue=2, context=ctx)
@@ -456,7 +456,7 @@ def test_bad_flags_exit_2_and_say_why(
 def test_config_file_keys_and_the_endpoint_of_each_pool(tmp_path: Path) -> None:
     from kvsvc.cli import build_parser
     from kvsvc.commands.serve import build_config
-    from kvsvc.server.config import KVEventsTarget, kv_events_targets
+    from kvsvc.server.kv_events_targets import KVEventsTarget, kv_events_targets
 
     config = tmp_path / "pools.json"
     config.write_text(

@@ -41,12 +41,8 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvsvc.core import events as kv
-from kvsvc.server.config import (
-    DEFAULT_KV_EVENTS_MAX_HELD_BYTES,
-    KVEventsTarget,
-    ServerConfig,
-    kv_events_targets,
-)
+from kvsvc.server.config import DEFAULT_KV_EVENTS_MAX_HELD_BYTES, ServerConfig
+from kvsvc.server.kv_events_targets import KVEventsTarget, kv_events_targets
 from kvsvc.server.plugins import EventSink
 from kvsvc.specs import sliding_window_of
 
