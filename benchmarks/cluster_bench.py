@@ -35,9 +35,7 @@ import json
 import os
 import random
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -54,6 +52,7 @@ from kvsvc.cluster.load import LoadPublisher
 from kvsvc.cluster.route import Router
 from kvsvc.cluster.score import Scorer, TokenPrompt
 from kvsvc.cluster.store import SourceStore, Tracking, connect
+from kvsvc.replay.fleet import FleetError, PrivateRedis
 
 SEED = "cluster-bench-seed"
 BLOCK = 16
@@ -76,41 +75,12 @@ class _Batch:
     events: tuple[Any, ...]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class Redis:
-    """A redis-server in a temporary directory, without persistence."""
-
-    def __init__(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            sys.exit("cluster_bench: redis-server is not installed (apt-get install redis-server)")
-        self.dir = tempfile.mkdtemp(prefix="kvsvc-bench-redis-")
-        self.port = free_port()
-        self.process = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self.dir],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        self.url = f"redis://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                connect(self.url, cluster=False).ping()
-                return
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.process.kill()
-        self.process.wait(5)
-        shutil.rmtree(self.dir, ignore_errors=True)
+def _redis() -> PrivateRedis:
+    """A redis-server of the bench's own (the replay's: no persistence, a free port)."""
+    try:
+        return PrivateRedis()
+    except FleetError as exc:
+        sys.exit(f"cluster_bench: {exc}")
 
 
 def client(url: str, hiredis: bool) -> Any:
@@ -487,7 +457,7 @@ def bench_real_servers(url: str, servers: int, seconds: float) -> dict[str, Any]
 def route_only(args: argparse.Namespace) -> int:
     """Route and Score over the same engines, with one Redis round trip (PING) measured
     in the same run."""
-    redis = Redis()
+    redis = _redis()
     try:
         prompt = list(range(100, 100 + 4096))
         expected = populate_for_score(redis.url, args.engines, prompt)
@@ -530,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         args.engines, args.batches, args.servers, args.score_calls = 100, 10, 0, 200
     if args.route_only:
         return route_only(args)
-    redis = Redis()
+    redis = _redis()
     try:
         base = redis_memory(redis.url)
         # Live: the indexer keeps up, so every script call carries one batch. Catching

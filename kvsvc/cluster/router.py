@@ -334,18 +334,10 @@ class ClusterIndexClient:
             kvsvc_client.KVCacheError: the call failed (InvalidArgumentError naming the
                 field, UnavailableError when the router or its Redis is down, ...).
         """
-        from kvsvc_client._wire import hashing_to_pb, pack_token_ids
         from kvsvc_client.errors import error_from_rpc
 
         request = cluster_pb2.ScoreRequest(engines=list(engines))
-        packed = pack_token_ids(token_ids)
-        if packed is not None:
-            request.packed_token_ids = packed
-        else:
-            request.token_ids.extend(token_ids)
-        pb_hashing = hashing_to_pb(hashing)
-        if pb_hashing is not None:
-            request.hashing.CopyFrom(pb_hashing)
+        _put_prompt(request, token_ids, hashing)
         try:
             response = self._stub.Score(
                 request, timeout=timeout or self.timeout, metadata=self._metadata
@@ -381,7 +373,6 @@ class ClusterIndexClient:
                 field, FailedPreconditionError when there is no engine to choose,
                 UnavailableError when the router or its Redis is down, ...).
         """
-        from kvsvc_client._wire import hashing_to_pb, pack_token_ids
         from kvsvc_client.errors import error_from_rpc
 
         request = cluster_pb2.RouteRequest(
@@ -390,15 +381,7 @@ class ClusterIndexClient:
             block_size=block_size,
             num_prompt_tokens=num_prompt_tokens,
         )
-        if token_ids:
-            packed = pack_token_ids(token_ids)
-            if packed is not None:
-                request.packed_token_ids = packed
-            else:
-                request.token_ids.extend(token_ids)
-        pb_hashing = hashing_to_pb(hashing)
-        if pb_hashing is not None:
-            request.hashing.CopyFrom(pb_hashing)
+        _put_prompt(request, token_ids, hashing)
         if policy is not None:
             request.policy.CopyFrom(policy_to_pb(policy))
         try:
@@ -408,6 +391,22 @@ class ClusterIndexClient:
         except grpc.RpcError as exc:
             raise error_from_rpc(exc) from None
         return RouteAnswer.from_pb(response)
+
+
+def _put_prompt(request: Any, token_ids: Sequence[int], hashing: Any) -> None:
+    """Score's and Route's prompt: its token ids (packed when they fit, as the engines'
+    clients send them) and its hashing context."""
+    from kvsvc_client._wire import hashing_to_pb, pack_token_ids
+
+    if token_ids:
+        packed = pack_token_ids(token_ids)
+        if packed is not None:
+            request.packed_token_ids = packed
+        else:
+            request.token_ids.extend(token_ids)
+    pb_hashing = hashing_to_pb(hashing)
+    if pb_hashing is not None:
+        request.hashing.CopyFrom(pb_hashing)
 
 
 @dataclass(frozen=True, slots=True)
