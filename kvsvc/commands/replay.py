@@ -356,8 +356,9 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"service model: prefill {model.prefill_tps:,.0f} tokens/s, decode "
         f"{model.decode_s * 1000:g} ms/iteration, {model.max_batched_tokens} tokens/step, "
-        f"{model.max_num_seqs} requests; Route: prefix weight {weights.prefix_weight:g}, "
-        f"load weight {weights.load_weight:g}, load floor {weights.load_floor:g}\n"
+        f"{model.max_num_seqs} requests\n"
+        f"Route: prefix weight {weights.prefix_weight:g}, load weight {weights.load_weight:g}, "
+        f"load floor {weights.load_floor:g}\n"
     )
     print(table(runs))
     return 0
