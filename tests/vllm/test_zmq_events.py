@@ -405,7 +405,11 @@ def test_int_hashes_are_vllms_int_hashes_and_the_default(monkeypatch: pytest.Mon
         ],
     )
     stored, removed = to_vllm_batch(batch).events
-    assert [type(e).__name__ for e in (stored, removed)] == ["BlockStored", "BlockRemoved"]
+    # The tag is what reaches the wire; the default format is the newest release's struct.
+    assert [type(e).__struct_config__.tag for e in (stored, removed)] == [
+        "BlockStored",
+        "BlockRemoved",
+    ]
     assert stored.block_hashes == [maybe_convert_block_hash(BlockHash(h)) for h in hashes[1:]]
     assert stored.parent_block_hash == maybe_convert_block_hash(BlockHash(hashes[0]))
     assert removed.block_hashes == [maybe_convert_block_hash(BlockHash(hashes[2]))]
