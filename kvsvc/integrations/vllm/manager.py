@@ -44,7 +44,6 @@ offloading), and EAGLE/MTP's trailing-block handling (see
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import secrets
 import time
@@ -57,19 +56,17 @@ from kvsvc_client import (
     HashingContext,
     KVCacheClient,
     KVCacheError,
-    MultiModalItem,
     RequestStart,
     StepFuture,
     StepResultList,
 )
 
-from kvsvc.core.hashing import HashingContext as CoreHashingContext
-from kvsvc.core.hashing import MultiModalItem as CoreMultiModalItem
 from kvsvc.core.pool import PoolKVCache
 from kvsvc.core.pool_types import RequestStart as CoreRequestStart
 from kvsvc.core.single_type_manager import CrossAttentionManager
 from kvsvc.errors import KvsvcError as CoreError
 from kvsvc.integrations.vllm.config import KvsvcSettings
+from kvsvc.integrations.vllm.request_hashing import core_hashing
 from kvsvc.specs import KVCacheConfig, SlidingWindowSpec
 from kvsvc.v1 import kvcache_pb2 as pb
 
@@ -524,7 +521,7 @@ class KvsvcPoolReplica:
         """The prefix hit an admission of ``token_ids`` gets now: tokens, blocks per group
         (at most ``max_cache_hit_tokens``; None: all but the last token)."""
         try:
-            return self.cache.lookup_capped(token_ids, _core_hashing(hashing), max_cache_hit_tokens)
+            return self.cache.lookup_capped(token_ids, core_hashing(hashing), max_cache_hit_tokens)
         except CoreError as exc:
             raise KvsvcError(f"{self._where}: {exc}") from None
 
@@ -558,7 +555,7 @@ class KvsvcPoolReplica:
         """Admit a request the caller checked fits; returns its whole tables (None: the
         pool is short after all; nothing changed, nothing queued)."""
         core_start = CoreRequestStart(
-            hashing=_core_hashing(start.hashing),
+            hashing=core_hashing(start.hashing),
             skip_prefix_cache_read=start.skip_prefix_cache_read,
             resumed=start.resumed,
             num_encoder_tokens=start.num_encoder_tokens,
@@ -767,46 +764,3 @@ class KvsvcPoolReplica:
         if reset:
             self.cache.reset_prefix_cache()
         return reset
-
-
-def _core_hashing(hashing: HashingContext | None) -> CoreHashingContext | None:
-    """The client's hashing context as the core's (the same fields)."""
-    if hashing is None:
-        return None
-    return CoreHashingContext(
-        cache_salt=hashing.cache_salt or None,
-        lora_name=hashing.lora_name or None,
-        lora_path=hashing.lora_path or None,
-        mm_items=tuple(
-            CoreMultiModalItem(item.identifier, item.offset, item.length)
-            for item in hashing.mm_items
-        ),
-        prompt_embeds_digests=tuple(hashing.prompt_embeds_digests),
-        lora_id=hashing.lora_id or None,
-    )
-
-
-def hashing_context(request: Any, block_size: int) -> HashingContext | None:
-    """The hashing context of a vLLM request: what besides its tokens keys its blocks."""
-    lora = getattr(request, "lora_request", None)
-    items = tuple(
-        MultiModalItem(str(f.identifier), f.mm_position.offset, f.mm_position.length)
-        for f in getattr(request, "mm_features", None) or ()
-    )
-    digests: list[bytes] = []
-    embeds = getattr(request, "prompt_embeds", None)
-    if embeds is not None:
-        # One digest per full block of the embeddings, as vLLM keys such blocks.
-        data = embeds.detach().cpu().contiguous()
-        for start in range(0, (data.shape[0] // block_size) * block_size, block_size):
-            chunk = data[start : start + block_size].numpy().tobytes()
-            digests.append(hashlib.sha256(chunk).digest())
-    context = HashingContext(
-        cache_salt=getattr(request, "cache_salt", None) or "",
-        lora_name=lora.lora_name if lora is not None else "",
-        lora_path=(getattr(lora, "lora_path", None) or "") if lora is not None else "",
-        mm_items=items,
-        prompt_embeds_digests=tuple(digests),
-        lora_id=int(lora.lora_int_id) if lora is not None else 0,
-    )
-    return None if context == HashingContext() else context

@@ -35,11 +35,8 @@ from vllm.v1.request import Request, RequestStatus
 
 from kvsvc.integrations.vllm import compat
 from kvsvc.integrations.vllm.config import settings_from_additional_config
-from kvsvc.integrations.vllm.manager import (
-    KvsvcError,
-    KvsvcPoolReplica,
-    hashing_context,
-)
+from kvsvc.integrations.vllm.manager import KvsvcError, KvsvcPoolReplica
+from kvsvc.integrations.vllm.request_hashing import hashing_context
 from kvsvc.integrations.vllm.specs import UnsupportedSpecError, kvsvc_spec_from_vllm
 from kvsvc.specs import KVCacheConfig as KvsvcKVCacheConfig
 from kvsvc.specs import KVCacheGroupSpec
