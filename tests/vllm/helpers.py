@@ -36,28 +36,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from examples.vllm_on_kvsvc import TINY_LLAMA
 from kvsvc.demo.processes import Child, spawn, wait_for_ports
 
 # A 4-layer Llama with 2 KV heads of 64 (float32): 4 x 2 x 2 x 64 x 4 B = 4 KiB per token,
 # 128 KiB per 32-token block. Weights are random (load_format="dummy"), no tokenizer.
-TINY_LLAMA_CONFIG: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 8192,
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-5,
-    "torch_dtype": "float32",
-    "hidden_act": "silu",
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
+# The example's model (docs/vllm.md), so the tests run what a newcomer runs.
+TINY_LLAMA_CONFIG: dict[str, Any] = TINY_LLAMA
 
 # In-process engine (so tests can inspect it) and no Hub access.
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
