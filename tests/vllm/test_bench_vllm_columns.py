@@ -4,6 +4,7 @@ core_bench.py runs vLLM's own BlockPool, request hasher and KVCacheManager on it
 workloads; rpc_bench.py runs vLLM's manager on its Step's decode workload. Their reports
 must say "measured" with vLLM's version, the same workload must hit exactly as many
 tokens on vLLM as on kvsvc, and every ratio must be the one the two figures give.
+vllm_bench.py's engines (stock vLLM and vLLM on kvsvc) must each have their figures.
 """
 
 from __future__ import annotations
@@ -58,3 +59,52 @@ def test_rpc_bench_measures_vllm_in_the_same_run() -> None:
     assert figures["vllm_source"] == "measured"
     assert figures["vllm_version"] == vllm.__version__
     check_rpc_relations(figures)
+
+
+def test_vllm_bench_measures_each_engines_scheduler_and_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One small round of vllm_bench.py: every engine has every figure it should, the
+    kvsvc engines' Step sender thread is found and did work, and the table fits 100
+    columns."""
+    import argparse
+
+    from tests.vllm.helpers import vllm_test_env
+
+    spec = importlib.util.spec_from_file_location("vllm_bench", BENCHMARKS / "vllm_bench.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "vllm_bench", bench)
+    spec.loader.exec_module(bench)
+    args = argparse.Namespace(rounds=2, requests=4, max_tokens=8, blocks=256, no_pure=True)
+    with vllm_test_env():
+        lines = bench.bench_model(vllm, "llama", args)
+    assert lines[0] == "scheduler classes: stock Scheduler, on kvsvc KvsvcScheduler"
+
+    def engines_of(figure: str) -> dict[str, list[str]]:
+        start = lines.index(figure) + 1
+        rows = {}
+        for line in lines[start:]:
+            if not line.startswith("  ") or line.startswith("  of it") or "the rest" in line:
+                break
+            name, *values = line.split()
+            rows[name] = values
+        return rows
+
+    both, kvsvc_only = ["stock", "gRPC", "frames"], ["gRPC", "frames"]
+    assert list(engines_of("scheduler thread CPU per step, us")) == both
+    assert list(engines_of("  of it in the KV cache manager, us")) == both
+    assert list(engines_of("  of it sending, awaiting Steps, us")) == kvsvc_only
+    assert list(engines_of("engine process CPU per output token, us")) == both
+    senders = engines_of("kvsvc Step sender thread CPU/step, us")
+    assert list(senders) == kvsvc_only
+    # The sender thread did work in every round (it sends each step's Step).
+    assert all(
+        float(values[1].strip("[").split("-")[0].replace(",", "")) > 0
+        for values in senders.values()
+    )
+    assert list(engines_of("kvsvc server CPU per output token, us")) == kvsvc_only
+    calls = lines[lines.index(next(x for x in lines if x.startswith("kvsvc calls"))) + 1 :]
+    # 2 rounds of 4 requests x 8 tokens: 8 scheduling steps a round on each kvsvc engine.
+    assert [line.split()[-1] for line in calls] == ["16", "16"]
+    assert max(len(line) for line in lines) <= 100
