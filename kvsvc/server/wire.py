@@ -181,7 +181,7 @@ class StepColumns:
         "types",
     )
 
-    def __init__(self, request: pb.StepRequest, max_operations: int) -> None:
+    def __init__(self, request: Any, max_operations: int) -> None:
         # Errors speak of operations, request ids and token counts, as the API does (the
         # Python client's StepBuilder, the engine's view): a column's name appears only in
         # brackets, for a client that writes the columns itself.
