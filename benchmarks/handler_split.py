@@ -8,11 +8,12 @@ xxh3_128), with the requests the Python client writes:
 - ``decode``: the request's bytes to what the core is called with (the parser the
   transports use, then the handler's decoding: ``decode_allocate``, ``decode_step``);
   for Step also the same through a protobuf message (``decode_pb``), the path before the
-  raw codec;
+  raw codec (kvsvc.server.step_codec);
 - ``hash``: hashing the prompt's blocks (the pool's hasher on the packed prompt, as an
   admission hashes them: ``core`` below counts it, ``core_less_hash`` does not);
 - ``core``: the pool's work (``PoolKVCache.allocate``; ``apply_step``);
-- ``reply``: the reply message and its bytes.
+- ``reply``: the reply's bytes (Step: written from the columns, ``StepResults.to_bytes``;
+  ``reply_pb``: through a protobuf message, as before).
 
 Each stage's samples give p50 and p99; ``gc`` counts the collections that ran during the
 timed calls (``gc.callbacks``) and how many of the samples above twice their call's p50
@@ -180,10 +181,14 @@ def step_stages(n: int) -> tuple[dict[str, list[float]], list[float], int]:
             stages.mark("decode")
             results = apply_step(cache, columns, _Counters())
             stages.mark("core")
-            results.to_pb().SerializeToString()
+            data = results.to_bytes()
             stages.mark("reply")
             whole.append((time.perf_counter() - started) * 1e6)
-            assert not results.errors and len(results.statuses) == BATCH
+            assert data is not None and len(results.statuses) == BATCH
+            # The reply through a protobuf message, as before the direct encoding.
+            stages.start()
+            results.to_pb().SerializeToString()
+            stages.mark("reply_pb")
     return stages.samples, whole, watch.count
 
 

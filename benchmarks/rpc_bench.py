@@ -810,7 +810,8 @@ SPLIT_ROWS = (
     ("step256_split_decode", "  Step: decode (raw codec, decode_step)"),
     ("step256_split_decode_pb", "  Step: decode through a protobuf message"),
     ("step256_split_core", "  Step: core (apply_step, 256 decodes)"),
-    ("step256_split_reply", "  Step: reply (message, bytes)"),
+    ("step256_split_reply", "  Step: reply (bytes from the columns)"),
+    ("step256_split_reply_pb", "  Step: reply through a protobuf message"),
     ("step256_split_handler", "  Step: all of the above"),
 )
 

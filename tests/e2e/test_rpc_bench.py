@@ -89,7 +89,7 @@ def check_relations(figures: dict[str, Any]) -> None:
     # The handlers' stages (in-process): each within the handler's whole work.
     for call, stages in (
         ("allocate_new", ("decode", "hash", "core", "reply")),
-        ("step256", ("decode", "decode_pb", "core", "reply")),
+        ("step256", ("decode", "decode_pb", "core", "reply", "reply_pb")),
     ):
         whole = figures[f"{call}_split_handler_p50_us"]
         for stage in (*stages, "handler"):
