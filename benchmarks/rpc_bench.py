@@ -21,6 +21,13 @@ same kind of socket and with gRPC's same call):
                     (its grpc_server_handling_seconds histogram, read around each run of
                     the bench: a mean), and so how much of the call is the handler's work
                     (decoding, the core, the reply) and how much gRPC, transport and client
+  tail              p99 / p50 of each Allocate and Step row, and of its samples past twice
+                    the p50 how many overlapped a garbage collection of this process (the
+                    client's share of the tail; gc.callbacks)
+  by stage          the handlers' work split into its stages (decode, hash, core, reply),
+                    the server's own functions run in this process once the servers have
+                    stopped (benchmarks/handler_split.py), p50 and p99, beside the server's
+                    measured handler mean: what of it is the work, what the server around it
   marginal          (step256 p50 - echo p50) / 256: the cost of one more request in a Step,
                     next to what vLLM's own in-process manager spends on one decode
                     allocation (allocate_slots(req, 1), 256 running requests of the same
@@ -65,6 +72,7 @@ import grpc
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from handler_split import GcWatch, split_figures  # noqa: E402
 from kvsvc_client import KVCacheClient  # noqa: E402
 from kvsvc_client._frames import FrameChannel  # noqa: E402
 
@@ -96,6 +104,8 @@ GOAL_STEP_P99_US = 3000.0
 GOAL_ALLOCATE_VS_ECHO = 1.5
 GOAL_STEP_VS_VLLM = 1.0
 GOAL_STEP_VS_VLLM_NEXT = 0.5
+# Issue 33: a call's p99 within twice its p50 (on a quiet machine).
+GOAL_P99_VS_P50 = 2.0
 # vLLM's in-process decode allocate_slots(req, 1) median, measured once on this machine
 # (the issue's figure): shown, labelled as such, where vLLM cannot be imported.
 REFERENCE_VLLM_DECODE_US = 5.18
@@ -142,6 +152,11 @@ TINY_SPECS = {
         "dtype": "float16",
     }
 }
+
+
+# The collections of this process (the client) while the benches run: a sample that
+# overlapped one is marked, so the report can say how much of the tail is the client's GC.
+CLIENT_GC = GcWatch()
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -202,15 +217,18 @@ class AllocateNew:
         self.salt = salt
         self.shared = list(range(1, 1025))
         self.i = 0
+        self.gc_marks: list[bool] = []  # per sample: whether this process collected
 
     def run(self, n: int) -> list[float]:
         samples = []
         for _ in range(n):
             i = self.i = self.i + 1
             prompt = self.shared + new_suffix(i, self.salt)
+            collections = CLIENT_GC.count
             started = time.perf_counter()
             result = self.kv.allocate(f"{self.name}-{i}", prompt, num_new_tokens=2048, start=True)
             samples.append((time.perf_counter() - started) * 1e6)
+            self.gc_marks.append(CLIENT_GC.count != collections)
             assert result.ok, result
             self.kv.free(f"{self.name}-{i}")
         return samples
@@ -241,6 +259,7 @@ class DecodeStep:
         self.batch = batch
         self.it = 0
         self.prefix = name or ("lock" if lockstep else "dec")
+        self.gc_marks: list[bool] = []  # per sample: whether this process collected
         step = kv.step()
         for r in range(batch):
             length = 64 if lockstep else 64 + r % 16
@@ -255,9 +274,11 @@ class DecodeStep:
             step = self.kv.step()
             for r in range(self.batch):
                 step.allocate(f"{self.prefix}-{r}", [self.it % 30000 + 1], 1)
+            collections = CLIENT_GC.count
             started = time.perf_counter()
             results = step.send()
             samples.append((time.perf_counter() - started) * 1e6)
+            self.gc_marks.append(CLIENT_GC.count != collections)
             assert len(results) == self.batch and not results.no_space_indices()
         return samples
 
@@ -644,15 +665,22 @@ def main() -> int:
                         "vllm_step": (vllm.decode_steps(), 25),
                         "vllm_admission": (vllm.admissions(), 10),
                     }
-                samples, handler_us = interleaved(
-                    rounds,
-                    HandlerClock(metrics_port),
-                    **in_process,
-                    **{f"echo{suffix}": (echo, 50) for suffix, echo in echoes.items()},
-                    **{f"allocate_new{suffix}": (new, 10) for suffix, new in admissions.items()},
-                    **{f"step{suffix}": (decode, 25) for suffix, decode in decodes.items()},
-                    lockstep=(lockstep, 16),
-                )
+                with CLIENT_GC:
+                    samples, handler_us = interleaved(
+                        rounds,
+                        HandlerClock(metrics_port),
+                        **in_process,
+                        **{f"echo{suffix}": (echo, 50) for suffix, echo in echoes.items()},
+                        **{
+                            f"allocate_new{suffix}": (new, 10) for suffix, new in admissions.items()
+                        },
+                        **{f"step{suffix}": (decode, 25) for suffix, decode in decodes.items()},
+                        lockstep=(lockstep, 16),
+                    )
+                gc_marks = {
+                    **{f"allocate_new{s}": new.gc_marks for s, new in admissions.items()},
+                    **{f"step{s}": decode.gc_marks for s, decode in decodes.items()},
+                }
                 for decode in decodes.values():
                     decode.close()
                 lockstep.close()
@@ -661,6 +689,8 @@ def main() -> int:
             stop_all(children)
             echo_proc.terminate()
             echo_proc.wait(5)
+    # The handlers' stages, in this process once the servers are gone (a quiet machine).
+    split = split_figures(*((60, 60) if args.quick else (400, 400)))
 
     figures: dict[str, Any] = {}
     measured = [(suffix, suffix) for suffix, _ in TRANSPORTS]
@@ -687,6 +717,21 @@ def main() -> int:
                 (alloc_p50 - handler_us[f"allocate_new{suffix}"]) / echo_p50, 3
             ),
         }
+        for call, name, p50 in (
+            ("allocate_new", f"allocate_new{suffix}", alloc_p50),
+            ("step256", f"step{suffix}", step_p50),
+        ):
+            # The tail: p99 over p50, and of the samples past twice the p50, how many
+            # overlapped a collection of this process (the client's share of the tail).
+            figures[f"{call}{suffix}_p99_vs_p50"] = round(
+                figures[f"{call}{suffix}_p99_us"] / figures[f"{call}{suffix}_p50_us"], 2
+            )
+            slow = [
+                mark for x, mark in zip(samples[name], gc_marks[name], strict=True) if x > 2 * p50
+            ]
+            figures[f"{call}{suffix}_slow_samples"] = len(slow)
+            figures[f"{call}{suffix}_slow_with_client_gc"] = sum(slow)
+    figures |= split
     lock = samples["lockstep"]
     vllm_decode = statistics.median(vllm.decode_ns) / 1000.0 if vllm else REFERENCE_VLLM_DECODE_US
     figures |= {
@@ -741,6 +786,60 @@ def main() -> int:
     return 0
 
 
+def _tail_row(f: dict[str, Any], call: str, suffix: str) -> tuple[str, str, str, str, str]:
+    """The tail of a call: p99 over p50, and of the samples past twice the p50 how many
+    overlapped a garbage collection of the client."""
+    name = f"{call}{suffix}"
+    return (
+        "  tail",
+        "",
+        "",
+        f"p99/p50 {f[f'{name}_p99_vs_p50']:.2f}; {f[f'{name}_slow_with_client_gc']} of "
+        f"{f[f'{name}_slow_samples']} samples > 2x p50 had a client GC",
+        f"goal p99/p50 <= {GOAL_P99_VS_P50}",
+    )
+
+
+# The handlers' stages (benchmarks/handler_split.py): figure key, row label.
+SPLIT_ROWS = (
+    ("allocate_new_split_decode", "  Allocate: decode (parse, decode_allocate)"),
+    ("allocate_new_split_hash", "  Allocate: hash the prompt's 128 blocks"),
+    ("allocate_new_split_core", "  Allocate: core (hash, lookup, allocate, evict)"),
+    ("allocate_new_split_reply", "  Allocate: reply (message, bytes)"),
+    ("allocate_new_split_handler", "  Allocate: all of the above"),
+    ("step256_split_decode", "  Step: decode (raw codec, decode_step)"),
+    ("step256_split_decode_pb", "  Step: decode through a protobuf message"),
+    ("step256_split_core", "  Step: core (apply_step, 256 decodes)"),
+    ("step256_split_reply", "  Step: reply (bytes from the columns)"),
+    ("step256_split_reply_pb", "  Step: reply through a protobuf message"),
+    ("step256_split_handler", "  Step: all of the above"),
+)
+
+
+def _split_rows(f: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    """The handlers' work by stage, run in the bench's process after the servers stop."""
+    rows = [("In the handler, by stage (the server's functions, in-process)", "", "", "", "")]
+    for key, label in SPLIT_ROWS:
+        p50, p99 = f[f"{key}_p50_us"], f[f"{key}_p99_us"]
+        ratio = f"p99/p50 {p99 / p50:.2f}"
+        if key.endswith("_handler"):
+            call = key.split("_split_")[0]
+            served = f[f"{call}_frames_handler_us"]
+            ratio += f"; the server's handler (frames, Unix, mean): {served:.0f}"
+        rows.append((label, f"{p50:.1f}", f"{p99:.1f}", ratio, ""))
+    rows.append(
+        (
+            "  garbage collections during them",
+            "",
+            "",
+            f"Allocate {f['allocate_new_split_gc_collections']}, "
+            f"Step {f['step256_split_gc_collections']}",
+            "",
+        )
+    )
+    return rows
+
+
 def render(f: dict[str, Any]) -> str:
     """The report: one row per call and transport, the goals' ratios beside them."""
     measured = f["vllm_source"] == "measured"
@@ -788,6 +887,7 @@ def render(f: dict[str, Any]) -> str:
                 allocate_ratio,
                 f"goal <= {GOAL_ALLOCATE_VS_ECHO}x echo",
             ),
+            _tail_row(f, "allocate_new", suffix),
             (
                 "  of it in the server's handler (mean)",
                 f"{f[f'allocate_new{suffix}_handler_us']:.0f}",
@@ -804,6 +904,7 @@ def render(f: dict[str, Any]) -> str:
                 if measured
                 else f"goal p50 < {GOAL_STEP_P50_US:.0f}, p99 < {GOAL_STEP_P99_US:.0f}",
             ),
+            _tail_row(f, "step256", suffix),
             (
                 "  of it in the server's handler (mean)",
                 f"{f[f'step256{suffix}_handler_us']:.0f}",
@@ -827,6 +928,7 @@ def render(f: dict[str, Any]) -> str:
         ]
     else:
         rows.append((f"{vllm_label}: one decode", f"{f['vllm_decode_us_p50']:.2f}", "", "", ""))
+    rows += _split_rows(f)
     rows += [
         (
             "Unix socket / TCP",

@@ -193,7 +193,44 @@ def apply_step_call(
         )
     else:
         changed = STATUS_OK in statuses
-    return results.to_pb(), changed or results.released
+    data = results.to_bytes()
+    reply = results.to_pb() if data is None else StepReply(data)
+    return reply, changed or results.released
+
+
+class StepReply:
+    """A Step's reply as the bytes :meth:`StepResults.to_bytes` wrote: what the transports
+    send and the journal digests (``SerializeToString``), the same bytes protobuf writes of
+    the message. The message itself is parsed only where something reads it (an in-process
+    caller, a test): its fields are read through this object as from a ``StepResponse``.
+    """
+
+    __slots__ = ("_data", "_message")
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+        self._message: kvcache_pb2.StepResponse | None = None
+
+    def SerializeToString(self) -> bytes:
+        """The reply's wire bytes."""
+        return self._data
+
+    @property
+    def message(self) -> kvcache_pb2.StepResponse:
+        """The reply as protobuf's message (parsed once, on first use)."""
+        if self._message is None:
+            self._message = kvcache_pb2.StepResponse.FromString(self._data)
+        return self._message
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.message, name)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, StepReply):
+            return self._data == other._data
+        return self.message == other
+
+    __hash__ = None  # type: ignore[assignment]  # as protobuf's messages: mutable, unhashable
 
 
 class _Counters:

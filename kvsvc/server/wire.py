@@ -181,7 +181,7 @@ class StepColumns:
         "types",
     )
 
-    def __init__(self, request: pb.StepRequest, max_operations: int) -> None:
+    def __init__(self, request: Any, max_operations: int) -> None:
         # Errors speak of operations, request ids and token counts, as the API does (the
         # Python client's StepBuilder, the engine's view): a column's name appears only in
         # brackets, for a client that writes the columns itself.
@@ -344,8 +344,77 @@ class StepResults:
             response.MergeFromString(b"".join(encoded))
         return response
 
+    def to_bytes(self) -> bytes | None:
+        """The reply's wire bytes, exactly those ``to_pb().SerializeToString()`` gives,
+        without the message; None where it has errors (``to_pb`` then: the map's order is
+        protobuf's) or a value past int32 (``to_pb`` refuses it as protobuf does).
+
+        protobuf writes the fields in field-number order, each packed column as one field
+        (omitted when empty), a scalar only when not 0, and nothing else: so the message's
+        bytes are its fields' bytes one after the other. A column of values in [0, 128)
+        (most of a decode step's: statuses, counts of 0 or 1) is its key, its length and
+        its values as bytes (made in C); any other is protobuf's serialization of a
+        message holding that column alone. The property tests compare the bytes.
+        """
+        if self.errors:
+            return None
+        out: list[bytes] = []
+        try:
+            columns: tuple[tuple[str, Any], ...] = (
+                ("statuses", self.statuses),
+                ("num_scheduled_tokens", self.scheduled),
+                ("num_computed_tokens", self.computed),
+                ("num_cached_tokens", self.cached),
+                ("num_groups", self.num_groups),
+                ("num_new_blocks", self.num_new_blocks),
+                ("new_block_ids", self.new_block_ids),
+                ("num_null_blocks", self.num_null_blocks),
+                ("num_freed_blocks", self.freed),
+                ("free_queue_head", self.free_queue_head),
+                ("num_free_blocks", self.num_free_blocks),
+            )
+            for name, values in columns:
+                if not values:
+                    continue
+                field = (
+                    _one_byte_column(_STEP_RESPONSE_TAGS[name], values)
+                    if isinstance(values, list)
+                    else None
+                )
+                if field is None:
+                    alone: dict[str, Any] = {name: values}
+                    field = pb.StepResponse(**alone).SerializeToString()
+                out.append(field)
+        except ValueError:  # a value the field cannot hold: to_pb refuses it alike
+            return None
+        return b"".join(out)
+
 
 _STEP_RESPONSE_TAGS = packed_varint_tags(pb.StepResponse)
+
+
+def _one_byte_column(tag: bytes, values: list[int]) -> bytes | None:
+    """``packed_one_byte_field`` compiled here with the reply (it runs for most of a Step
+    reply's columns): ``values`` as a packed field when each is in [0, 128), else None."""
+    try:
+        payload = bytes(values)  # refuses values outside [0, 256), in C
+    except ValueError:
+        return None
+    if not payload.isascii():
+        return None
+    size = len(payload)
+    if size < 0x80:
+        return tag + bytes((size,)) + payload
+    return tag + _varint_bytes(size) + payload
+
+
+def _varint_bytes(value: int) -> bytes:
+    out: list[int] = []
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 def _stored_to_pb(event: BlockStored) -> pb.KVEvent:

@@ -27,7 +27,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # What is compiled: globs relative to the repository root, the one place that says so. Every
 # module here must stay mypyc-compatible (see kvsvc.native); package __init__ files stay
 # Python (kvsvc/core/__init__.py only re-exports).
-COMPILED = ("kvsvc/core/*.py", "kvsvc/server/step.py", "kvsvc/server/wire.py")
+COMPILED = (
+    "kvsvc/core/*.py",
+    "kvsvc/server/step.py",
+    "kvsvc/server/step_codec.py",
+    "kvsvc/server/wire.py",
+)
 NOT_COMPILED = ("__init__.py",)
 # The shared library of the group (one for all modules: calls between them stay native).
 GROUP = "kvsvc_native"

@@ -79,6 +79,27 @@ def check_relations(figures: dict[str, Any]) -> None:
                 assert 0 < figures[f"{name}_handler_us"] < figures[f"{name}_p99_us"], name
                 ratio = figures[f"{name}_p50_us"] / figures[f"{call}{compiled}_p50_us"]
                 assert figures[f"{name}_vs_compiled"] == pytest.approx(ratio, rel=1e-2)
+    # The tails: p99 over p50 as printed, and the slow samples a client GC overlapped.
+    for transport in TRANSPORTS:
+        for call in ("allocate_new", "step256"):
+            name = f"{call}{transport}"
+            ratio = figures[f"{name}_p99_us"] / figures[f"{name}_p50_us"]
+            assert figures[f"{name}_p99_vs_p50"] == pytest.approx(ratio, abs=0.01)
+            assert 0 <= figures[f"{name}_slow_with_client_gc"] <= figures[f"{name}_slow_samples"]
+    # The handlers' stages (in-process): each within the handler's whole work.
+    for call, stages in (
+        ("allocate_new", ("decode", "hash", "core", "reply")),
+        ("step256", ("decode", "decode_pb", "core", "reply", "reply_pb")),
+    ):
+        whole = figures[f"{call}_split_handler_p50_us"]
+        for stage in (*stages, "handler"):
+            key = f"{call}_split_{stage}"
+            assert 0 < figures[f"{key}_p50_us"] <= figures[f"{key}_p99_us"], key
+        parts = sum(
+            figures[f"{call}_split_{stage}_p50_us"] for stage in ("decode", "core", "reply")
+        )
+        assert parts == pytest.approx(whole, rel=0.5), call
+        assert figures[f"{call}_split_gc_collections"] >= 0
     assert 0 < figures["step256_lockstep_p50_us"] <= figures["step256_lockstep_max_us"]
     assert figures["concurrent_ops_per_s"] > 0
     # Derived figures come from the printed medians (each rounded to 0.1 us).

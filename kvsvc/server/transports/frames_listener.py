@@ -72,6 +72,7 @@ from kvsvc.server.transports.auth import (
     roles_for_method,
 )
 from kvsvc.server.transports.budget import RequestBudget
+from kvsvc.server.transports.codecs import request_parser
 from kvsvc.wire.frames import (
     MAGIC,
     MAX_HEADER_BYTES,
@@ -107,7 +108,7 @@ class FrameMethod:
 
     path: str  # "/kvsvc.v1.KVCacheService/Allocate"
     handler: Handler  # the servicer's bound coroutine (request, context) -> response
-    parse: Callable[[bytes], Any]  # the request message's FromString
+    parse: Callable[[bytes], Any]  # the request message's FromString, or its raw codec
     roles: frozenset[Role] | None  # who may call it (None: anyone)
 
 
@@ -123,7 +124,7 @@ def unary_methods(service: Any, servicer: Any) -> list[FrameMethod]:
             FrameMethod(
                 path=path,
                 handler=getattr(servicer, method.name),
-                parse=GetMessageClass(method.input_type).FromString,
+                parse=request_parser(path, GetMessageClass(method.input_type).FromString),
                 roles=roles_for_method(path),
             )
         )

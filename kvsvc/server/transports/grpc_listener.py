@@ -45,6 +45,7 @@ from kvsvc.server.transports.auth import (
     report_refusal,
     roles_for_method,
 )
+from kvsvc.server.transports.codecs import KVCACHE_SERVICE, request_parser
 from kvsvc.server.transports.gate import CallGate, current_caller
 from kvsvc.server.transports.reflection import reflection_services
 from kvsvc.tls import ServerTlsSource
@@ -181,6 +182,13 @@ def _passthrough(message: bytes) -> bytes:
     return message
 
 
+def _own_bytes(message: Any) -> bytes:
+    """The response serializer of Step: its reply (a message or a
+    :class:`~kvsvc.server.calls.StepReply`) serializes itself."""
+    data: bytes = message.SerializeToString()
+    return data
+
+
 class _Recorder:
     """Stands in for a server to capture the generated method handlers."""
 
@@ -212,6 +220,19 @@ def kvcache_method_handlers(servicer: Any) -> dict[str, grpc.RpcMethodHandler]:
     whose messages are bytes (``servicer.WatchEvents`` writes them with ``context.write``)."""
     handlers = recorded_handlers(kvcache_pb2_grpc.add_KVCacheServiceServicer_to_server, servicer)
     assert "WatchEvents" in handlers, "generated registration changed: no WatchEvents handler"
+    step = handlers["Step"]
+    # Step's request is read by its raw codec (kvsvc.server.transports.codecs), as over
+    # frames, and its reply is the bytes the handler wrote.
+    handlers["Step"] = grpc.unary_unary_rpc_method_handler(
+        step.unary_unary,  # type: ignore[attr-defined]
+        request_deserializer=request_parser(
+            f"/{KVCACHE_SERVICE}/Step",
+            step.request_deserializer,  # type: ignore[attr-defined]
+        ),
+        # Its reply: a StepReply (the bytes already written) or, for a retried call, the
+        # message of the reply kept; each gives its bytes.
+        response_serializer=_own_bytes,
+    )
     handlers["WatchEvents"] = grpc.unary_stream_rpc_method_handler(
         servicer.WatchEvents,
         request_deserializer=kvcache_pb2.WatchEventsRequest.FromString,

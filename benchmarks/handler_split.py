@@ -1,0 +1,224 @@
+"""Where the server's handler time goes: Allocate's and Step's stages, in this process.
+
+rpc_bench reads the server's mean time in each handler from its ``/metrics``; this says
+what that time is made of. The server's own functions run here, in the stages a handler
+runs them, on a core pool of the bench's shape (one full-attention group, block size 16,
+xxh3_128), with the requests the Python client writes:
+
+- ``decode``: the request's bytes to what the core is called with (the parser the
+  transports use, then the handler's decoding: ``decode_allocate``, ``decode_step``);
+  for Step also the same through a protobuf message (``decode_pb``), the path before the
+  raw codec (kvsvc.server.step_codec);
+- ``hash``: hashing the prompt's blocks (the pool's hasher on the packed prompt, as an
+  admission hashes them: ``core`` below counts it, ``core_less_hash`` does not);
+- ``core``: the pool's work (``PoolKVCache.allocate``; ``apply_step``);
+- ``reply``: the reply's bytes (Step: written from the columns, ``StepResults.to_bytes``;
+  ``reply_pb``: through a protobuf message, as before).
+
+Each stage's samples give p50 and p99; ``gc`` counts the collections that ran during the
+timed calls (``gc.callbacks``) and how many of the samples above twice their call's p50
+overlapped one: what part of the tail is the collector's.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from typing import Any
+
+from kvsvc_client._wire import StepBuilder, allocate_request
+
+from kvsvc.core import PoolKVCache
+from kvsvc.server.calls import decode_allocate, decode_step
+from kvsvc.server.step import apply_step
+from kvsvc.server.step_codec import parse_step_request
+from kvsvc.server.wire import allocate_response
+from kvsvc.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from kvsvc.v1 import kvcache_pb2 as pb
+
+BLOCK_SIZE = 16
+# Small enough that the admissions fill it soon: then each one evicts the cached blocks
+# of earlier ones (index removals and their events), as in a server that has run a while.
+NUM_BLOCKS = 4096
+WARMUP = 100
+MAX_MODEL_LEN = 8192
+BATCH = 256
+
+
+class GcWatch:
+    """Counts the garbage collections (all generations) and their time, from
+    ``gc.callbacks``, while it is installed."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.seconds = 0.0
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.count += 1
+            self.seconds += time.perf_counter() - self._started
+
+    def __enter__(self) -> GcWatch:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+
+class _Counters:
+    """Where apply_step counts outcomes (the server's metrics; nothing here)."""
+
+    allocate_ok = allocate_no_space = preempt_requests = free_requests = freed_blocks = 0
+
+
+def _cache() -> PoolKVCache:
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64, dtype="float16")
+    config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS, kv_cache_groups=[KVCacheGroupSpec(["layer0"], spec)]
+    )
+    return PoolKVCache(
+        config, max_model_len=MAX_MODEL_LEN, hash_algo="xxh3_128", enable_events=True
+    )
+
+
+class _Stages:
+    """Samples (microseconds) per stage: ``mark(name)`` ends the stage begun at the last
+    mark (or at ``start``)."""
+
+    def __init__(self) -> None:
+        self.samples: dict[str, list[float]] = {}
+        self._last = 0.0
+
+    def start(self) -> None:
+        self._last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.samples.setdefault(name, []).append((now - self._last) * 1e6)
+        self._last = now
+
+
+def _admission_prompt(i: int) -> list[int]:
+    """rpc_bench's admission: a shared 1024-token half, then 1024 tokens of its own."""
+    return list(range(1, 1025)) + [(i * 7919 + j) % 30000 + 1 for j in range(1024)]
+
+
+def allocate_stages(n: int) -> tuple[dict[str, list[float]], list[float], int]:
+    """``n`` new 2048-token admissions (each freed after, untimed), after ``WARMUP``
+    untimed ones: the samples of each stage, of the handler's whole work, and the
+    collections that ran."""
+    cache = _cache()
+    hasher = cache.manager.hasher
+    stages = _Stages()
+    whole: list[float] = []
+    with GcWatch() as watch:
+        for i in range(-WARMUP, n):
+            data = allocate_request(
+                "bench", f"new-{i}", _admission_prompt(i), 2048, 0, True
+            ).SerializeToString()
+            started = time.perf_counter()
+            stages.start()
+            call = decode_allocate(pb.AllocateRequest.FromString(data), "")
+            stages.mark("decode")
+            outcome = cache.allocate(
+                call.request_id,
+                call.tokens,
+                call.num_new_tokens,
+                call.num_lookahead_tokens,
+                call.start,
+                packed_token_ids=call.packed,
+            )
+            stages.mark("core")
+            allocate_response(outcome).SerializeToString()
+            stages.mark("reply")
+            whole.append((time.perf_counter() - started) * 1e6)
+            assert outcome.ok, outcome
+            # The same prompt's hashing alone (the core's share above that is hashing).
+            stages.start()
+            hasher.hash_blocks(
+                call.tokens, 0, len(call.tokens) // BLOCK_SIZE, None, None, call.packed
+            )
+            stages.mark("hash")
+            cache.free([call.request_id])
+            if i < 0:
+                stages.samples.clear()
+                whole.clear()
+                watch.count = 0
+    return stages.samples, whole, watch.count
+
+
+def step_stages(n: int) -> tuple[dict[str, list[float]], list[float], int]:
+    """``n`` Steps of one decode token for each of 256 running requests (prompts of
+    64..79 tokens, as rpc_bench's): the samples of each stage, of the handler's whole
+    work, and the collections that ran."""
+    cache = _cache()
+    admit = StepBuilder("bench")
+    for r in range(BATCH):
+        length = 64 + r % 16
+        prompt = [(r * 31 + j) % 30000 + 1 for j in range(length)]
+        admit.allocate(f"dec-{r}", prompt, length, start=True)
+    apply_step(cache, decode_step(admit.to_pb(), "", 1 << 20), _Counters())
+    stages = _Stages()
+    whole: list[float] = []
+    with GcWatch() as watch:
+        for it in range(n):
+            step = StepBuilder("bench")
+            for r in range(BATCH):
+                step.allocate(f"dec-{r}", [it % 30000 + 1], 1)
+            data = step.to_pb().SerializeToString()
+            # The path before the raw codec, for comparison (not part of the handler).
+            stages.start()
+            decode_step(pb.StepRequest.FromString(data), "", 1 << 20)
+            stages.mark("decode_pb")
+            started = time.perf_counter()
+            stages.start()
+            columns = decode_step(parse_step_request(data), "", 1 << 20)
+            stages.mark("decode")
+            results = apply_step(cache, columns, _Counters())
+            stages.mark("core")
+            data = results.to_bytes()
+            stages.mark("reply")
+            whole.append((time.perf_counter() - started) * 1e6)
+            assert data is not None and len(results.statuses) == BATCH
+            # The reply through a protobuf message, as before the direct encoding.
+            stages.start()
+            results.to_pb().SerializeToString()
+            stages.mark("reply_pb")
+    return stages.samples, whole, watch.count
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summary(samples: list[float]) -> tuple[float, float]:
+    return statistics.median(samples), percentile(samples, 0.99)
+
+
+def split_figures(allocations: int = 400, steps: int = 400) -> dict[str, float]:
+    """The stages' p50 and p99 (microseconds) as rpc_bench's figures."""
+    figures: dict[str, float] = {}
+    for call, (stages, whole, collections) in (
+        ("allocate_new", allocate_stages(allocations)),
+        ("step256", step_stages(steps)),
+    ):
+        for stage, samples in {**stages, "handler": whole}.items():
+            p50, p99 = summary(samples)
+            figures[f"{call}_split_{stage}_p50_us"] = round(p50, 1)
+            figures[f"{call}_split_{stage}_p99_us"] = round(p99, 1)
+        figures[f"{call}_split_gc_collections"] = collections
+    figures["allocate_new_split_core_less_hash_p50_us"] = round(
+        figures["allocate_new_split_core_p50_us"] - figures["allocate_new_split_hash_p50_us"], 1
+    )
+    return figures
+
+
+if __name__ == "__main__":
+    for key, value in split_figures().items():
+        print(f"{key:48} {value}")
