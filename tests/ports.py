@@ -5,7 +5,8 @@ A test server that keeps a default address (``ServerConfig()``'s ``/metrics`` on
 the machine holds that port, and fails on a machine where something does: a CI run once
 failed that way. tests/conftest.py holds every default address for the whole session with
 :class:`DefaultPortHolder`, so such a test fails on every run, naming the address, instead
-of on some machines. (Where another process holds a port already, it is held all the same.)
+of on some machines. (Where another process holds a port already, it is held all the same,
+and taken by the suite once that process lets go.)
 
 A client that dials a held address (``kvsvc ctl`` without ``--server``) has its connection
 accepted and closed at once: it fails as fast as against a closed port.
@@ -37,23 +38,30 @@ class DefaultPortHolder:
         self.sockets: list[socket.socket] = []
         self.held_elsewhere: list[str] = []
         for address in addresses:
-            host, port = split_host_port(address, "default address")
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            # SO_REUSEADDR only (past TIME_WAIT); never SO_REUSEPORT, which gRPC sets and
-            # which would let a test's server share the port instead of being refused.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind((host, port))
-            except OSError:
-                sock.close()
+            sock = self._bind(address)
+            if sock is None:
                 self.held_elsewhere.append(address)  # in use already: held all the same
-                continue
-            sock.listen(64)
-            sock.setblocking(False)
-            self.sockets.append(sock)
+            else:
+                self.sockets.append(sock)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._refuse, name="default-ports", daemon=True)
         self._thread.start()
+
+    @staticmethod
+    def _bind(address: str) -> socket.socket | None:
+        host, port = split_host_port(address, "default address")
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # SO_REUSEADDR only (past TIME_WAIT); never SO_REUSEPORT, which gRPC sets and
+        # which would let a test's server share the port instead of being refused.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            sock.close()
+            return None
+        sock.listen(64)
+        sock.setblocking(False)
+        return sock
 
     def _refuse(self) -> None:
         with selectors.DefaultSelector() as selector:
@@ -64,6 +72,14 @@ class DefaultPortHolder:
                     with contextlib.suppress(OSError):
                         conn, _ = key.fileobj.accept()  # type: ignore[union-attr]
                         conn.close()
+                # An address another process held (another test session, say) is taken
+                # once it lets go, so it stays held for the rest of this session.
+                for address in list(self.held_elsewhere):
+                    sock = self._bind(address)
+                    if sock is not None:
+                        self.held_elsewhere.remove(address)
+                        self.sockets.append(sock)
+                        selector.register(sock, selectors.EVENT_READ)
 
     def close(self) -> None:
         self._stop.set()
