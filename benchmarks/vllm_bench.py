@@ -251,16 +251,13 @@ def sender_cpu_s(replica: Any) -> float:
 
     The scheduler hands each Step to it and goes on, so the thread's CPU is kvsvc's cost
     that the scheduler thread's own CPU time does not show. Reached through the client's
-    private executor: a benchmark's look inside, not an API.
+    private sender: a benchmark's look inside, not an API.
     """
-    executor = replica._client._step_sender
-    if executor is None:
+    sender = replica._client._step_sender
+    thread = sender.thread if sender is not None else None
+    if thread is None or thread.ident is None or not thread.is_alive():
         return 0.0
-    return sum(
-        time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
-        for thread in list(executor._threads)
-        if thread.ident is not None and thread.is_alive()
-    )
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
 def process_cpu_s(pid: int) -> float:

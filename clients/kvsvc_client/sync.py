@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
 import logging
 import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -23,6 +22,7 @@ from kvsvc_client._common import (
     ClientOptions,
     epoch_of_reply,
 )
+from kvsvc_client._sender import StepSender, StepSlot
 from kvsvc_client._types import (
     AllocateResult,
     BlockTable,
@@ -66,26 +66,36 @@ class SyncStep(_wire.StepBuilder):
         )
         return self.parse(response)
 
-    def send_future(self, timeout: float | None = None) -> StepFuture:
+    def send_future(
+        self,
+        timeout: float | None = None,
+        *,
+        then: Callable[[_wire.StepResultList], Any] | None = None,
+    ) -> StepFuture:
         """Hand the Step to the client's sender thread and return at once; ``result()``
         waits for its results.
 
         Lets an engine overlap the call with its own work. One thread sends every Step of
         a client, so Steps sent this way are applied in the order they were sent. (gRPC's
         own ``future()`` starts a thread per call: several times dearer than the call.)
+
+        ``then``: work on the results to run on the sender thread as soon as they are in
+        (an engine's check of the reply, done while it computes rather than after);
+        ``then_result()`` gives what it returned (or raises what it raised).
         """
-        return StepFuture(self, self._client._sender().submit(self.send, timeout))
+        return StepFuture(self, self._client._sender().submit(lambda: self.send(timeout), then))
 
 
 class StepFuture:
     """A Step sent by :meth:`SyncStep.send_future`."""
 
-    def __init__(self, step: SyncStep, future: concurrent.futures.Future[Any]) -> None:
+    def __init__(self, step: SyncStep, slot: StepSlot) -> None:
         self._step = step
-        self._future = future
+        self._slot = slot
 
     def done(self) -> bool:
-        return self._future.done()
+        """Whether the reply is in (and ``then`` has run): ``result()`` would not wait."""
+        return self._slot.finished
 
     def __repr__(self) -> str:
         return f"StepFuture({len(self._step)} operations, {'done' if self.done() else 'pending'})"
@@ -96,7 +106,23 @@ class StepFuture:
         Raises:
             KVCacheError: the call failed (UnavailableError when the server is gone).
         """
-        return cast(_wire.StepResultList, self._future.result())
+        slot = self._slot
+        slot.wait()
+        if slot.error is not None:
+            raise slot.error
+        return cast(_wire.StepResultList, slot.results)
+
+    def then_result(self) -> Any:
+        """What ``send_future``'s ``then`` returned for the results (None without one).
+
+        Raises:
+            KVCacheError: the call failed; or whatever ``then`` raised.
+        """
+        self.result()
+        slot = self._slot
+        if slot.then_error is not None:
+            raise slot.then_error
+        return slot.then_value
 
 
 class KVCacheClient:
@@ -141,7 +167,7 @@ class KVCacheClient:
         self._admin = admin_pb2_grpc.AdminServiceStub(self._channel)
         self._metadata = self.options.metadata()
         self._sender_lock = threading.Lock()
-        self._step_sender: concurrent.futures.ThreadPoolExecutor | None = None
+        self._step_sender: StepSender | None = None
         self._closed = False
         self._watches: set[Any] = set()  # open WatchEvents streams, cancelled by close()
         # Call ids of Allocate, Free and Step: unique per client, so the server can answer
@@ -161,17 +187,18 @@ class KVCacheClient:
         for stream in watches:
             stream.cancel()
         if sender is not None:
-            sender.shutdown(wait=True)
+            sender.shutdown()
         if self._own_channel:
             self._channel.close()
 
-    def _sender(self) -> concurrent.futures.ThreadPoolExecutor:
+    def _sender(self) -> StepSender:
         """The one thread that sends this client's ``send_future`` Steps (made on first use)."""
+        sender = self._step_sender
+        if sender is not None:
+            return sender
         with self._sender_lock:
             if self._step_sender is None:
-                self._step_sender = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix="kvsvc-step"
-                )
+                self._step_sender = StepSender("kvsvc-step")
             return self._step_sender
 
     def __enter__(self) -> KVCacheClient:

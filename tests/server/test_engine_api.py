@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -311,6 +312,51 @@ def test_auth_token_is_required_when_configured() -> None:
             wrong.list_pools()
         with KVCacheClient(srv.address, pool="p", options=ClientOptions(token=secret)) as ok:
             assert [p.name for p in ok.list_pools()] == ["p"]
+
+
+def test_send_future_then_runs_on_the_sender_thread_in_order(kv: KVCacheClient) -> None:
+    """``then`` runs on the client's sender thread once each reply is in, in the order the
+    Steps were sent; ``then_result()`` gives its value, or raises what it raised while
+    ``result()`` still gives the results; a failed Step raises from both and its
+    ``then`` never runs."""
+    seen: list[tuple[str, int]] = []
+
+    def note(results: Any) -> int:
+        seen.append((threading.current_thread().name, results[0].num_computed_tokens))
+        return int(results[0].num_computed_tokens)
+
+    admit = kv.step()
+    admit.allocate("th", tokens(11000, 20), 20, start=True)
+    futures = [admit.send_future(then=note)]
+    for token in (1, 2, 3):
+        grow = kv.step()
+        grow.allocate("th", [token], 1)
+        futures.append(grow.send_future(then=note))
+    assert [future.then_result() for future in futures] == [20, 21, 22, 23]
+    assert [count for _, count in seen] == [20, 21, 22, 23]
+    assert {name for name, _ in seen} == {"kvsvc-step"}
+    assert all(future.done() for future in futures)
+
+    def broken(results: Any) -> None:
+        raise ValueError(f"checked {len(results)}")
+
+    grow = kv.step()
+    grow.allocate("th", [4], 1)
+    failing_check = grow.send_future(then=broken)
+    with pytest.raises(ValueError, match="checked 1"):
+        failing_check.then_result()
+    assert failing_check.result()[0].num_computed_tokens == 24
+
+    refused = kv.step()
+    refused.allocate("th", [5], 1)
+    refused.free_queue_head_limit = 10**7  # past the bound: the whole Step is refused
+    failed = refused.send_future(then=note)
+    with pytest.raises(InvalidArgumentError, match="free_queue_head_limit"):
+        failed.result()
+    with pytest.raises(InvalidArgumentError, match="free_queue_head_limit"):
+        failed.then_result()
+    assert len(seen) == 4
+    kv.free("th")
 
 
 def test_step_lookup_free_queue_head_and_send_future(kv: KVCacheClient) -> None:

@@ -40,18 +40,22 @@ def server() -> Iterator[ServerThread]:
             rank.close()
 
 
-@pytest.fixture
-def replica(server: ServerThread) -> Iterator[KvsvcPoolReplica]:
+def new_replica(server: ServerThread) -> KvsvcPoolReplica:
     plan = server.run(lambda: server.server.pools.by_name[POOL].plan)
     kwargs = vllm_kwargs(server.address, POOL)
     settings = settings_from_additional_config(kwargs["additional_config"])
-    engine = KvsvcPoolReplica(
+    return KvsvcPoolReplica(
         replace(settings, rpc_timeout=10.0),
         config=plan.scheduler_config,
         block_size=plan.block_size,
         max_model_len=160,
         enable_caching=True,
     )
+
+
+@pytest.fixture
+def replica(server: ServerThread) -> Iterator[KvsvcPoolReplica]:
+    engine = new_replica(server)
     yield engine
     for request_id in list(engine._num_sent):
         engine.free(request_id, preempted=False)
@@ -150,6 +154,28 @@ def test_a_reply_that_differs_from_the_replica_stops_the_engine(
     message = str(failure.value)
     assert f"kvsvc server {server.address} (pool '{POOL}')" in message
     assert "diverged" in message
+
+
+def test_a_pool_changed_behind_the_engines_back_stops_it_at_the_next_reply(
+    server: ServerThread,
+) -> None:
+    """Another client takes blocks of the engine's pool between two steps: the next
+    Step's reply (checked as it arrives, on the client's sender thread) differs from the
+    replica's answers, and awaiting it stops the engine with the divergence named."""
+    engine = new_replica(server)
+    with KVCacheClient(server.address, POOL) as intruder:
+        try:
+            assert admit(engine, "c", list(range(600, 680)), 80) is not None
+            engine.end_step()
+            engine.await_reply()
+            assert intruder.allocate("intruder", list(range(700, 740)), 40, start=True).ok
+            assert admit(engine, "d", list(range(800, 840)), 40) is not None
+            engine.end_step()
+            with pytest.raises(KvsvcError, match="diverged"):
+                engine.await_reply()
+        finally:
+            engine._client.close()  # the replica is past use: nothing more to send
+            intruder.free("intruder", "c", "d")
 
 
 def test_a_forced_reset_makes_the_replica_resync(

@@ -44,6 +44,7 @@ offloading), and EAGLE/MTP's trailing-block handling (see
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import time
@@ -359,10 +360,33 @@ class KvsvcPoolReplica:
             results = self._call(future.result, f"apply a Step of {num_operations} operations")
         finally:
             self.stats.seconds_waiting += time.perf_counter() - started
-        self._check(prediction, results)
+        if not future.then_result():
+            self._check(prediction, results)
+
+    def _as_predicted(self, prediction: _Prediction, results: StepResultList) -> bool:
+        """Whether a Step's reply is exactly what the replica answered.
+
+        Run by the client's sender thread as soon as the reply is in, while the engine
+        computes: it reads only the reply and the prediction, which nothing changes once
+        the Step is sent. Any other reply is looked at again by :meth:`_check`, on the
+        scheduler's thread, which says what it is.
+        """
+        response = results.response
+        return (
+            not response.errors
+            and response.num_groups == self.num_groups
+            and list(response.statuses) == prediction.statuses
+            and list(response.num_new_blocks) == prediction.num_new_blocks
+            and list(response.new_block_ids) == prediction.new_block_ids
+            and list(response.num_cached_tokens) == prediction.num_cached_tokens
+            and list(response.num_null_blocks) == prediction.num_null_blocks
+            and response.num_free_blocks == prediction.num_free_blocks
+        )
 
     def _check(self, prediction: _Prediction, results: StepResultList) -> None:
-        """Compare a Step's reply with the replica's answers, column by column."""
+        """Compare a Step's reply with the replica's answers, column by column, and say
+        what a reply other than the predicted one means (an error, an invalidation, a
+        divergence)."""
         response = results.response
         if response.errors:
             index, error = min(response.errors.items())
@@ -384,14 +408,7 @@ class KvsvcPoolReplica:
                 f"{self._where} answered for {response.num_groups} KV cache groups, the "
                 f"engine has {self.num_groups}"
             )
-        if (
-            statuses == prediction.statuses
-            and list(response.num_new_blocks) == prediction.num_new_blocks
-            and list(response.new_block_ids) == prediction.new_block_ids
-            and list(response.num_cached_tokens) == prediction.num_cached_tokens
-            and list(response.num_null_blocks) == prediction.num_null_blocks
-            and response.num_free_blocks == prediction.num_free_blocks
-        ):
+        if self._as_predicted(prediction, results):
             return
         divergence = self._describe_divergence(prediction, response)
         usage = self._call(self._client.usage, "read the pool's usage")
@@ -456,7 +473,8 @@ class KvsvcPoolReplica:
         self.stats.operations_sent += len(step)
         if in_step:
             self._step_rpcs += 1
-        self._in_flight = (step.send_future(), prediction, len(step))
+        check = functools.partial(self._as_predicted, prediction)
+        self._in_flight = (step.send_future(then=check), prediction, len(step))
 
     # -- the per-step protocol -----------------------------------------------------------
 
