@@ -76,7 +76,12 @@ def pack_token_ids(token_ids: Sequence[int]) -> bytes | None:
     if len(token_ids) < PACK_THRESHOLD:
         return None
     try:
-        values = array.array("I", token_ids)
+        if type(token_ids) is list:
+            # A list's own conversion is ~30% quicker than the constructor's iteration.
+            values = array.array("I")
+            values.fromlist(token_ids)
+        else:
+            values = array.array("I", token_ids)
     except (OverflowError, TypeError):
         return None
     if sys.byteorder == "big":
@@ -236,6 +241,9 @@ class StepBuilder:
         self._lookahead: list[int] = []
         self._rejected: list[int] = []
         self._in_flight: list[int] = []
+        # Whether any operation set a lookahead, rejected or in-flight count (a decode
+        # step's are all 0: its Step then sends none of the three columns).
+        self._extras = False
         self._starts: dict[int, kvcache_pb2.RequestStart] = {}
         self.free_queue_head_limit = 0
         self.free_queue_head_offset = 0
@@ -268,9 +276,12 @@ class StepBuilder:
         ``num_rejected_tokens``: drafts of the last step that were rejected;
         ``num_in_flight_tokens``: computed tokens of earlier steps whose outputs have not
         come back, for an engine that schedules ahead)."""
-        start_pb = start_to_pb(start)
-        if start_pb is not None:
-            self._starts[len(self._types)] = start_pb
+        if start is not False:
+            start_pb = start_to_pb(start)
+            if start_pb is not None:
+                self._starts[len(self._types)] = start_pb
+        if num_lookahead_tokens or num_rejected_tokens or num_in_flight_tokens:
+            self._extras = True
         self._types.append(kvcache_pb2.STEP_OPERATION_TYPE_ALLOCATE)
         self._ids.append(request_id)
         self._counts.append(len(new_token_ids))
@@ -294,6 +305,8 @@ class StepBuilder:
         ``num_rejected_tokens`` off its computed count and caches the blocks that are full
         up to computed - ``num_in_flight_tokens``. Allocates nothing (vLLM's
         ``cache_blocks``)."""
+        if num_rejected_tokens or num_in_flight_tokens:
+            self._extras = True
         self._types.append(kvcache_pb2.STEP_OPERATION_TYPE_CACHE)
         self._ids.append(request_id)
         self._counts.append(len(new_token_ids))
@@ -342,6 +355,7 @@ class StepBuilder:
 
     def to_pb(self) -> kvcache_pb2.StepRequest:
         packed = pack_token_ids(self._tokens)
+        extras = self._extras
         # A decode step's types and counts are 1s: such columns go in as their wire bytes
         # (one byte a value, parsed in C), not element by element (~15 ns each).
         columns: dict[str, list[int]] = {}
@@ -360,9 +374,9 @@ class StepBuilder:
             pool=self._pool,
             request_ids=self._ids,
             packed_token_ids=packed or b"",
-            num_lookahead_tokens=self._lookahead if any(self._lookahead) else (),
-            num_rejected_tokens=self._rejected if any(self._rejected) else (),
-            num_in_flight_tokens=self._in_flight if any(self._in_flight) else (),
+            num_lookahead_tokens=self._lookahead if extras and any(self._lookahead) else (),
+            num_rejected_tokens=self._rejected if extras and any(self._rejected) else (),
+            num_in_flight_tokens=self._in_flight if extras and any(self._in_flight) else (),
             starts=self._starts,
             free_queue_head_limit=self.free_queue_head_limit,
             free_queue_head_offset=self.free_queue_head_offset,
