@@ -7,8 +7,6 @@ hide behind a noisy machine.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -16,18 +14,15 @@ from typing import Any
 
 import pytest
 
+from tests.tooling import script_module
+
 MODULE = Path(__file__).resolve().parents[1] / "benchmarks" / "engine_figures.py"
 
 
 @pytest.fixture(scope="module")
 def figures() -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location("engine_figures", MODULE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["engine_figures"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["engine_figures"]
+    with script_module("engine_figures", MODULE) as module:
+        yield module
 
 
 def a_round(figures: ModuleType, tokens_per_s: float, scheduler_cpu_us: float, **more: Any) -> Any:

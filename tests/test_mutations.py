@@ -5,23 +5,18 @@ mutations themselves are run by ``make mutate``, not here (a few minutes)."""
 from __future__ import annotations
 
 import ast
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from tests.tooling import load_script
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _load_runner() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kvsvc_mutate", REPO / "tools" / "mutate.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script("kvsvc_mutate", REPO / "tools" / "mutate.py")
 
 
 RUNNER = _load_runner()

@@ -3,24 +3,25 @@ exit status must say what the report says: 1 exactly when a shape misses the 50 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
+
+from tests.tooling import script_module
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "plan_bench.py"
 
 
-def test_plan_bench_json(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    spec = importlib.util.spec_from_file_location("plan_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "plan_bench", bench)  # dataclasses look their module up
-    spec.loader.exec_module(bench)
+@pytest.fixture
+def bench() -> Iterator[ModuleType]:
+    with script_module("plan_bench", BENCH) as module:
+        yield module
+
+
+def test_plan_bench_json(capsys: pytest.CaptureFixture[str], bench: ModuleType) -> None:
     status = bench.main(["--runs", "11", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert report["goal_ms"] == 50.0

@@ -8,13 +8,17 @@ whole part of the suite did not run.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import shutil
 import socket
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 from typing import NoReturn
 
 import pytest
@@ -130,3 +134,31 @@ def _bindable(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def load_script(name: str, path: Path) -> ModuleType:
+    """A script of the repository (a benchmark, a tool: not a package) as module ``name``,
+    registered in ``sys.modules``, where the dataclasses it defines look their module up."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+@contextmanager
+def script_module(name: str, path: Path) -> Iterator[ModuleType]:
+    """:func:`load_script` for the block, ``sys.modules`` as it was after it."""
+    before = sys.modules.get(name)
+    try:
+        yield load_script(name, path)
+    finally:
+        if before is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = before

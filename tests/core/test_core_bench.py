@@ -8,10 +8,8 @@ the same with vLLM importable, where the column is measured in the same run.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -20,21 +18,15 @@ from typing import Any
 import pytest
 
 import kvsvc.native
+from tests.tooling import script_module
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "core_bench.py"
 
 
 @pytest.fixture(scope="module")
 def bench() -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location("core_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["core_bench"] = module  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
+    with script_module("core_bench", BENCH) as module:
         yield module
-    finally:
-        del sys.modules["core_bench"]
 
 
 @pytest.fixture(scope="module")

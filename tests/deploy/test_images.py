@@ -14,12 +14,10 @@ only the kvsvc layers. The images are tagged ``kvsvc-test:server`` /
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,7 +28,7 @@ from typing import Any
 import pytest
 
 from tests.deploy.files import REPO
-from tests.tooling import missing, require_tool
+from tests.tooling import load_script, missing, require_tool
 
 IMAGES = REPO / "deploy" / "images"
 TEST_IMAGE = "kvsvc-test"
@@ -41,12 +39,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 def load_smoke() -> ModuleType:
     """deploy/images/smoke.py as a module (it is a script, not a package)."""
-    spec = importlib.util.spec_from_file_location("kvsvc_images_smoke", IMAGES / "smoke.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("kvsvc_images_smoke", IMAGES / "smoke.py")
 
 
 smoke = load_smoke()

@@ -10,11 +10,11 @@ vllm_bench.py's engines (stock vLLM and vLLM on kvsvc) must each have their figu
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
-import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -23,16 +23,25 @@ import vllm
 from tests.core.test_core_bench import check_relations as check_core_relations
 from tests.e2e.test_rpc_bench import check_relations as check_rpc_relations
 from tests.e2e.test_rpc_bench import run_bench as run_rpc_bench
+from tests.tooling import script_module
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def test_core_bench_measures_vllm_in_the_same_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = importlib.util.spec_from_file_location("core_bench", BENCHMARKS / "core_bench.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "core_bench", bench)  # dataclasses look their module up
-    spec.loader.exec_module(bench)
+@pytest.fixture
+def core_bench() -> Iterator[ModuleType]:
+    with script_module("core_bench", BENCHMARKS / "core_bench.py") as module:
+        yield module
+
+
+@pytest.fixture
+def vllm_bench() -> Iterator[ModuleType]:
+    with script_module("vllm_bench", BENCHMARKS / "vllm_bench.py") as module:
+        yield module
+
+
+def test_core_bench_measures_vllm_in_the_same_run(core_bench: ModuleType) -> None:
+    bench = core_bench
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert bench.main(["--quick", "--json", "--runs", "1"]) == 0
@@ -62,7 +71,7 @@ def test_rpc_bench_measures_vllm_in_the_same_run() -> None:
 
 
 def test_vllm_bench_measures_each_engines_scheduler_and_cpu(
-    monkeypatch: pytest.MonkeyPatch,
+    vllm_bench: ModuleType,
 ) -> None:
     """One small round of vllm_bench.py: every engine has every figure it should, the
     kvsvc engines' Step sender thread is found and did work, and the table fits 100
@@ -71,11 +80,7 @@ def test_vllm_bench_measures_each_engines_scheduler_and_cpu(
 
     from tests.vllm.helpers import vllm_test_env
 
-    spec = importlib.util.spec_from_file_location("vllm_bench", BENCHMARKS / "vllm_bench.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "vllm_bench", bench)
-    spec.loader.exec_module(bench)
+    bench = vllm_bench
     args = argparse.Namespace(rounds=2, requests=4, max_tokens=8, blocks=256, no_pure=True)
     with vllm_test_env():
         lines = bench.bench_model(vllm, "llama", args)
