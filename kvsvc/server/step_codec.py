@@ -51,6 +51,9 @@ _INT32_END: Final = 1 << 31
 _UINT32_END: Final = 1 << 32
 # Messages up to this size are read as latin-1 text once, their ids sliced from it.
 _TEXT_BYTES: Final = 1 << 20
+# The last Step's request ids whose field bytes were contiguous (see _IdsRun), up to this
+# many bytes of fields.
+_IDS_RUN_BYTES: Final = 1 << 20
 
 
 class _NotPlain(Exception):
@@ -109,6 +112,27 @@ class StepRequestView:
         return pb.StepRequest.FromString(self._data)
 
 
+class _IdsRun:
+    """The request ids of the last Step read: their fields' bytes, as one run, and the ids.
+
+    An engine's consecutive Steps mostly name the same running requests in the same order:
+    the same bytes, field for field. When a Step's ids begin with the last one's bytes,
+    those ids are the last ones' (equal bytes decode to equal text), taken as they are:
+    no string is built again, and each keeps its computed hash for the core's lookups.
+    The ids after the run (new requests) are read one by one as before. Only complete
+    fields are kept, so a match always ends on a field's end.
+    """
+
+    __slots__ = ("fields", "ids")
+
+    def __init__(self) -> None:
+        self.fields = b""
+        self.ids: list[str] = []
+
+
+_last_ids = _IdsRun()
+
+
 def _varint(data: bytes, pos: int, end: int) -> tuple[int, int]:
     """The varint at ``pos`` (at most five bytes) and the position after it."""
     value = 0
@@ -138,11 +162,18 @@ def _extend_varints(column: list[int], data: bytes, pos: int, end: int, limit: i
 
 
 def _read(data: bytes) -> StepRequestView:
+    global _last_ids
     view = StepRequestView(data)
     starts: list[bytes] = []
     text: str | None = None
     end = len(data)
     pos = 0
+    # Where this message's id fields run, while they are contiguous (-1: not begun;
+    # ids_end = -1 after: not contiguous).
+    ids_begin = -1
+    ids_end = 0
+    reused = False  # the ids are the last run's, none after it (the run stays)
+    last = _last_ids
     while pos < end:
         field_start = pos
         key = data[pos]
@@ -162,6 +193,21 @@ def _read(data: bytes) -> StepRequestView:
             if stop > end:
                 raise _NotPlain
             if number == _REQUEST_IDS:
+                if ids_begin < 0:
+                    ids_begin = field_start
+                    ids_end = field_start
+                    known = last.fields
+                    if known and data.startswith(known, field_start):
+                        # The last Step's ids, field for field (see _IdsRun).
+                        view.request_ids = list(last.ids)
+                        pos = ids_end = field_start + len(known)
+                        reused = True
+                        continue
+                reused = False
+                if ids_end != field_start:
+                    ids_end = -1  # another field between ids: not one run
+                elif ids_end >= 0:
+                    ids_end = stop
                 if text is None:
                     text = data.decode("latin-1") if end <= _TEXT_BYTES else ""
                 name = text[pos:stop] if text else ""
@@ -224,6 +270,16 @@ def _read(data: bytes) -> StepRequestView:
                 raise _NotPlain
         else:
             raise _NotPlain
+    if (
+        not reused
+        and ids_begin >= 0
+        and ids_end > ids_begin
+        and ids_end - ids_begin <= _IDS_RUN_BYTES
+    ):
+        run = _IdsRun()
+        run.fields = data[ids_begin:ids_end]
+        run.ids = list(view.request_ids)
+        _last_ids = run
     if starts:
         # The map's entries alone: protobuf merges them as it would in the whole message.
         view.starts = pb.StepRequest.FromString(b"".join(starts)).starts

@@ -270,3 +270,48 @@ def test_the_handler_reads_the_same_columns_either_way() -> None:
                     | {"starts": sorted(columns.starts), "token_ids": list(columns.token_ids)}
                 )
         assert outcomes[0] == outcomes[1]
+
+
+def _ids_step(ids: list[str], *, between: bytes = b"", tail: bytes = b"") -> bytes:
+    """A Step whose id fields run in a row (``between`` goes after the first id)."""
+    fields = [b"\x0a\x05bench", b"\x12\x01\x01"]
+    for index, name in enumerate(ids):
+        encoded = name.encode()
+        fields.append(b"\x1a" + _varint(len(encoded)) + encoded)
+        if index == 0 and between:
+            fields.append(between)
+    return b"".join(fields) + tail
+
+
+def test_a_step_naming_the_last_ones_ids_reads_them_as_protobuf_does() -> None:
+    """Consecutive Steps share their ids' bytes (see step_codec._IdsRun): the same, more,
+    fewer, one changed, a field between them, a non-ASCII id, one left to protobuf; each
+    read as protobuf reads it."""
+    base = [f"req-{i}" for i in range(40)]
+    first = _same_as_protobuf(_ids_step(base))
+    # The same ids: the last Step's strings themselves (not built again).
+    again = _same_as_protobuf(_ids_step(base, tail=b"\x22\x01\x01"))
+    assert all(a is b for a, b in zip(again.request_ids, first.request_ids, strict=True))
+    # The caller's list is its own: changing it changes no later read.
+    again.request_ids[0] = "changed"
+    assert _same_as_protobuf(_ids_step(base)).request_ids[0] == "req-0"
+    variants = [
+        [*base, "new-1", "new-2"],  # the run, then new requests
+        base[:-1],  # one fewer: not the run's bytes
+        [*base[:10], "other", *base[11:]],  # one changed in the middle
+        ["requête-é", *base],  # a non-ASCII id first
+        [*base, "requête-é"],
+        base,
+        [],
+        base,
+    ]
+    for ids in variants:
+        parsed = _same_as_protobuf(_ids_step(ids))
+        assert isinstance(parsed, StepRequestView)
+    # Another field between the ids: still protobuf's reading, before and after.
+    for _ in range(2):
+        _same_as_protobuf(_ids_step(base, between=b"\x20\x01"))
+    _same_as_protobuf(_ids_step(base))
+    # A message left to protobuf (an unknown field) between two that take the run.
+    assert isinstance(_same_as_protobuf(_ids_step(base, tail=b"\xf8\x01\x01")), pb.StepRequest)
+    assert _same_as_protobuf(_ids_step([*base[:5], "x"])).request_ids[:6] == [*base[:5], "x"]
