@@ -28,7 +28,13 @@ same kind of socket and with gRPC's same call):
                     the server's own functions run in this process once the servers have
                     stopped (benchmarks/handler_split.py), p50 and p99, beside the server's
                     measured handler mean: what of it is the work, what the server around it
-  marginal          (step256 p50 - echo p50) / 256: the cost of one more request in a Step,
+  one more request  (step256 p50 - step32 p50) / 224, where step32 is the same Step of 32
+                    running requests in the same rounds: the slope, what one more running
+                    request adds to a Step (the call's fixed cost cancels out)
+  marginal          (step256 p50 - echo p50) / 256: a Step's whole cost beyond the echo,
+                    per request (the fixed cost of a Step included: an upper bound on the
+                    slope), next to what vLLM's own in-process manager spends on one decode
+                    allocation
                     next to what vLLM's own in-process manager spends on one decode
                     allocation (allocate_slots(req, 1), 256 running requests of the same
                     lengths).
@@ -104,6 +110,10 @@ GOAL_STEP_P99_US = 3000.0
 GOAL_ALLOCATE_VS_ECHO = 1.5
 GOAL_STEP_VS_VLLM = 1.0
 GOAL_STEP_VS_VLLM_NEXT = 0.5
+# Issue 33: one more running request adds at most this much to a Step.
+GOAL_SLOPE_US = 1.0
+# The smaller Step of the slope (its requests are the other bench's shape).
+SMALL_BATCH = 32
 # Issue 33: a call's p99 within twice its p50 (on a quiet machine).
 GOAL_P99_VS_P50 = 2.0
 # vLLM's in-process decode allocate_slots(req, 1) median, measured once on this machine
@@ -562,9 +572,10 @@ def start_server(
                 "cpu",
                 "--spec-file",
                 str(spec_file),
-                # Three step benches of 256 requests, each growing by 25 * rounds.
+                # The step benches (256 requests, and 32 for the slope, per transport),
+                # each request growing by 25 * rounds tokens.
                 "--kv-cache-memory",
-                "160MiB",
+                "200MiB",
             ],
         )
     )
@@ -652,12 +663,18 @@ def main() -> int:
                     suffix: DecodeStep(client, name=f"dec{suffix}")
                     for suffix, client in clients.items()
                 }
+                # The same Step of fewer requests: the slope between the two sizes.
+                small_decodes = {
+                    suffix: DecodeStep(client, SMALL_BATCH, name=f"small{suffix}")
+                    for suffix, client in clients.items()
+                }
                 admissions = {
                     suffix: AllocateNew(client, f"new{suffix}", salt=salt)
                     for salt, (suffix, client) in enumerate(clients.items())
                 }
                 for suffix, clock in pure_clocks.items():
                     decodes[suffix].clock = admissions[suffix].clock = clock
+                    small_decodes[suffix].clock = clock
                 lockstep = DecodeStep(kv, lockstep=True)
                 in_process = {}
                 if vllm is not None:
@@ -675,13 +692,17 @@ def main() -> int:
                             f"allocate_new{suffix}": (new, 10) for suffix, new in admissions.items()
                         },
                         **{f"step{suffix}": (decode, 25) for suffix, decode in decodes.items()},
+                        **{
+                            f"step_small{suffix}": (decode, 25)
+                            for suffix, decode in small_decodes.items()
+                        },
                         lockstep=(lockstep, 16),
                     )
                 gc_marks = {
                     **{f"allocate_new{s}": new.gc_marks for s, new in admissions.items()},
                     **{f"step{s}": decode.gc_marks for s, decode in decodes.items()},
                 }
-                for decode in decodes.values():
+                for decode in (*decodes.values(), *small_decodes.values()):
                     decode.close()
                 lockstep.close()
             concurrent = bench_concurrent(address, "bench", 8, seconds)
@@ -700,6 +721,7 @@ def main() -> int:
         echo_p50, echo_p99 = _summary(samples[f"echo{echo_of}"])
         alloc_p50, alloc_p99 = _summary(samples[f"allocate_new{suffix}"])
         step_p50, step_p99 = _summary(samples[f"step{suffix}"])
+        small_p50 = statistics.median(samples[f"step_small{suffix}"])
         if suffix == echo_of:
             figures[f"echo{suffix}_p50_us"] = round(echo_p50, 1)
             figures[f"echo{suffix}_p99_us"] = round(echo_p99, 1)
@@ -709,6 +731,8 @@ def main() -> int:
             f"step256{suffix}_p50_us": round(step_p50, 1),
             f"step256{suffix}_p99_us": round(step_p99, 1),
             f"step256{suffix}_marginal_us": round((step_p50 - echo_p50) / 256, 2),
+            f"step{SMALL_BATCH}{suffix}_p50_us": round(small_p50, 1),
+            f"step256{suffix}_slope_us": round((step_p50 - small_p50) / (256 - SMALL_BATCH), 2),
             f"allocate_new{suffix}_vs_echo": round(alloc_p50 / echo_p50, 3),
             # The server's mean time in the handler, and what the call costs beyond it.
             f"allocate_new{suffix}_handler_us": round(handler_us[f"allocate_new{suffix}"], 1),
@@ -913,7 +937,15 @@ def render(f: dict[str, Any]) -> str:
                 "",
             ),
             (
-                "  marginal per request",
+                f"  one more request (slope {SMALL_BATCH} -> 256)",
+                f"{f[f'step256{suffix}_slope_us']:.2f}",
+                "",
+                f"{f[f'step256{suffix}_slope_us'] / f['vllm_decode_us_p50']:.2f}x vLLM decode; "
+                f"{SMALL_BATCH}: {f[f'step{SMALL_BATCH}{suffix}_p50_us']:.0f}",
+                f"goal <= {GOAL_SLOPE_US} us",
+            ),
+            (
+                "  beyond the echo, per request",
                 f"{f[f'step256{suffix}_marginal_us']:.2f}",
                 "",
                 f"{f[f'step256{suffix}_marginal_us'] / f['vllm_decode_us_p50']:.2f}x vLLM decode",

@@ -105,6 +105,10 @@ def check_relations(figures: dict[str, Any]) -> None:
     # Derived figures come from the printed medians (each rounded to 0.1 us).
     marginal = (figures["step256_p50_us"] - figures["echo_p50_us"]) / 256
     assert figures["step256_marginal_us"] == pytest.approx(marginal, abs=0.006)
+    # The slope: the 256-request Step over the 32-request one, per added request.
+    slope = (figures["step256_p50_us"] - figures["step32_p50_us"]) / 224
+    assert figures["step256_slope_us"] == pytest.approx(slope, abs=0.006)
+    assert figures["step32_p50_us"] > 0
     vs_echo = figures["allocate_new_p50_us"] / figures["echo_p50_us"]
     assert figures["allocate_new_vs_echo"] == pytest.approx(vs_echo, rel=1e-3, abs=1e-3)
     vs_vllm = figures["step256_marginal_us"] / figures["vllm_decode_us_p50"]
