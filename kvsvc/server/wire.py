@@ -353,8 +353,12 @@ class StepResults:
         (omitted when empty), a scalar only when not 0, and nothing else: so the message's
         bytes are its fields' bytes one after the other. A column of values in [0, 128)
         (most of a decode step's: statuses, counts of 0 or 1) is its key, its length and
-        its values as bytes (made in C); any other is protobuf's serialization of a
-        message holding that column alone. The property tests compare the bytes.
+        its values as bytes (made in C); a short column of values in [0, 2**31) and a
+        scalar are their varints, written here (a message of one column built only to
+        serialize it cost more than the rest of a small reply); anything else (a long
+        column, which protobuf converts faster than this loop; a negative value, ten bytes
+        in protobuf's encoding) is protobuf's serialization of a message holding that
+        column alone. The property tests compare the bytes.
         """
         if self.errors:
             return None
@@ -376,11 +380,13 @@ class StepResults:
             for name, values in columns:
                 if not values:
                     continue
-                field = (
-                    _one_byte_column(_STEP_RESPONSE_TAGS[name], values)
-                    if isinstance(values, list)
-                    else None
-                )
+                if isinstance(values, list):
+                    tag = _STEP_RESPONSE_TAGS[name]
+                    field = _one_byte_column(tag, values)
+                    if field is None and len(values) <= _VARINTS_WRITTEN_HERE:
+                        field = _varint_column(tag, values)
+                else:
+                    field = _scalar_field(_STEP_RESPONSE_SCALAR_TAGS[name], values)
                 if field is None:
                     alone: dict[str, Any] = {name: values}
                     field = pb.StepResponse(**alone).SerializeToString()
@@ -391,6 +397,25 @@ class StepResults:
 
 
 _STEP_RESPONSE_TAGS = packed_varint_tags(pb.StepResponse)
+_INT32_MAX = 2**31 - 1
+# Up to this many values a column's varints are written here; past it protobuf's own
+# conversion (a message built for the column, ~3 us, then ~15 ns a value in C) is faster
+# than this loop (~55 ns a value compiled). Measured: 1 value 6.3 -> 3.8 us a reply, 256
+# values 22 us by protobuf against 29 us here.
+_VARINTS_WRITTEN_HERE = 48
+_UINT64_MAX = 2**64 - 1
+# The keys of the reply's varint scalars (field number, wire type 0), and the largest
+# value each holds (int32, uint64): from the descriptor, as the columns' keys are.
+_STEP_RESPONSE_SCALAR_TAGS: dict[str, tuple[bytes, int]] = {
+    field.name: (
+        bytes((field.number << 3,)),
+        _UINT64_MAX if field.type == field.TYPE_UINT64 else _INT32_MAX,
+    )
+    for field in pb.StepResponse.DESCRIPTOR.fields
+    if not field.is_repeated
+    and field.type in (field.TYPE_INT32, field.TYPE_UINT64)
+    and field.number < 16  # a one-byte key
+}
 
 
 def _one_byte_column(tag: bytes, values: list[int]) -> bytes | None:
@@ -406,6 +431,30 @@ def _one_byte_column(tag: bytes, values: list[int]) -> bytes | None:
     if size < 0x80:
         return tag + bytes((size,)) + payload
     return tag + _varint_bytes(size) + payload
+
+
+def _varint_column(tag: bytes, values: list[int]) -> bytes | None:
+    """``values`` as a packed int32 field, a varint each, when each is in [0, 2**31); else
+    None (a negative value is ten bytes in protobuf's encoding, one past int32 is refused:
+    both are left to protobuf)."""
+    payload = bytearray()
+    for value in values:
+        if value < 0 or value > _INT32_MAX:
+            return None
+        while value > 0x7F:
+            payload.append((value & 0x7F) | 0x80)
+            value >>= 7
+        payload.append(value)
+    return tag + _varint_bytes(len(payload)) + bytes(payload)
+
+
+def _scalar_field(key: tuple[bytes, int], value: int) -> bytes | None:
+    """A varint scalar (``key``: its key bytes and its type's largest value) when the
+    value is in [0, largest]; else None (left to protobuf)."""
+    tag, largest = key
+    if value < 0 or value > largest:
+        return None
+    return tag + _varint_bytes(value)
 
 
 def _varint_bytes(value: int) -> bytes:
