@@ -20,11 +20,13 @@ Nothing here imports vLLM: the arithmetic and the table are tested without it
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 # Stock's rounds may differ this much (max / min tokens/s) before a run is flagged NOISY.
@@ -280,3 +282,13 @@ def render(
         )
         lines.append("  read the CPU figures, not the wall-clock ones")
     return lines
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU time of every thread of process ``pid`` (Linux ``schedstat``: nanoseconds, where
+    ``/proc/PID/stat`` counts 10 ms ticks, too coarse for a round's share)."""
+    total_ns = 0
+    for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            total_ns += int(stat.read_text().split()[0])
+    return total_ns / 1e9

@@ -70,6 +70,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,7 @@ import grpc
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from engine_figures import process_cpu_s  # noqa: E402
 from handler_split import GcWatch, split_figures  # noqa: E402
 from kvsvc_client import KVCacheClient  # noqa: E402
 from kvsvc_client._frames import FrameChannel  # noqa: E402
@@ -116,6 +118,10 @@ GOAL_SLOPE_US = 1.0
 SMALL_BATCH = 32
 # Issue 33: a call's p99 within twice its p50 (on a quiet machine).
 GOAL_P99_VS_P50 = 2.0
+# An engine calls its server once per scheduling step, milliseconds apart, so the server
+# sleeps between calls: the CPU a call costs the server is measured back to back and
+# this far apart (woken each time), for the framed echo (the floor) and kvsvc's Steps.
+WAKE_GAP_S = 0.005
 # vLLM's in-process decode allocate_slots(req, 1) median, measured once on this machine
 # (the issue's figure): shown, labelled as such, where vLLM cannot be imported.
 REFERENCE_VLLM_DECODE_US = 5.18
@@ -183,6 +189,42 @@ def time_calls(fn, n: int, warmup: int = 50) -> list[float]:  # type: ignore[no-
         fn()
         out.append((time.perf_counter() - started) * 1e6)
     return out
+
+
+def server_cpu_per_call(call: Callable[[], object], pid: int, n: int, gap_s: float) -> float:
+    """Microseconds of process ``pid``'s CPU per ``call()``, made ``n`` times back to back
+    (``gap_s`` 0) or ``gap_s`` seconds apart. What the process spends idle in as long (its
+    timers, its threads' polls) is measured just before and taken off. Linux (0 elsewhere).
+    """
+    idle_cpu, idle_started = process_cpu_s(pid), time.perf_counter()
+    time.sleep(0.25)
+    idle_rate = (process_cpu_s(pid) - idle_cpu) / (time.perf_counter() - idle_started)
+    cpu, started = process_cpu_s(pid), time.perf_counter()
+    for _ in range(n):
+        call()
+        if gap_s:
+            time.sleep(gap_s)
+    spent = process_cpu_s(pid) - cpu - idle_rate * (time.perf_counter() - started)
+    return max(0.0, spent) / n * 1e6
+
+
+def wake_figures(
+    echo: Echo, echo_pid: int, steps: dict[str, DecodeStep], server_pid: int, n: int
+) -> dict[str, float]:
+    """The server's CPU per framed call (Unix socket), back to back and woken after
+    ``WAKE_GAP_S``: the echo's (in its own process) and kvsvc's Steps (``steps``: figure
+    name -> bench)."""
+    calls: dict[str, tuple[Callable[[], object], int]] = {
+        "echo": (lambda: echo.call(echo.payload, timeout=10), echo_pid),
+        **{name: (lambda bench=bench: bench.run(1), server_pid) for name, bench in steps.items()},
+    }
+    figures = {}
+    for name, (call, pid) in calls.items():
+        figures[f"{name}_frames_server_cpu_us"] = round(server_cpu_per_call(call, pid, n, 0.0), 1)
+        figures[f"{name}_frames_server_cpu_woken_us"] = round(
+            server_cpu_per_call(call, pid, n, WAKE_GAP_S), 1
+        )
+    return figures
 
 
 def start_echo(
@@ -573,9 +615,10 @@ def start_server(
                 "--spec-file",
                 str(spec_file),
                 # The step benches (256 requests, and 32 for the slope, per transport),
-                # each request growing by 25 * rounds tokens.
+                # each request growing by 25 * rounds tokens, and the frames ones by
+                # twice wake_figures' calls more.
                 "--kv-cache-memory",
-                "200MiB",
+                "320MiB",
             ],
         )
     )
@@ -698,10 +741,21 @@ def main() -> int:
                         },
                         lockstep=(lockstep, 16),
                     )
+                # (Copies: the calls below add marks of their own.)
                 gc_marks = {
-                    **{f"allocate_new{s}": new.gc_marks for s, new in admissions.items()},
-                    **{f"step{s}": decode.gc_marks for s, decode in decodes.items()},
+                    **{f"allocate_new{s}": list(new.gc_marks) for s, new in admissions.items()},
+                    **{f"step{s}": list(decode.gc_marks) for s, decode in decodes.items()},
                 }
+                wake = wake_figures(
+                    echoes["_frames"],
+                    echo_proc.pid,
+                    {
+                        f"step{SMALL_BATCH}": small_decodes["_frames"],
+                        "step256": decodes["_frames"],
+                    },
+                    children[0].process.pid,  # the main server (started first)
+                    40 if args.quick else 200,
+                )
                 for decode in (*decodes.values(), *small_decodes.values()):
                     decode.close()
                 lockstep.close()
@@ -755,7 +809,7 @@ def main() -> int:
             ]
             figures[f"{call}{suffix}_slow_samples"] = len(slow)
             figures[f"{call}{suffix}_slow_with_client_gc"] = sum(slow)
-    figures |= split
+    figures |= split | wake
     lock = samples["lockstep"]
     vllm_decode = statistics.median(vllm.decode_ns) / 1000.0 if vllm else REFERENCE_VLLM_DECODE_US
     figures |= {
@@ -864,6 +918,30 @@ def _split_rows(f: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     return rows
 
 
+def _wake_rows(f: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    """The server's CPU per framed call, back to back and woken after a gap."""
+    gap_ms = f"{WAKE_GAP_S * 1000:g} ms"
+    rows = [
+        (
+            "The server's CPU per call (frames, Unix)",
+            "",
+            "",
+            f"back to back (p50 column); {gap_ms} apart, as an engine's steps",
+            "",
+        )
+    ]
+    for name, label in (
+        ("echo", "  echo (the transport's floor)"),
+        (f"step{SMALL_BATCH}", f"  Step, {SMALL_BATCH}-request decode"),
+        ("step256", "  Step, 256-request decode"),
+    ):
+        awake = f[f"{name}_frames_server_cpu_us"]
+        woken = f[f"{name}_frames_server_cpu_woken_us"]
+        ratio = f" ({woken / awake:.1f}x)" if awake else ""
+        rows.append((label, f"{awake:.0f}", "", f"{gap_ms} apart: {woken:.0f}{ratio}", ""))
+    return rows
+
+
 def render(f: dict[str, Any]) -> str:
     """The report: one row per call and transport, the goals' ratios beside them."""
     measured = f["vllm_source"] == "measured"
@@ -961,6 +1039,7 @@ def render(f: dict[str, Any]) -> str:
     else:
         rows.append((f"{vllm_label}: one decode", f"{f['vllm_decode_us_p50']:.2f}", "", "", ""))
     rows += _split_rows(f)
+    rows += _wake_rows(f)
     rows += [
         (
             "Unix socket / TCP",

@@ -53,6 +53,7 @@ from benchmarks.engine_figures import (
     Reading,
     RoundFigures,
     SchedulerMeter,
+    process_cpu_s,
     public_methods,
     render,
     round_figures,
@@ -258,16 +259,6 @@ def sender_cpu_s(replica: Any) -> float:
     if thread is None or thread.ident is None or not thread.is_alive():
         return 0.0
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
-
-
-def process_cpu_s(pid: int) -> float:
-    """CPU time of every thread of process ``pid`` (Linux ``schedstat``: nanoseconds, where
-    ``/proc/PID/stat`` counts 10 ms ticks, too coarse for a round's share)."""
-    total_ns = 0
-    for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            total_ns += int(stat.read_text().split()[0])
-    return total_ns / 1e9
 
 
 if __name__ == "__main__":

@@ -100,6 +100,11 @@ def check_relations(figures: dict[str, Any]) -> None:
         )
         assert parts == pytest.approx(whole, rel=0.5), call
         assert figures[f"{call}_split_gc_collections"] >= 0
+    # The server's CPU per framed call (Linux /proc), back to back and woken after a gap:
+    # read from the right processes (a wrong or ended one reads 0).
+    for name in ("echo", "step32", "step256"):
+        assert figures[f"{name}_frames_server_cpu_us"] > 0, name
+        assert figures[f"{name}_frames_server_cpu_woken_us"] > 0, name
     assert 0 < figures["step256_lockstep_p50_us"] <= figures["step256_lockstep_max_us"]
     assert figures["concurrent_ops_per_s"] > 0
     # Derived figures come from the printed medians (each rounded to 0.1 us).
