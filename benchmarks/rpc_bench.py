@@ -31,6 +31,10 @@ same kind of socket and with gRPC's same call):
   one more request  (step256 p50 - step32 p50) / 224, where step32 is the same Step of 32
                     running requests in the same rounds: the slope, what one more running
                     request adds to a Step (the call's fixed cost cancels out)
+  server CPU        the server process's CPU per framed call (Unix socket; Linux), made
+                    back to back and 5 ms apart (as an engine's scheduling steps: the
+                    server sleeps between them), for the echo (in its own process: the
+                    transport's floor) and kvsvc's Steps of 32 and 256 decodes
   marginal          (step256 p50 - echo p50) / 256: a Step's whole cost beyond the echo,
                     per request (the fixed cost of a Step included: an upper bound on the
                     slope), next to what vLLM's own in-process manager spends on one decode
