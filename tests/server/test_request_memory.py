@@ -210,3 +210,46 @@ def test_a_request_over_its_methods_cap_is_refused_before_it_is_parsed() -> None
         )
         for rank in ranks:
             rank.close()
+
+
+def test_a_grpc_call_whose_message_never_comes_ends_after_grpc_read_timeout_s() -> None:
+    """A client that opens calls and sends no message holds, for each, a read of up to
+    max_message_bytes reserved in its budget: each such call is ended RESOURCE_EXHAUSTED
+    naming grpc_read_timeout_s once that has passed since its read was granted, the
+    reservation is given back, and the caller's next call is served."""
+    timeout_s = 0.5
+    silent = threading.Event()
+
+    def nothing() -> Iterator[bytes]:
+        silent.wait(30)  # the message that never comes (until the test ends)
+        yield from ()
+
+    with running_server(
+        PoolConfig(name="p", max_model_len=256), grpc_read_timeout_s=timeout_s
+    ) as srv:
+        ranks = bring_up(srv, "p", kv_cache_bytes=64 * 32 * 1024)
+        try:
+            with grpc.insecure_channel(srv.address) as channel:
+                lookup = channel.stream_unary("/kvsvc.v1.KVCacheService/Lookup")
+                started = time.monotonic()
+                # Two at once from one caller: the second's read is granted when the
+                # first's is ended, so it ends one timeout later.
+                calls = [lookup.future(nothing(), timeout=20) for _ in range(2)]
+                ended = []
+                for call in calls:
+                    with pytest.raises(grpc.RpcError) as refused:
+                        call.result()
+                    ended.append(time.monotonic() - started)
+                    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    assert "grpc_read_timeout_s (0.5 s)" in (refused.value.details() or "")
+                assert timeout_s <= ended[0] < 5 and 2 * timeout_s <= ended[1] < 10, ended
+                wait_for(
+                    lambda: srv.run(lambda: srv.server.budget.reading_total) == 0,
+                    what="the silent calls' reservations to be given back",
+                )
+                with KVCacheClient(srv.address, pool="p") as kv:
+                    assert kv.lookup([1, 2, 3]) == 0
+        finally:
+            silent.set()
+            for rank in ranks:
+                rank.close()
