@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
@@ -117,6 +119,10 @@ class Reading:
     steps_cpu_s: float | None = None  # the scheduler thread's, sending and awaiting Steps
     sender_cpu_s: float | None = None
     server_cpu_s: float | None = None
+    # Of process_cpu_s: the main thread's (vLLM's engine loop: scheduling and the forward
+    # pass) and that of the threads Python did not start (torch's OpenMP pool above all).
+    main_thread_cpu_s: float = 0.0
+    native_threads_cpu_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -134,6 +140,8 @@ class RoundFigures:
     wait_us: float | None = None  # per step
     sender_cpu_us: float | None = None  # per step
     server_cpu_us: float | None = None  # per output token
+    main_thread_cpu_us: float = 0.0  # per output token, within process_cpu_us
+    native_threads_cpu_us: float = 0.0  # per output token, within process_cpu_us
 
 
 def round_figures(before: Reading, after: Reading, tokens: int, elapsed_s: float) -> RoundFigures:
@@ -165,6 +173,9 @@ def round_figures(before: Reading, after: Reading, tokens: int, elapsed_s: float
         wait_us=per_step_us(before.wait_s, after.wait_s),
         sender_cpu_us=per_step_us(before.sender_cpu_s, after.sender_cpu_s),
         server_cpu_us=server,
+        main_thread_cpu_us=(after.main_thread_cpu_s - before.main_thread_cpu_s) * per_token,
+        native_threads_cpu_us=(after.native_threads_cpu_s - before.native_threads_cpu_s)
+        * per_token,
     )
 
 
@@ -235,6 +246,8 @@ FIGURES = (
     Figure("wait_us", "  of it waiting on kvsvc, us", ",.0f", {}, ratio=False),
     Figure("sender_cpu_us", "kvsvc Step sender thread CPU/step, us", ",.0f", {}, ratio=False),
     Figure("process_cpu_us", "engine process CPU per output token, us", ",.0f", {}),
+    Figure("main_thread_cpu_us", "  of it the main thread (forward pass too), us", ",.0f", {}),
+    Figure("native_threads_cpu_us", "  of it threads not Python's (torch's), us", ",.0f", {}),
     Figure("server_cpu_us", "kvsvc server CPU per output token, us", ",.0f", {}, ratio=False),
     Figure("total_cpu_us", "engine + server CPU per output token, us", ",.0f", {}),
 )
@@ -282,6 +295,28 @@ def render(
         )
         lines.append("  read the CPU figures, not the wall-clock ones")
     return lines
+
+
+def thread_cpu_split() -> tuple[float, float]:
+    """CPU seconds of this process's main thread, and of its threads that Python did not
+    start (torch's OpenMP pool, gRPC's and gloo's pollers), from Linux ``schedstat``.
+
+    On a machine whose cores all run the forward pass, a thread or process beside it
+    (kvsvc's sender, its server) pre-empts one of torch's threads and the others wait for
+    it at the next barrier, spinning: that shows in these two, not in the scheduler's.
+    """
+    python_threads = {thread.native_id for thread in threading.enumerate()}
+    main = threading.main_thread().native_id
+    main_ns = native_ns = 0
+    for stat in Path(f"/proc/{os.getpid()}/task").glob("*/schedstat"):
+        with contextlib.suppress(OSError, ValueError):  # a thread that ended meanwhile
+            tid = int(stat.parent.name)
+            ns = int(stat.read_text().split()[0])
+            if tid == main:
+                main_ns += ns
+            elif tid not in python_threads:
+                native_ns += ns
+    return main_ns / 1e9, native_ns / 1e9
 
 
 def process_cpu_s(pid: int) -> float:

@@ -12,11 +12,12 @@ Wall-clock tokens/s alone says little on a shared machine (stock's own rounds ha
 ``schedule()`` and ``update_from_output()``, split into the KV cache manager's methods,
 kvsvc's sending and awaiting of Steps, and the rest (vLLM's own scheduling); the wall
 time it waited on kvsvc; the CPU of kvsvc's Step sender thread; and the CPU time per output
-token of this process and of the kvsvc server. Rounds run one engine at a time, so a
-round's process CPU is its engine's. Printed: per figure and engine, the median with
-min-max over rounds, and each round's ratio to stock's round in the same rotation (median,
-min-max); NOISY when stock's rounds differ by more than 2x in tokens/s. Then RPCs per
-scheduling step (decode-only steps apart) and resyncs.
+token of this process (and of it, its main thread's, which runs the forward pass too, and
+that of the threads Python did not start, torch's above all) and of the kvsvc server.
+Rounds run one engine at a time, so a round's process CPU is its engine's. Printed: per
+figure and engine, the median with min-max over rounds, and each round's ratio to stock's
+round in the same rotation (median, min-max); NOISY when stock's rounds differ by more
+than 2x in tokens/s. Then RPCs per scheduling step (decode-only steps apart) and resyncs.
 
 Goals (issue 33): scheduler thread CPU per step on kvsvc <= 1.0x stock; tokens/s >= 0.95x
 stock over frames and >= 0.90x over gRPC; <= 1 RPC in decode-only steps.
@@ -57,6 +58,7 @@ from benchmarks.engine_figures import (
     public_methods,
     render,
     round_figures,
+    thread_cpu_split,
 )
 from kvsvc import native
 from kvsvc.integrations.vllm import vllm_kwargs
@@ -186,12 +188,15 @@ def bench_model(vllm: Any, model_name: str, args: argparse.Namespace) -> list[st
         def reading(name: str) -> Reading:
             meter = meters[name]
             replica = replicas.get(name)
+            main_thread_s, native_threads_s = thread_cpu_split()
             base = Reading(
                 meter.steps,
                 meter.cpu_s,
                 meter.wall_s,
                 time.process_time(),
                 manager_cpu_s=meter.parts["manager"],
+                main_thread_cpu_s=main_thread_s,
+                native_threads_cpu_s=native_threads_s,
             )
             if replica is None:
                 return base

@@ -61,6 +61,8 @@ def test_round_figures_divide_by_the_rounds_steps_and_tokens(figures: ModuleType
         wait_s=0.5,
         sender_cpu_s=0.25,
         server_cpu_s=3.0,
+        main_thread_cpu_s=2.0,
+        native_threads_cpu_s=2.5,
     )
     after = figures.Reading(
         steps=60,
@@ -72,6 +74,8 @@ def test_round_figures_divide_by_the_rounds_steps_and_tokens(figures: ModuleType
         wait_s=0.51,
         sender_cpu_s=0.26,
         server_cpu_s=3.5,
+        main_thread_cpu_s=3.1,
+        native_threads_cpu_s=3.2,
     )
     got = figures.round_figures(before, after, tokens=1000, elapsed_s=4.0)
     assert got.tokens_per_s == 250.0
@@ -85,6 +89,8 @@ def test_round_figures_divide_by_the_rounds_steps_and_tokens(figures: ModuleType
     assert got.process_cpu_us == pytest.approx(2000.0)  # 2 s over 1,000 tokens
     assert got.server_cpu_us == pytest.approx(500.0)
     assert got.total_cpu_us == pytest.approx(2500.0)
+    assert got.main_thread_cpu_us == pytest.approx(1100.0)  # 1.1 s over 1,000 tokens
+    assert got.native_threads_cpu_us == pytest.approx(700.0)
 
 
 def test_stock_has_no_kvsvc_figures(figures: ModuleType) -> None:

@@ -101,6 +101,11 @@ def test_vllm_bench_measures_each_engines_scheduler_and_cpu(
     assert list(engines_of("  of it in the KV cache manager, us")) == both
     assert list(engines_of("  of it sending, awaiting Steps, us")) == kvsvc_only
     assert list(engines_of("engine process CPU per output token, us")) == both
+    # The process's CPU split: its main thread's (the engine loop) and torch's threads'.
+    main_rows = engines_of("  of it the main thread (forward pass too), us")
+    assert list(main_rows) == both
+    assert all(float(v[0].replace(",", "")) > 0 for v in main_rows.values())
+    assert list(engines_of("  of it threads not Python's (torch's), us")) == both
     senders = engines_of("kvsvc Step sender thread CPU/step, us")
     assert list(senders) == kvsvc_only
     # The sender thread did work in every round (it sends each step's Step).
