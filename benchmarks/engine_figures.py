@@ -26,7 +26,7 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -297,9 +297,18 @@ def render(
     return lines
 
 
+def _thread_cpu_ns(pid: int) -> Iterator[tuple[int, int]]:
+    """(thread id, CPU nanoseconds) of each thread of process ``pid``, from Linux
+    ``schedstat`` (``/proc/PID/stat`` counts 10 ms ticks, too coarse for a round's share);
+    a thread that ends meanwhile is left out."""
+    for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        with contextlib.suppress(OSError, ValueError):
+            yield int(stat.parent.name), int(stat.read_text().split()[0])
+
+
 def thread_cpu_split() -> tuple[float, float]:
     """CPU seconds of this process's main thread, and of its threads that Python did not
-    start (torch's OpenMP pool, gRPC's and gloo's pollers), from Linux ``schedstat``.
+    start (torch's OpenMP pool, gRPC's and gloo's pollers).
 
     On a machine whose cores all run the forward pass, a thread or process beside it
     (kvsvc's sender, its server) pre-empts one of torch's threads and the others wait for
@@ -308,22 +317,14 @@ def thread_cpu_split() -> tuple[float, float]:
     python_threads = {thread.native_id for thread in threading.enumerate()}
     main = threading.main_thread().native_id
     main_ns = native_ns = 0
-    for stat in Path(f"/proc/{os.getpid()}/task").glob("*/schedstat"):
-        with contextlib.suppress(OSError, ValueError):  # a thread that ended meanwhile
-            tid = int(stat.parent.name)
-            ns = int(stat.read_text().split()[0])
-            if tid == main:
-                main_ns += ns
-            elif tid not in python_threads:
-                native_ns += ns
+    for tid, ns in _thread_cpu_ns(os.getpid()):
+        if tid == main:
+            main_ns += ns
+        elif tid not in python_threads:
+            native_ns += ns
     return main_ns / 1e9, native_ns / 1e9
 
 
 def process_cpu_s(pid: int) -> float:
-    """CPU time of every thread of process ``pid`` (Linux ``schedstat``: nanoseconds, where
-    ``/proc/PID/stat`` counts 10 ms ticks, too coarse for a round's share)."""
-    total_ns = 0
-    for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            total_ns += int(stat.read_text().split()[0])
-    return total_ns / 1e9
+    """CPU time of every thread of process ``pid``."""
+    return sum(ns for _, ns in _thread_cpu_ns(pid)) / 1e9

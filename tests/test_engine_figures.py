@@ -215,3 +215,39 @@ def test_parts_count_only_outside_other_parts(figures: ModuleType) -> None:
     replica.await_reply()
     assert set(meter.parts) == {"manager", "steps"}
     assert not meter._in_part
+
+
+def test_thread_cpu_split_tells_the_main_thread_from_python_threads(
+    figures: ModuleType,
+) -> None:
+    """CPU spent by the main thread counts as the main thread's; CPU spent by a thread
+    Python started counts as neither (it is the sender's kind, measured on its own)."""
+    import threading
+    import time
+
+    def burn(seconds: float) -> None:
+        until = time.thread_time() + seconds
+        while time.thread_time() < until:
+            pass
+
+    main_before, native_before = figures.thread_cpu_split()
+    burn(0.2)
+    main_after, _ = figures.thread_cpu_split()
+    assert main_after - main_before >= 0.15
+    burned, done = threading.Event(), threading.Event()
+
+    def work() -> None:
+        burn(0.3)
+        burned.set()
+        done.wait(30)  # alive while read: an ended thread is gone from /proc
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    try:
+        assert burned.wait(30)
+        main_last, native_last = figures.thread_cpu_split()
+    finally:
+        done.set()
+        worker.join()
+    assert main_last - main_after < 0.1  # it waited while the other thread burned
+    assert native_last - native_before < 0.1
