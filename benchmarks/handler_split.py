@@ -37,9 +37,12 @@ from kvsvc.server.wire import allocate_response
 from kvsvc.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from kvsvc.v1 import kvcache_pb2 as pb
 
+STATUS_NO_SPACE = pb.ALLOCATE_STATUS_NO_SPACE
+
 BLOCK_SIZE = 16
-# Small enough that the admissions fill it soon: then each one evicts the cached blocks
-# of earlier ones (index removals and their events), as in a server that has run a while.
+# The admissions' pool: small enough that they fill it soon, so that each one evicts the
+# cached blocks of earlier ones (index removals and their events), as in a server that has
+# run a while. The Steps' pool is sized by their count instead (``_step_pool_blocks``).
 NUM_BLOCKS = 4096
 WARMUP = 100
 MAX_MODEL_LEN = 8192
@@ -76,10 +79,10 @@ class _Counters:
     allocate_ok = allocate_no_space = preempt_requests = free_requests = freed_blocks = 0
 
 
-def _cache() -> PoolKVCache:
+def _cache(num_blocks: int = NUM_BLOCKS) -> PoolKVCache:
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64, dtype="float16")
     config = KVCacheConfig(
-        num_blocks=NUM_BLOCKS, kv_cache_groups=[KVCacheGroupSpec(["layer0"], spec)]
+        num_blocks=num_blocks, kv_cache_groups=[KVCacheGroupSpec(["layer0"], spec)]
     )
     return PoolKVCache(
         config, max_model_len=MAX_MODEL_LEN, hash_algo="xxh3_128", enable_events=True
@@ -152,11 +155,22 @@ def allocate_stages(n: int) -> tuple[dict[str, list[float]], list[float], int]:
     return stages.samples, whole, watch.count
 
 
+def _step_pool_blocks(n: int) -> int:
+    """Blocks enough for ``BATCH`` requests of up to 79 prompt tokens to grow by ``n``
+    tokens each (and the null block): no decode of the measured Steps runs out."""
+    return BATCH * (-(-(79 + n) // BLOCK_SIZE) + 1) + 1
+
+
 def step_stages(n: int) -> tuple[dict[str, list[float]], list[float], int]:
     """``n`` Steps of one decode token for each of 256 running requests (prompts of
     64..79 tokens, as rpc_bench's): the samples of each stage, of the handler's whole
-    work, and the collections that ran."""
-    cache = _cache()
+    work, and the collections that ran.
+
+    Every decode must get its slot: one answered NO_SPACE skips the append, the hashing
+    and the caching that the server does for each (an earlier pool of 4,096 blocks ran
+    out after ~150 Steps, and the figure read about half the work), so one fails the
+    bench."""
+    cache = _cache(_step_pool_blocks(n))
     admit = StepBuilder("bench")
     for r in range(BATCH):
         length = 64 + r % 16
@@ -185,6 +199,11 @@ def step_stages(n: int) -> tuple[dict[str, list[float]], list[float], int]:
             stages.mark("reply")
             whole.append((time.perf_counter() - started) * 1e6)
             assert data is not None and len(results.statuses) == BATCH
+            if STATUS_NO_SPACE in results.statuses:
+                raise RuntimeError(
+                    f"Step {it}: {results.statuses.count(STATUS_NO_SPACE)} decodes got "
+                    "NO_SPACE: the pool is too small for the Steps measured"
+                )
             # The reply through a protobuf message, as before the direct encoding.
             stages.start()
             results.to_pb().SerializeToString()

@@ -1,0 +1,42 @@
+"""handler_split.py's Step stages measure every decode's whole work.
+
+A decode answered NO_SPACE skips the append, the hashing and the caching, so a pool that
+runs out partway makes the in-process "core" figure read a fraction of what the server
+does per Step (it once read about half). The Step bench sizes its pool by the Steps it
+runs and fails on a NO_SPACE: both are checked here, on the real core.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from tests.tooling import script_module
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def split() -> Iterator[ModuleType]:
+    with script_module("handler_split", BENCHMARKS / "handler_split.py") as module:
+        yield module
+
+
+def test_the_step_pool_holds_every_decode_of_the_steps_measured(split: ModuleType) -> None:
+    # Past the old fixed pool's 4,096 blocks: 256 requests of up to 79 + 180 tokens.
+    steps = 180
+    stages, whole, _ = split.step_stages(steps)
+    assert len(whole) == steps
+    assert set(stages) >= {"decode", "core", "reply"}
+    assert all(len(samples) == steps for samples in stages.values())
+
+
+def test_a_pool_too_small_for_the_steps_fails_the_bench(
+    split: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(split, "_step_pool_blocks", lambda n: 4096)
+    with pytest.raises(RuntimeError, match="NO_SPACE: the pool is too small"):
+        split.step_stages(180)
