@@ -40,15 +40,15 @@ class RunningBatchPool(PoolKVCacheBase):
 
     def allocate_running(
         self,
-        request_ids: Sequence[str],
+        request_ids: list[str],
         token_ids: Sequence[int],
-        token_counts: Sequence[int],
-        num_new_tokens: Sequence[int],
+        token_counts: list[int],
+        num_new_tokens: list[int],
         begin: int,
         end: int,
         token_pos: int,
         out: RunningColumns,
-        num_in_flight_tokens: Sequence[int] = (),
+        num_in_flight_tokens: list[int] | None = None,
     ) -> int:
         """``allocate`` for operations ``begin..end`` of a batch of running requests.
 
@@ -58,8 +58,13 @@ class RunningBatchPool(PoolKVCacheBase):
         invalid one rejected alone) and appends their results to ``out``'s columns instead
         of building an outcome object per call. Operation ``i`` owns ``token_counts[i]``
         ids of ``token_ids``, starting at ``token_pos`` for ``begin``. Its
-        ``num_in_flight_tokens`` (empty: all 0) change nothing in a full-attention pool (no
+        ``num_in_flight_tokens`` (None: all 0) change nothing in a full-attention pool (no
         window frees blocks) but are checked as ``allocate`` checks them.
+
+        The per-operation columns are lists (as the Step's decoder makes them), not any
+        sequence: compiled, a list's item is read in place, where a sequence's goes through
+        the generic protocol with a boxed index (a tenth of this loop's time for 256
+        operations).
 
         Only for pools where :attr:`has_plain_tables` (one full-attention group: no null
         blocks to report); operations with more than one token take the general path.
@@ -111,7 +116,7 @@ class RunningBatchPool(PoolKVCacheBase):
             num_new = num_new_tokens[i]
             request_id = request_ids[i]
             request = requests.get(request_id)
-            in_flight = in_flight_of[i] if in_flight_of else 0
+            in_flight = in_flight_of[i] if in_flight_of is not None else 0
             if (
                 count > 1
                 or request is None
