@@ -228,8 +228,18 @@ def _apply_plain(cache: Any, columns: StepColumns, counters: Any) -> StepResults
     freed_of: dict[int, int] = {}
     pos = 0
     i = 0
+    # An engine's decode Step is one run of running-request allocations: found here with
+    # scans in C (~1 us each for 256 operations) instead of the loop below's per-operation
+    # tests (~6 us); any other Step takes the loop.
+    whole_run = (
+        not starts
+        and types.count(_ALLOCATE) == n
+        and "" not in request_ids
+        and not any(lookahead)
+        and not any(rejected)
+    )
     while i < n:
-        j = i
+        j = n if whole_run else i
         while (
             j < n
             and types[j] == _ALLOCATE
@@ -281,10 +291,14 @@ def _apply_plain(cache: Any, columns: StepColumns, counters: Any) -> StepResults
 
     results = StepResults(1)
     ok = out.ok
-    results.statuses = statuses = [STATUS_OK if flag else STATUS_NO_SPACE for flag in ok]
-    results.scheduled = scheduled = [
-        count if flag else 0 for count, flag in zip(new_tokens, ok, strict=True)
-    ]
+    if False in ok:
+        statuses = [STATUS_OK if flag else STATUS_NO_SPACE for flag in ok]
+        scheduled = [count if flag else 0 for count, flag in zip(new_tokens, ok, strict=True)]
+    else:  # every operation succeeded (or was overwritten below): built in C
+        statuses = [STATUS_OK] * n
+        scheduled = list(new_tokens)
+    results.statuses = statuses
+    results.scheduled = scheduled
     results.computed = out.num_computed_tokens
     blocks = out.new_block_ids
     results.num_new_blocks = [len(ids) for ids in blocks]

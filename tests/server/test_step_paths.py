@@ -124,3 +124,60 @@ def test_decode_steps_hash_completed_blocks_like_the_general_path() -> None:
         assert len(plain_pool._requests[rid].block_hashes) >= 3
         assert plain_pool._requests[rid].block_hashes == general_pool._requests[rid].block_hashes
     assert plain_pool.take_events().events == general_pool.take_events().events  # type: ignore[union-attr]
+
+
+def _admit(pools: tuple[PoolKVCache, ...], prompts: dict[str, list[int]]) -> None:
+    ops = [(ALLOCATE, rid, tokens, len(tokens), 0, 0, True) for rid, tokens in prompts.items()]
+    for pool in pools:
+        results = _apply_plain(pool, build(ops), EngineCounters()).to_pb()
+        assert list(results.statuses) == [pb.ALLOCATE_STATUS_OK] * len(ops)
+
+
+def _both_paths(ops: list[tuple], prompts: dict[str, list[int]]) -> pb.StepResponse:  # type: ignore[type-arg]
+    """The decode Step ``ops`` after ``prompts``' admission, on each path: they agree
+    (reply, tables, usage); the reply."""
+    plain_pool, general_pool = make_pool(), make_pool()
+    _admit((plain_pool, general_pool), prompts)
+    plain = _apply_plain(plain_pool, build(ops), EngineCounters()).to_pb()
+    general = _apply_general(general_pool, build(ops), EngineCounters()).to_pb()
+    assert plain == general
+    for rid in prompts:
+        assert plain_pool.block_table(rid) == general_pool.block_table(rid)
+    assert plain_pool.usage() == general_pool.usage()
+    return plain
+
+
+def test_a_decode_step_with_one_speculative_operation_allocates_its_lookahead() -> None:
+    # Every operation a running request's allocation, so the Step is one run but for
+    # the lookahead (or rejected drafts) of one: that one takes the general path.
+    prompts = {"r0": [1, 2, 3], "r1": [4, 5, 6]}
+    reply = _both_paths(
+        [(ALLOCATE, "r0", [7], 1, 0, 0, False), (ALLOCATE, "r1", [8], 1, 5, 0, False)], prompts
+    )
+    assert list(reply.statuses) == [pb.ALLOCATE_STATUS_OK] * 2
+    # r1: 4 tokens + 5 lookahead slots = 3 blocks of 4, two of them new.
+    assert list(reply.num_new_blocks) == [0, 2]
+
+
+def test_a_decode_step_with_rejected_drafts_takes_them_back() -> None:
+    prompts = {"r0": [1, 2, 3], "r1": [4, 5, 6, 7, 8, 9]}
+    reply = _both_paths(
+        [(ALLOCATE, "r0", [7], 1, 0, 0, False), (ALLOCATE, "r1", [8], 1, 0, 2, False)], prompts
+    )
+    assert list(reply.num_computed_tokens) == [4, 5]
+
+
+def test_a_decode_step_whose_first_operation_gets_no_space_says_so() -> None:
+    # 23 usable blocks of 4 tokens: r0 fills its block, r1 has room in its own, and the
+    # other two hold every other block. r0's next token needs a block; r1's does not.
+    prompts = {
+        "r0": [1, 2, 3, 4],
+        "r1": [5, 6],
+        "filler-a": list(range(100, 164)),
+        "filler-b": list(range(200, 220)),
+    }
+    reply = _both_paths(
+        [(ALLOCATE, "r0", [7], 1, 0, 0, False), (ALLOCATE, "r1", [8], 1, 0, 0, False)], prompts
+    )
+    assert list(reply.statuses) == [pb.ALLOCATE_STATUS_NO_SPACE, pb.ALLOCATE_STATUS_OK]
+    assert list(reply.num_scheduled_tokens) == [0, 1]
