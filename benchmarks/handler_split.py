@@ -22,14 +22,18 @@ overlapped one: what part of the tail is the collector's.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from kvsvc_client._wire import StepBuilder, allocate_request
 
+from kvsvc.commands.serve import GC_THRESHOLDS
 from kvsvc.core import PoolKVCache
+from kvsvc.server.app import freeze_long_lived
 from kvsvc.server.calls import decode_allocate, decode_step
 from kvsvc.server.step import apply_step
 from kvsvc.server.step_codec import parse_step_request
@@ -71,6 +75,23 @@ class GcWatch:
 
     def __exit__(self, *exc: object) -> None:
         gc.callbacks.remove(self._callback)
+
+
+@contextlib.contextmanager
+def server_gc() -> Iterator[None]:
+    """The collector as ``kvsvc serve`` runs it, for the block: its thresholds, and what
+    is alive now (the pool just built) frozen out of collections, as the server freezes
+    its planned pools. With this process's defaults a young collection ran every few
+    Steps and an old one walked the whole pool, a sample of up to 14 ms the server never
+    has. Restored after (rpc_bench measures its client in this process)."""
+    before = gc.get_threshold()
+    gc.set_threshold(*GC_THRESHOLDS)
+    freeze_long_lived()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
 
 
 class _Counters:
@@ -119,7 +140,7 @@ def allocate_stages(n: int) -> tuple[dict[str, list[float]], list[float], int]:
     hasher = cache.manager.hasher
     stages = _Stages()
     whole: list[float] = []
-    with GcWatch() as watch:
+    with server_gc(), GcWatch() as watch:
         for i in range(-WARMUP, n):
             data = allocate_request(
                 "bench", f"new-{i}", _admission_prompt(i), 2048, 0, True
@@ -179,7 +200,7 @@ def step_stages(n: int) -> tuple[dict[str, list[float]], list[float], int]:
     apply_step(cache, decode_step(admit.to_pb(), "", 1 << 20), _Counters())
     stages = _Stages()
     whole: list[float] = []
-    with GcWatch() as watch:
+    with server_gc(), GcWatch() as watch:
         for it in range(n):
             step = StepBuilder("bench")
             for r in range(BATCH):

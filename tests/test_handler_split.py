@@ -40,3 +40,16 @@ def test_a_pool_too_small_for_the_steps_fails_the_bench(
     monkeypatch.setattr(split, "_step_pool_blocks", lambda n: 4096)
     with pytest.raises(RuntimeError, match="NO_SPACE: the pool is too small"):
         split.step_stages(180)
+
+
+def test_the_stages_run_under_the_servers_collector_settings(split: ModuleType) -> None:
+    import gc
+
+    from kvsvc.commands.serve import GC_THRESHOLDS
+
+    before = gc.get_threshold()
+    with split.server_gc():
+        assert gc.get_threshold() == GC_THRESHOLDS
+        assert gc.get_freeze_count() > 0  # what was alive (the pool) is out of collections
+    assert gc.get_threshold() == before
+    assert gc.get_freeze_count() == 0
