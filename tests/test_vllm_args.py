@@ -154,3 +154,26 @@ def test_frames_carries_the_schedulers_target_and_leaves_the_workers_on_grpc() -
 def test_a_bad_frames_address_is_refused_naming_the_setting(frames: str) -> None:
     with pytest.raises(ValueError, match="frames must be unix:PATH or HOST:PORT"):
         vllm_kwargs("h:1", "p", frames=frames)
+
+
+def test_step_sender_goes_through_both_forms_and_bad_values_are_refused() -> None:
+    """``step_sender`` reaches the scheduler's settings from ``vllm_kwargs`` and from the
+    CLI's flags alike (left out of the config at its default); an unknown value, or
+    ``inline`` without frames, is refused naming the setting."""
+    kwargs = vllm_kwargs("h:1", "p", frames="unix:/run/f.sock", step_sender="thread")
+    assert settings_from_additional_config(kwargs["additional_config"]).step_sender == "thread"
+    default = vllm_kwargs("h:1", "p", frames="unix:/run/f.sock")["additional_config"]
+    assert "step_sender" not in default["kvsvc"]
+    assert settings_from_additional_config(default).step_sender == "auto"
+    done = run_cli(
+        "--server", "h:1", "--pool", "p", "--frames", "unix:/run/f.sock", "--step-sender", "thread"
+    )
+    assert done.returncode == 0, done.stderr
+    assert additional_config(unquoted(done.stdout)) == kwargs["additional_config"]
+    with pytest.raises(ValueError, match="step_sender must be one of auto, thread, inline"):
+        vllm_kwargs("h:1", "p", step_sender="eager")
+    with pytest.raises(ValueError, match="step_sender 'inline' needs frames"):
+        vllm_kwargs("h:1", "p", step_sender="inline")
+    raw = {"kvsvc": {"server": "h:1", "pool": "p", "step_sender": "later"}}
+    with pytest.raises(ValueError, match="step_sender must be one of"):
+        settings_from_additional_config(raw)

@@ -13,7 +13,7 @@ Example::
         results = step.send()
 """
 
-from kvsvc_client._common import ClientOptions, resolve_token
+from kvsvc_client._common import STEP_SENDERS, ClientOptions, resolve_token
 from kvsvc_client._types import (
     AllBlocksCleared,
     AllocateResult,
@@ -47,9 +47,10 @@ from kvsvc_client.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from kvsvc_client.sync import KVCacheClient, StepFuture, SyncStep
+from kvsvc_client.sync import KVCacheClient, PipelinedStep, StepFuture, SyncStep
 
 __all__ = [
+    "STEP_SENDERS",
     "AllBlocksCleared",
     "AllocateResult",
     "AllocateStatus",
@@ -73,6 +74,7 @@ __all__ = [
     "NotReadyError",
     "OperationError",
     "PermissionDeniedError",
+    "PipelinedStep",
     "PoolInfo",
     "RequestStart",
     "ResourceExhaustedError",

@@ -26,6 +26,8 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
 RETRYABLE_REPEATS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 # Trailing metadata of every reply of a call that names a pool: the pool's state epoch.
 EPOCH_METADATA = "kvsvc-epoch"
+# ClientOptions.step_sender's values.
+STEP_SENDERS = ("auto", "thread", "inline")
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _MESSAGE_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -84,6 +86,14 @@ class ClientOptions:
         stream's dead server is noticed within it + 20 s); at least the server's
         ``keepalive_min_ping_interval_s``, or the server cuts the connection (see
         :mod:`kvsvc.keepalive`).
+    step_sender: how :meth:`SyncStep.send_future` sends a Step without waiting:
+        ``thread`` (a sender thread of the client makes the call), ``inline`` (a framed
+        target only: the frame is written on the caller's thread and the reply read when
+        asked for, no thread at all), or ``auto``: ``inline`` on a framed target, else
+        ``thread``. ``inline`` is cheaper in all (no thread wake-ups, no GIL hand-offs)
+        but the sending and the reading run on the caller's thread: where spare cores
+        would run the sender thread for free (an engine whose forward pass is on a GPU),
+        ``thread`` keeps them off the scheduler's.
     """
 
     timeout: float = 10.0
@@ -99,6 +109,13 @@ class ClientOptions:
     tls_key: str | None = None
     tls_server_name: str | None = None
     keepalive_time: float = CLIENT_KEEPALIVE_TIME_S
+    step_sender: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.step_sender not in STEP_SENDERS:
+            raise ValueError(
+                f"step_sender must be one of {', '.join(STEP_SENDERS)}, got {self.step_sender!r}"
+            )
 
     def _grpc_options(self) -> tuple[tuple[str, int], ...]:
         return (*_MESSAGE_OPTIONS, *client_options(self.keepalive_time))

@@ -122,9 +122,13 @@ class _Connection:
 
     def exchange(self, data: bytes, deadline: float | None) -> tuple[FrameHeader, bytes]:
         """Send one frame, read the reply frame; socket errors propagate."""
+        self.send(data, deadline)
+        return self.read(deadline)
+
+    def send(self, data: bytes, deadline: float | None) -> None:
+        """Send one frame (its reply is read by :meth:`read`); socket errors propagate."""
         self._set_deadline(deadline)
         self.sock.sendall(data)
-        return self.read(deadline)
 
     def read(self, deadline: float | None) -> tuple[FrameHeader, bytes]:
         buffer = self._buffer
@@ -319,6 +323,33 @@ class FrameUnaryMethod(_UnaryMethod["FrameChannel"]):
     ) -> Any:
         return self.with_call(request, timeout, metadata, **kwargs)[0]
 
+    def start(
+        self,
+        request: Any,
+        timeout: float | None = None,
+        metadata: Sequence[tuple[str, str]] | None = None,
+    ) -> Callable[[], tuple[Any, FrameCallOutcome]]:
+        """Send the call now; the returned function reads its reply (what ``with_call``
+        returns) when called, blocking until it is in, and raises what ``with_call`` would.
+
+        The call holds a connection of its own until its reply is read: a caller that
+        sends the next call before reading this one's reply gets another connection, and
+        the server may apply the two in either order.
+        """
+        finish = self._channel.start(
+            self._header,
+            self._serialize(request),
+            timeout,
+            tuple(metadata) if metadata is not None else None,
+        )
+        deserialize = self._deserialize
+
+        def reply() -> tuple[Any, FrameCallOutcome]:
+            body, trailing = finish()
+            return deserialize(body), FrameCallOutcome(trailing)
+
+        return reply
+
     def future(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("a framed channel has no future(); call it from a thread")
 
@@ -500,20 +531,43 @@ class FrameChannel(_FramedChannel[_Connection, FrameUnaryMethod], grpc.Channel):
         metadata: Metadata | None,
     ) -> tuple[bytes, Metadata]:
         """One call: the reply's body and trailing metadata, or FrameRpcError."""
+        return self.start(method_header, body, timeout, metadata)()
+
+    def start(
+        self,
+        method_header: bytes,
+        body: bytes,
+        timeout: float | None,
+        metadata: Metadata | None,
+    ) -> Callable[[], tuple[bytes, Metadata]]:
+        """Send one call; the returned function reads its reply (body and trailing
+        metadata) when called. Either raises FrameRpcError for a failed call."""
         deadline = None if timeout is None else time.monotonic() + timeout
         connection = self._take(metadata, deadline)
         try:
-            header, reply = connection.exchange(frame(method_header, body), deadline)
-        except TimeoutError:
-            connection.close()
-            raise FrameRpcError(*DEADLINE_EXCEEDED) from None
-        except (OSError, _ProtocolError) as exc:
-            connection.close()
-            raise FrameRpcError(*_broken(self.address, exc)) from None
-        except BaseException:
-            connection.close()  # interrupted mid-call: its reply would come out of turn
-            raise
-        return reply, self._settle(metadata, connection, header)
+            connection.send(frame(method_header, body), deadline)
+        except BaseException as exc:
+            raise self._failed(connection, exc) from None
+
+        def finish() -> tuple[bytes, Metadata]:
+            try:
+                header, reply = connection.read(deadline)
+            except BaseException as exc:
+                raise self._failed(connection, exc) from None
+            return reply, self._settle(metadata, connection, header)
+
+        return finish
+
+    def _failed(self, connection: _Connection, exc: BaseException) -> BaseException:
+        """What a failed exchange raises, its connection closed (a reply left on it would
+        answer the next call): FrameRpcError for a deadline or a broken connection, else
+        ``exc`` itself (an interruption mid-call)."""
+        connection.close()
+        if isinstance(exc, TimeoutError):
+            return FrameRpcError(*DEADLINE_EXCEEDED)
+        if isinstance(exc, (OSError, _ProtocolError)):
+            return FrameRpcError(*_broken(self.address, exc))
+        return exc
 
     # ------------------------------------------------------------------ grpc.Channel
 

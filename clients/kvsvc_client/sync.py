@@ -22,6 +22,7 @@ from kvsvc_client._common import (
     ClientOptions,
     epoch_of_reply,
 )
+from kvsvc_client._frames import FrameUnaryMethod
 from kvsvc_client._sender import StepSender, StepSlot
 from kvsvc_client._types import (
     AllocateResult,
@@ -59,6 +60,7 @@ class SyncStep(_wire.StepBuilder):
         and applies nothing twice.
         """
         client = self._client
+        client._settle_pipelined()
         request = self.to_pb()
         request.call_id = client._call_id()
         response = client._call(
@@ -71,19 +73,23 @@ class SyncStep(_wire.StepBuilder):
         timeout: float | None = None,
         *,
         then: Callable[[_wire.StepResultList], Any] | None = None,
-    ) -> StepFuture:
-        """Hand the Step to the client's sender thread and return at once; ``result()``
-        waits for its results.
+    ) -> StepFuture | PipelinedStep:
+        """Send the Step without waiting for its reply; ``result()`` waits for its results.
 
-        Lets an engine overlap the call with its own work. One thread sends every Step of
-        a client, so Steps sent this way are applied in the order they were sent. (gRPC's
-        own ``future()`` starts a thread per call: several times dearer than the call.)
+        Lets an engine overlap the call with its own work. Steps sent this way are applied
+        in the order they were sent. Over gRPC, the client's one sender thread makes the
+        call (gRPC's own ``future()`` starts a thread per call: several times dearer than
+        the call); over frames, the frame is written on this thread before this returns
+        and the reply read when asked for (:class:`PipelinedStep`: no thread at all).
 
-        ``then``: work on the results to run on the sender thread as soon as they are in
-        (an engine's check of the reply, done while it computes rather than after);
-        ``then_result()`` gives what it returned (or raises what it raised).
+        ``then``: work on the results to run as soon as they are read, on the sender
+        thread over gRPC (an engine's check of the reply, done while it computes rather
+        than after); ``then_result()`` gives what it returned (or raises what it raised).
         """
-        return StepFuture(self, self._client._sender().submit(lambda: self.send(timeout), then))
+        client = self._client
+        if client._inline_steps:
+            return client._pipeline(self, timeout, then)
+        return StepFuture(self, client._sender().submit(lambda: self.send(timeout), then))
 
 
 class StepFuture:
@@ -123,6 +129,136 @@ class StepFuture:
         if slot.then_error is not None:
             raise slot.then_error
         return slot.then_value
+
+
+class PipelinedStep:
+    """A Step sent by :meth:`SyncStep.send_future` on a framed channel: written to the
+    socket at once on the caller's thread, its reply read (and ``then`` run) on the
+    thread that first asks for it, by when it has usually arrived.
+
+    No thread is involved: handing a Step to one and taking its reply back costs two
+    thread wake-ups and as many GIL hand-offs a step, several times the send itself, on
+    an engine whose cores all run its forward pass. The frame goes out whole or not at
+    all before ``send_future`` returns, so the server applies it while the engine
+    computes, as with the thread.
+
+    A client has one in flight: the next ``send_future`` (or any Step sent) reads this
+    one's reply first, so Steps are applied in the order they were sent. A failure of
+    the exchange (the connection lost, the deadline) is retried as ``send()`` retries,
+    with the same call id: a Step the server applied is answered, not applied again.
+    """
+
+    __slots__ = (
+        "_client",
+        "_error",
+        "_finish",
+        "_request",
+        "_results",
+        "_step",
+        "_then",
+        "_then_error",
+        "_then_value",
+        "_timeout",
+        "finished",
+    )
+
+    def __init__(
+        self,
+        step: SyncStep,
+        timeout: float | None,
+        then: Callable[[_wire.StepResultList], Any] | None,
+    ) -> None:
+        client = step._client
+        self._client = client
+        self._step = step
+        self._then = then
+        self._timeout = timeout
+        self._results: _wire.StepResultList | None = None
+        self._error: BaseException | None = None
+        self._then_value: Any = None
+        self._then_error: BaseException | None = None
+        self.finished = False
+        request = step.to_pb()
+        request.call_id = client._call_id()
+        self._request = request
+        self._finish: Callable[[], tuple[Any, Any]] | None = None
+        try:
+            self._finish = client._stub.Step.start(
+                request, timeout=timeout or client.options.timeout, metadata=client._metadata
+            )
+        except grpc.RpcError as exc:
+            self._finish = _raising(exc)  # retried (or raised) when the reply is asked for
+
+    def __repr__(self) -> str:
+        state = "done" if self.finished else "pending"
+        return f"PipelinedStep({len(self._step)} operations, {state})"
+
+    def done(self) -> bool:
+        """Whether the reply was read (and ``then`` has run)."""
+        return self.finished
+
+    def complete(self) -> None:
+        """Read the reply (retrying a failed exchange) and run ``then``; the outcome is
+        kept for :meth:`result` and :meth:`then_result`. Runs once."""
+        if self.finished:
+            return
+        client = self._client
+        finish, self._finish = self._finish, None
+        try:
+            response = client._call(
+                client._stub.Step,
+                self._request,
+                self._timeout,
+                retry=True,
+                codes=RETRYABLE_REPEATS,
+                patient=True,
+                first=finish,
+            )
+        except BaseException as exc:  # the caller's to see, from result()
+            self._error = exc
+        else:
+            self._results = self._step.parse(response)
+            if self._then is not None:
+                try:
+                    self._then_value = self._then(self._results)
+                except BaseException as exc:  # the caller's to see, from then_result()
+                    self._then_error = exc
+        finally:
+            self.finished = True
+            if client._pipelined is self:
+                client._pipelined = None
+
+    def result(self) -> _wire.StepResultList:
+        """The results, once the server applied the Step (read now if not yet).
+
+        Raises:
+            KVCacheError: the call failed (UnavailableError when the server is gone).
+        """
+        with self._client._pipeline_lock:
+            self.complete()
+        if self._error is not None:
+            raise self._error
+        return cast(_wire.StepResultList, self._results)
+
+    def then_result(self) -> Any:
+        """What ``send_future``'s ``then`` returned for the results (None without one).
+
+        Raises:
+            KVCacheError: the call failed; or whatever ``then`` raised.
+        """
+        self.result()
+        if self._then_error is not None:
+            raise self._then_error
+        return self._then_value
+
+
+def _raising(exc: BaseException) -> Callable[[], tuple[Any, Any]]:
+    """A pipelined call's first attempt that failed as it was sent: raises when read."""
+
+    def attempt() -> tuple[Any, Any]:
+        raise exc
+
+    return attempt
 
 
 class KVCacheClient:
@@ -168,6 +304,19 @@ class KVCacheClient:
         self._metadata = self.options.metadata()
         self._sender_lock = threading.Lock()
         self._step_sender: StepSender | None = None
+        # A framed channel's Step sent by send_future and not read yet (PipelinedStep),
+        # and what orders the sending and reading of such Steps across threads.
+        self._pipelined: PipelinedStep | None = None
+        self._pipeline_lock = threading.Lock()
+        framed = isinstance(self._stub.Step, FrameUnaryMethod)
+        if self.options.step_sender == "inline" and not framed:
+            if self._own_channel:
+                self._channel.close()
+            raise ValueError(
+                f"step_sender='inline' needs a framed target (frames:...), not {target!r}: "
+                "a gRPC Step is sent by a thread ('thread' or 'auto')"
+            )
+        self._inline_steps = framed and self.options.step_sender != "thread"
         self._closed = False
         self._watches: set[Any] = set()  # open WatchEvents streams, cancelled by close()
         # Call ids of Allocate, Free and Step: unique per client, so the server can answer
@@ -188,8 +337,33 @@ class KVCacheClient:
             stream.cancel()
         if sender is not None:
             sender.shutdown()
+        # A pipelined Step's reply is read (as the sender thread sends what was queued):
+        # its connection then goes back to the channel, which closes it.
+        self._settle_pipelined()
         if self._own_channel:
             self._channel.close()
+
+    def _settle_pipelined(self) -> None:
+        """Read the reply of a pipelined Step still in flight (before another Step is
+        sent, so the server applies them in order)."""
+        if self._pipelined is not None:
+            with self._pipeline_lock:
+                if self._pipelined is not None:
+                    self._pipelined.complete()
+
+    def _pipeline(
+        self,
+        step: SyncStep,
+        timeout: float | None,
+        then: Callable[[_wire.StepResultList], Any] | None,
+    ) -> PipelinedStep:
+        """Send ``step`` on this framed client's socket now (after reading the reply of
+        the one sent before: Steps are applied in the order sent)."""
+        with self._pipeline_lock:
+            if self._pipelined is not None:
+                self._pipelined.complete()
+            pipelined = self._pipelined = PipelinedStep(step, timeout, then)
+        return pipelined
 
     def _sender(self) -> StepSender:
         """The one thread that sends this client's ``send_future`` Steps (made on first use)."""
@@ -218,19 +392,25 @@ class KVCacheClient:
         retry: bool,
         codes: frozenset[grpc.StatusCode] = RETRYABLE,
         patient: bool = False,
+        first: Callable[[], tuple[Any, Any]] | None = None,
     ) -> Any:
         """One RPC; with ``retry``, up to ``options.retries`` more after a status in
         ``codes``, and (``patient``: Allocate, Free, Step) more while the server answers
         UNAVAILABLE (a restart), for up to ``options.unavailable_timeout`` seconds; backing
-        off between attempts. Notes the pool's epoch from the reply."""
+        off between attempts. Notes the pool's epoch from the reply. ``first``: the first
+        attempt, already sent (a pipelined Step's reply, read when called)."""
         options = self.options
         patience = time.monotonic() + (options.unavailable_timeout if patient else 0.0)
         attempt = 0
         while True:
             try:
-                response, call = method.with_call(
-                    request, timeout=timeout or options.timeout, metadata=self._metadata
-                )
+                if first is not None:
+                    attempt_now, first = first, None
+                    response, call = attempt_now()
+                else:
+                    response, call = method.with_call(
+                        request, timeout=timeout or options.timeout, metadata=self._metadata
+                    )
             except grpc.RpcError as exc:
                 code = exc.code()  # type: ignore[attr-defined]
                 attempt += 1

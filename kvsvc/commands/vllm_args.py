@@ -13,6 +13,8 @@ import argparse
 import json
 from typing import Any
 
+from kvsvc_client import STEP_SENDERS
+
 from kvsvc.integrations.vllm.config import vllm_kwargs, vllm_serve_flags
 from kvsvc.server.config import DEFAULT_LISTEN
 
@@ -45,6 +47,15 @@ def add_parser(subparsers: Any) -> None:
         "(with a warning) instead of refusing it",
     )
     parser.add_argument(
+        "--step-sender",
+        choices=STEP_SENDERS,
+        default="auto",
+        help="how the scheduler sends each step's Step while the forward pass runs: auto "
+        "(on the scheduler's thread over --frames, by a sender thread over gRPC), thread, or "
+        "inline (--frames only; cheapest where the forward pass takes every core, as vLLM "
+        "on CPU; thread keeps it off the scheduler's thread where cores are spare)",
+    )
+    parser.add_argument(
         "--json", action="store_true", help="print vllm_kwargs(...) as JSON instead of flags"
     )
     parser.set_defaults(func=run)
@@ -53,14 +64,23 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         untested = args.allow_untested_vllm
+        sender = args.step_sender
         if args.json:
             kwargs = vllm_kwargs(
-                args.server, args.pool, frames=args.frames, allow_untested_vllm=untested
+                args.server,
+                args.pool,
+                frames=args.frames,
+                allow_untested_vllm=untested,
+                step_sender=sender,
             )
             print(json.dumps(kwargs, indent=2))
         else:
             flags = vllm_serve_flags(
-                args.server, args.pool, frames=args.frames, allow_untested_vllm=untested
+                args.server,
+                args.pool,
+                frames=args.frames,
+                allow_untested_vllm=untested,
+                step_sender=sender,
             )
             print(" ".join(flags))
     except ValueError as exc:

@@ -15,6 +15,8 @@ import string
 from dataclasses import dataclass
 from typing import Any
 
+from kvsvc_client import STEP_SENDERS
+
 SCHEDULER_CLS = "kvsvc.integrations.vllm.scheduler.KvsvcScheduler"
 WORKER_CLS = "kvsvc.integrations.vllm.worker.KvsvcWorker"
 # The key of vLLM's ``additional_config`` that holds kvsvc's settings.
@@ -45,6 +47,13 @@ class KvsvcSettings:
         allow_untested_vllm: run on a vLLM release outside the range kvsvc proves
             (:data:`kvsvc.integrations.vllm.compat.SUPPORTED`), with a warning, instead
             of refusing to start.
+        step_sender: how the scheduler's Step goes out while the forward pass runs
+            (:class:`kvsvc_client.ClientOptions`' ``step_sender``): ``auto`` (written on
+            the scheduler's thread over ``frames``, by a sender thread over gRPC),
+            ``thread`` or ``inline`` (``frames`` only). On an engine whose forward pass
+            takes every core (vLLM on CPU) ``inline`` costs the engine least; where the
+            forward pass runs on a GPU and cores are spare, ``thread`` keeps the sending
+            off the scheduler's thread.
     """
 
     server: str
@@ -58,6 +67,7 @@ class KvsvcSettings:
     tls_server_name: str | None = None
     frames: str | None = None
     allow_untested_vllm: bool = False
+    step_sender: str = "auto"
 
     @property
     def engine_target(self) -> str:
@@ -79,6 +89,8 @@ class KvsvcSettings:
                 out[key] = getattr(self, key)
         if self.allow_untested_vllm:
             out["allow_untested_vllm"] = True
+        if self.step_sender != KvsvcSettings.step_sender:
+            out["step_sender"] = self.step_sender
         return out
 
 
@@ -89,6 +101,7 @@ def vllm_kwargs(
     *,
     frames: str | None = None,
     allow_untested_vllm: bool = False,
+    step_sender: str = KvsvcSettings.step_sender,
     **tls: str | None,
 ) -> dict[str, Any]:
     """Keyword arguments that make ``vllm.LLM(model=..., **vllm_kwargs(...))`` run on kvsvc.
@@ -107,6 +120,7 @@ def vllm_kwargs(
             (``unix:PATH`` or ``HOST:PORT`` of ``kvsvc serve --frames-listen``).
         allow_untested_vllm: start on a vLLM release outside the supported range (with a
             warning) instead of refusing.
+        step_sender: ``auto``, ``thread`` or ``inline`` (see :class:`KvsvcSettings`).
         tls: ``tls_ca``, ``tls_cert``, ``tls_key``, ``tls_server_name`` for a server with
             TLS (see :class:`KvsvcSettings`); unset ones come from ``KVSVC_TLS_*``.
 
@@ -118,7 +132,7 @@ def vllm_kwargs(
             client certificate without its key.
     """
     settings = dataclasses.replace(
-        make_settings(server, pool, auth_token, frames=frames, **tls),
+        make_settings(server, pool, auth_token, frames=frames, step_sender=step_sender, **tls),
         allow_untested_vllm=allow_untested_vllm,
     )
     return {
@@ -134,6 +148,7 @@ def make_settings(
     auth_token: str | None = None,
     *,
     frames: str | None = None,
+    step_sender: str = KvsvcSettings.step_sender,
     **tls: str | None,
 ) -> KvsvcSettings:
     """Checked settings (the one constructor every entry point goes through)."""
@@ -147,6 +162,15 @@ def make_settings(
         )
     if not pool:
         raise ValueError("pool must not be empty")
+    if step_sender not in STEP_SENDERS:
+        raise ValueError(
+            f"step_sender must be one of {', '.join(STEP_SENDERS)}, got {step_sender!r}"
+        )
+    if step_sender == "inline" and frames is None:
+        raise ValueError(
+            "step_sender 'inline' needs frames (the framed transport): over gRPC a Step "
+            "is sent by a thread"
+        )
     unknown = sorted(set(tls) - set(TLS_KEYS))
     if unknown:
         raise ValueError(
@@ -166,6 +190,7 @@ def make_settings(
         tls_key=tls.get("tls_key"),
         tls_server_name=tls.get("tls_server_name"),
         frames=frames,
+        step_sender=step_sender,
     )
 
 
@@ -212,6 +237,7 @@ def vllm_serve_flags(
     *,
     frames: str | None = None,
     allow_untested_vllm: bool = False,
+    step_sender: str = KvsvcSettings.step_sender,
     **tls: str | None,
 ) -> list[str]:
     """``vllm serve`` flags equivalent to :func:`vllm_kwargs` (the token stays in the env;
@@ -222,7 +248,7 @@ def vllm_serve_flags(
     ``--additional-config=JSON`` in :func:`shell_inert_json`'s form.
     """
     settings = dataclasses.replace(
-        make_settings(server, pool, frames=frames, **tls),
+        make_settings(server, pool, frames=frames, step_sender=step_sender, **tls),
         allow_untested_vllm=allow_untested_vllm,
     )
     return [
@@ -254,7 +280,12 @@ def settings_from_additional_config(additional_config: Any) -> KvsvcSettings:
     tls = {key: raw[key] for key in TLS_KEYS if raw.get(key) is not None}
     frames = raw.get("frames")
     settings = make_settings(
-        str(raw.get("server", "")), str(raw.get("pool", "")), token, frames=frames, **tls
+        str(raw.get("server", "")),
+        str(raw.get("pool", "")),
+        token,
+        frames=frames,
+        step_sender=raw.get("step_sender", KvsvcSettings.step_sender),
+        **tls,
     )
     return dataclasses.replace(
         settings,

@@ -57,6 +57,7 @@ from kvsvc_client import (
     HashingContext,
     KVCacheClient,
     KVCacheError,
+    PipelinedStep,
     RequestStart,
     StepFuture,
     StepResultList,
@@ -180,13 +181,14 @@ class KvsvcPoolReplica:
                 tls_cert=settings.tls_cert,
                 tls_key=settings.tls_key,
                 tls_server_name=settings.tls_server_name,
+                step_sender=settings.step_sender,
             ),
         )
         # Tokens of each live request the server knows (prompt + outputs sent so far).
         self._num_sent: dict[str, int] = {}
         self.pending = self._client.step()
         self._prediction = _Prediction()
-        self._in_flight: tuple[StepFuture, _Prediction, int] | None = None
+        self._in_flight: tuple[StepFuture | PipelinedStep, _Prediction, int] | None = None
         # Set when a reply showed the server invalidated the pool (or diverged): the
         # scheduler preempts its requests and calls resync() before it schedules again.
         self.needs_resync = False
