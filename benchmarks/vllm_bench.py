@@ -4,8 +4,8 @@ Per model (the tiny dummy-weight Llama, dense, and the tiny Gemma 3, hybrid: a
 sliding-window and a full-attention group), four in-process engines (CPU) run the same
 greedy workload in rotating rounds: stock vLLM, vLLM on kvsvc over gRPC, and vLLM on kvsvc
 with its scheduler's calls over the framed transport (a Unix socket: the sidecar case),
-its Steps sent on the scheduler's thread (the default) and, a fourth, by the client's
-sender thread (``step_sender="thread"``); each kvsvc engine has its own server and pool.
+its Steps sent by the client's sender thread (the default) and, a fourth, sent and read
+on the scheduler's thread (``step_sender="inline"``); each kvsvc engine has its own server and pool.
 
 Wall-clock tokens/s alone says little on a shared machine (stock's own rounds have ranged
 17x), so each engine's rounds also measure what another process's load touches less
@@ -71,7 +71,7 @@ LABELS = {
     "stock": "stock",
     "kvsvc": "gRPC",
     "kvsvc_frames": "frames",
-    "kvsvc_frames_thread": "frames, sender thread",
+    "kvsvc_frames_inline": "frames, inline Steps",
     "kvsvc_pure": "gRPC, pure-Python server",
     "kvsvc_frames_pure": "frames, pure-Python server",
 }
@@ -172,21 +172,21 @@ def bench_model(vllm: Any, model_name: str, args: argparse.Namespace) -> list[st
                 )
             )
             if not tag:
-                # The framed Step sent by the client's sender thread (step_sender="thread")
-                # rather than on the scheduler's thread (the default, "inline"): the same
-                # calls, the trade between the two threads' CPU in the same rounds.
-                thread_server = stack.enter_context(
-                    kvsvc_server(*server_args, pool="vllm-frames-thread", frames=True, env=env)
+                # The framed Step sent and read on the scheduler's thread
+                # (step_sender="inline") rather than by the client's sender thread (the
+                # default): the same calls, the trade between the two threads' CPU.
+                inline_server = stack.enter_context(
+                    kvsvc_server(*server_args, pool="vllm-frames-inline", frames=True, env=env)
                 )
-                servers["kvsvc_frames_thread"] = thread_server
-                engines["kvsvc_frames_thread"] = vllm.LLM(
+                servers["kvsvc_frames_inline"] = inline_server
+                engines["kvsvc_frames_inline"] = vllm.LLM(
                     **engine_args(
                         model,
                         **vllm_kwargs(
-                            thread_server.address,
-                            thread_server.pool,
-                            frames=thread_server.frames,
-                            step_sender="thread",
+                            inline_server.address,
+                            inline_server.pool,
+                            frames=inline_server.frames,
+                            step_sender="inline",
                         ),
                     )
                 )

@@ -160,17 +160,17 @@ def test_step_sender_goes_through_both_forms_and_bad_values_are_refused() -> Non
     """``step_sender`` reaches the scheduler's settings from ``vllm_kwargs`` and from the
     CLI's flags alike (left out of the config at its default); an unknown value, or
     ``inline`` without frames, is refused naming the setting."""
-    kwargs = vllm_kwargs("h:1", "p", frames="unix:/run/f.sock", step_sender="thread")
-    assert settings_from_additional_config(kwargs["additional_config"]).step_sender == "thread"
+    kwargs = vllm_kwargs("h:1", "p", frames="unix:/run/f.sock", step_sender="inline")
+    assert settings_from_additional_config(kwargs["additional_config"]).step_sender == "inline"
     default = vllm_kwargs("h:1", "p", frames="unix:/run/f.sock")["additional_config"]
     assert "step_sender" not in default["kvsvc"]
-    assert settings_from_additional_config(default).step_sender == "auto"
+    assert settings_from_additional_config(default).step_sender == "thread"
     done = run_cli(
-        "--server", "h:1", "--pool", "p", "--frames", "unix:/run/f.sock", "--step-sender", "thread"
+        "--server", "h:1", "--pool", "p", "--frames", "unix:/run/f.sock", "--step-sender", "inline"
     )
     assert done.returncode == 0, done.stderr
     assert additional_config(unquoted(done.stdout)) == kwargs["additional_config"]
-    with pytest.raises(ValueError, match="step_sender must be one of auto, thread, inline"):
+    with pytest.raises(ValueError, match="step_sender must be one of thread, inline"):
         vllm_kwargs("h:1", "p", step_sender="eager")
     with pytest.raises(ValueError, match="step_sender 'inline' needs frames"):
         vllm_kwargs("h:1", "p", step_sender="inline")

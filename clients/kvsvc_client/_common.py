@@ -27,7 +27,7 @@ RETRYABLE_REPEATS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEAD
 # Trailing metadata of every reply of a call that names a pool: the pool's state epoch.
 EPOCH_METADATA = "kvsvc-epoch"
 # ClientOptions.step_sender's values.
-STEP_SENDERS = ("auto", "thread", "inline")
+STEP_SENDERS = ("thread", "inline")
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _MESSAGE_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -87,13 +87,13 @@ class ClientOptions:
         ``keepalive_min_ping_interval_s``, or the server cuts the connection (see
         :mod:`kvsvc.keepalive`).
     step_sender: how :meth:`SyncStep.send_future` sends a Step without waiting:
-        ``thread`` (a sender thread of the client makes the call), ``inline`` (a framed
-        target only: the frame is written on the caller's thread and the reply read when
-        asked for, no thread at all), or ``auto``: ``inline`` on a framed target, else
-        ``thread``. ``inline`` is cheaper in all (no thread wake-ups, no GIL hand-offs)
-        but the sending and the reading run on the caller's thread: where spare cores
-        would run the sender thread for free (an engine whose forward pass is on a GPU),
-        ``thread`` keeps them off the scheduler's.
+        ``thread`` (a sender thread of the client makes the call) or ``inline`` (a framed
+        target only: the frame is written on the caller's thread and the reply read there
+        when asked for, no thread at all). ``inline`` costs a little less CPU in all (no
+        thread wake-ups, no GIL hand-offs) but puts the sending and the reading on the
+        caller's thread (an engine's scheduler: ~130-170 us a step there against ~25-50
+        with the thread, in benchmarks/vllm_bench.py on 2 cores); ``thread`` leaves them to
+        a core the forward pass does not use.
     """
 
     timeout: float = 10.0
@@ -109,7 +109,7 @@ class ClientOptions:
     tls_key: str | None = None
     tls_server_name: str | None = None
     keepalive_time: float = CLIENT_KEEPALIVE_TIME_S
-    step_sender: str = "auto"
+    step_sender: str = "thread"
 
     def __post_init__(self) -> None:
         if self.step_sender not in STEP_SENDERS:

@@ -314,9 +314,9 @@ class KVCacheClient:
                 self._channel.close()
             raise ValueError(
                 f"step_sender='inline' needs a framed target (frames:...), not {target!r}: "
-                "a gRPC Step is sent by a thread ('thread' or 'auto')"
+                "a gRPC Step is sent by a thread ('thread')"
             )
-        self._inline_steps = framed and self.options.step_sender != "thread"
+        self._inline_steps = framed and self.options.step_sender == "inline"
         self._closed = False
         self._watches: set[Any] = set()  # open WatchEvents streams, cancelled by close()
         # Call ids of Allocate, Free and Step: unique per client, so the server can answer

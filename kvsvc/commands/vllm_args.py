@@ -49,11 +49,11 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--step-sender",
         choices=STEP_SENDERS,
-        default="auto",
-        help="how the scheduler sends each step's Step while the forward pass runs: auto "
-        "(on the scheduler's thread over --frames, by a sender thread over gRPC), thread, or "
-        "inline (--frames only; cheapest where the forward pass takes every core, as vLLM "
-        "on CPU; thread keeps it off the scheduler's thread where cores are spare)",
+        default="thread",
+        help="how the scheduler sends each step's Step while the forward pass runs: by the "
+        "client's sender thread (thread, the default) or on the scheduler's own thread "
+        "(inline, --frames only: no thread hand-offs, a little less CPU in all, more on the "
+        "scheduler's thread)",
     )
     parser.add_argument(
         "--json", action="store_true", help="print vllm_kwargs(...) as JSON instead of flags"

@@ -1,9 +1,9 @@
-"""``send_future`` on a framed client without a thread (``step_sender`` ``inline``, the
-framed default): the Step's frame is written before ``send_future`` returns and its reply
-read when asked for. Against a real in-process server: the order Steps are applied in, the
-one connection they share, ``then`` on the reading thread, a failed Step, a late reply
-retried with its call id (applied once), ``close()`` with a Step in flight, and which
-options choose which sender."""
+"""``send_future`` on a framed client without a thread (``step_sender="inline"``): the
+Step's frame is written before ``send_future`` returns and its reply read when asked for.
+Against a real in-process server: the order Steps are applied in, the one connection they
+share, ``then`` on the reading thread, a failed Step, a late reply retried with its call
+id (applied once), ``close()`` with a Step in flight, and which options choose which
+sender."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ from kvsvc_client._frames import FrameChannel
 
 from tests.frames.helpers import POOL, live_requests, target_of, unix_and_tcp_server, unix_target
 from tests.server.harness import ServerThread
+
+INLINE = ClientOptions(step_sender="inline")
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +67,7 @@ def test_inline_steps_are_applied_in_order_on_one_connection_and_checked_by_the_
         seen.append((threading.current_thread().name, results[0].num_computed_tokens))
         return int(results[0].num_computed_tokens)
 
-    with KVCacheClient(target, pool=POOL) as kv:
+    with KVCacheClient(target, pool=POOL, options=INLINE) as kv:
         assert kv.usage().pool == POOL  # the connection exists before counting
         opened = counting_connects(kv)
         admit = kv.step()
@@ -96,14 +98,14 @@ def test_a_failing_check_and_a_refused_step_raise_from_their_futures(target: str
         calls.append(len(results))
         raise ValueError(f"checked {len(results)}")
 
-    with KVCacheClient(target, pool=POOL) as kv:
+    with KVCacheClient(target, pool=POOL, options=INLINE) as kv:
         admit = kv.step()
         admit.allocate("bad", list(range(1, 21)), 20, start=True)
         checked = admit.send_future(then=broken)
         assert checked.result()[0].ok
         with pytest.raises(ValueError, match="checked 1"):
             checked.then_result()
-        with KVCacheClient(target, pool="no-such-pool") as elsewhere:
+        with KVCacheClient(target, pool="no-such-pool", options=INLINE) as elsewhere:
             refused = elsewhere.step()
             refused.allocate("bad", [21], 1)
             failed = refused.send_future(then=broken)
@@ -122,7 +124,9 @@ def test_a_late_reply_is_retried_with_its_call_id_and_applied_once(server: Serve
     """The server's loop is held past the Step's deadline after the frame went out: the
     reader's attempt times out, the retry (same call id, a new connection) is answered
     once the loop runs, and the token is counted once."""
-    options = ClientOptions(timeout=0.3, retries=10, backoff=0.05, max_backoff=0.1)
+    options = ClientOptions(
+        timeout=0.3, retries=10, backoff=0.05, max_backoff=0.1, step_sender="inline"
+    )
     with KVCacheClient(unix_target(server), pool=POOL, options=options) as kv:
         assert kv.allocate("late", list(range(1, 21)), 20, start=True).ok
         try:
@@ -138,10 +142,25 @@ def test_a_late_reply_is_retried_with_its_call_id_and_applied_once(server: Serve
             kv.free("late")
 
 
+def test_a_step_sent_and_waited_for_reads_the_pipelined_one_first(target: str) -> None:
+    """``send()`` after ``send_future()``: the pipelined Step is read (applied) before the
+    waited-for one goes out, whatever connection each takes."""
+    with KVCacheClient(target, pool=POOL, options=INLINE) as kv:
+        admit = kv.step()
+        admit.allocate("mixed", list(range(1, 21)), 20, start=True)
+        admitted = admit.send_future()
+        grow = kv.step()
+        grow.allocate("mixed", [21], 1)
+        (grown,) = grow.send()
+        assert admitted.done(), "the pipelined Step was read before the next one was sent"
+        assert grown.ok and grown.num_computed_tokens == 21, grown
+        kv.free("mixed")
+
+
 def test_close_reads_a_step_still_in_flight(server: ServerThread) -> None:
     """A Step sent and never read is applied and its reply read by ``close()``, as the
     sender thread sends what was queued before it ends."""
-    with KVCacheClient(unix_target(server), pool=POOL) as kv:
+    with KVCacheClient(unix_target(server), pool=POOL, options=INLINE) as kv:
         admit = kv.step()
         admit.allocate("closing", list(range(1, 21)), 20, start=True)
         future = admit.send_future()
@@ -154,11 +173,9 @@ def test_close_reads_a_step_still_in_flight(server: ServerThread) -> None:
 def test_step_sender_chooses_the_thread_or_refuses_inline_over_grpc(
     server: ServerThread,
 ) -> None:
-    """``thread`` keeps a framed client's Steps on its sender thread; ``inline`` over gRPC
-    and an unknown value are refused, naming the setting."""
-    with KVCacheClient(
-        unix_target(server), pool=POOL, options=ClientOptions(step_sender="thread")
-    ) as kv:
+    """By default (``thread``) a framed client's Steps go through its sender thread;
+    ``inline`` over gRPC and an unknown value are refused, naming the setting."""
+    with KVCacheClient(unix_target(server), pool=POOL) as kv:
         step = kv.step()
         step.allocate("threaded", list(range(1, 21)), 20, start=True)
         future = step.send_future()
@@ -167,5 +184,5 @@ def test_step_sender_chooses_the_thread_or_refuses_inline_over_grpc(
         kv.free("threaded")
     with pytest.raises(ValueError, match="step_sender='inline' needs a framed target"):
         KVCacheClient(server.address, pool=POOL, options=ClientOptions(step_sender="inline"))
-    with pytest.raises(ValueError, match="step_sender must be one of auto, thread, inline"):
+    with pytest.raises(ValueError, match="step_sender must be one of thread, inline"):
         ClientOptions(step_sender="eager")

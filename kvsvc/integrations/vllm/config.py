@@ -48,12 +48,10 @@ class KvsvcSettings:
             (:data:`kvsvc.integrations.vllm.compat.SUPPORTED`), with a warning, instead
             of refusing to start.
         step_sender: how the scheduler's Step goes out while the forward pass runs
-            (:class:`kvsvc_client.ClientOptions`' ``step_sender``): ``auto`` (written on
-            the scheduler's thread over ``frames``, by a sender thread over gRPC),
-            ``thread`` or ``inline`` (``frames`` only). On an engine whose forward pass
-            takes every core (vLLM on CPU) ``inline`` costs the engine least; where the
-            forward pass runs on a GPU and cores are spare, ``thread`` keeps the sending
-            off the scheduler's thread.
+            (:class:`kvsvc_client.ClientOptions`' ``step_sender``): ``thread`` (the
+            client's sender thread) or ``inline`` (``frames`` only: written and read on
+            the scheduler's thread, no thread hand-offs; a little less CPU in all, more
+            on the scheduler's thread).
     """
 
     server: str
@@ -67,7 +65,7 @@ class KvsvcSettings:
     tls_server_name: str | None = None
     frames: str | None = None
     allow_untested_vllm: bool = False
-    step_sender: str = "auto"
+    step_sender: str = "thread"
 
     @property
     def engine_target(self) -> str:
@@ -120,7 +118,7 @@ def vllm_kwargs(
             (``unix:PATH`` or ``HOST:PORT`` of ``kvsvc serve --frames-listen``).
         allow_untested_vllm: start on a vLLM release outside the supported range (with a
             warning) instead of refusing.
-        step_sender: ``auto``, ``thread`` or ``inline`` (see :class:`KvsvcSettings`).
+        step_sender: ``thread`` or ``inline`` (see :class:`KvsvcSettings`).
         tls: ``tls_ca``, ``tls_cert``, ``tls_key``, ``tls_server_name`` for a server with
             TLS (see :class:`KvsvcSettings`); unset ones come from ``KVSVC_TLS_*``.
 
