@@ -334,7 +334,7 @@ class BlockPool:
             BlockStored(
                 [block_hashes[i] for i in positions],
                 block_hashes[start - 1] if start > 0 else None,
-                tokens.tolist() if isinstance(tokens, array) else list(tokens),
+                tokens if isinstance(tokens, array) else array("I", tokens),
                 block_size,
                 lora[0],
                 self.medium,

@@ -14,7 +14,7 @@ than one that no subscriber could receive.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -49,7 +49,9 @@ class BlockStored:
             step starts at the prompt's first block). It is the request's logical parent
             even when that block was dropped from the table (sliding window).
         token_ids: the tokens of every block the step covered, cached or skipped
-            (``block_size`` per hash when it skipped none).
+            (``block_size`` per hash when it skipped none). An ``array("I")`` from the
+            pool: one copy of the request's tokens, not an int object each, which the
+            replay log would hold and free one by one (compare as ``list(token_ids)``).
         block_size: tokens per block of the group.
         lora_name: adapter of the request, if any.
         medium: where the blocks live (``"GPU"`` for device memory).
@@ -65,7 +67,7 @@ class BlockStored:
 
     block_hashes: list[bytes]
     parent_block_hash: bytes | None
-    token_ids: list[int]
+    token_ids: Sequence[int]
     block_size: int
     lora_name: str | None
     medium: str

@@ -43,6 +43,7 @@ from kvsvc.server.namespace import (
 from kvsvc.server.persistence.records import JournalKind
 from kvsvc.server.pool import Pool, PoolState
 from kvsvc.server.registration import MemoryReport, Registration
+from kvsvc.server.reply_early import early_reply
 from kvsvc.server.wire import (
     StepColumns,
     check_request_id,
@@ -147,7 +148,9 @@ async def _mutate(pool: Pool, kind: int, request: Any, work: int, fn: Any, *args
     (the request as it came, the reply's digest, the event batch it made) in the same
     critical section, so the journal's order is the order of the changes, and the reply
     waits for the commit (:meth:`Pool.durable`). A call whose ``call_id`` was seen is
-    answered with the first attempt's reply, applied nothing again.
+    answered with the first attempt's reply, applied nothing again. Without a journal, a
+    transport that can (frames) sends the reply as soon as the change is applied, ahead of
+    the events' drain and the reply's keeping (:mod:`kvsvc.server.reply_early`).
     """
     engine = current_engine.get()
     call_id = request.call_id
@@ -175,12 +178,17 @@ async def _mutate(pool: Pool, kind: int, request: Any, work: int, fn: Any, *args
                             break
             else:
                 response, changed = fn(*args)
+            # Without a journal the reply may go out now, before the bookkeeping below
+            # (see kvsvc.server.reply_early); the bytes written are the ones kept.
+            send_now = early_reply.get() if pool.persistence is None else None
+            reply = send_now(response) if send_now is not None else None
             batches = pool.drain_events()
             ticket = 0
             # An event is a change, whatever ``changed`` says. Only a change is journaled
             # and kept for a retry: repeating a call that changed nothing applies it once.
             if (changed or batches) and (call_id or pool.persistence is not None):
-                reply = response.SerializeToString()
+                if reply is None:
+                    reply = response.SerializeToString()
                 if pool.persistence is not None:
                     ticket = pool.journal(
                         kind,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from array import array
 
 import pytest
 from core_factories import check_pool_invariants, free_order
@@ -168,7 +169,7 @@ def test_events_carry_the_group(group_id: int) -> None:
         BlockStored(
             block_hashes=[b"h0", b"h1"],
             parent_block_hash=None,
-            token_ids=tokens,
+            token_ids=array("I", tokens),  # one array, not an int object a token
             block_size=4,
             lora_name="lora-a",
             medium="GPU",
@@ -202,7 +203,7 @@ def test_stored_event_parent_is_the_logical_parent_behind_a_null_block() -> None
     assert isinstance(event, BlockStored)
     assert event.parent_block_hash == hashes[1]
     assert event.block_hashes == hashes[2:4]
-    assert event.token_ids == [12, 13]
+    assert list(event.token_ids) == [12, 13]
     assert pool.block_hash[NULL_BLOCK_ID] is None
 
 
@@ -219,7 +220,7 @@ def test_a_caching_step_is_one_event_as_vllm_words_it() -> None:
     pool.cache_full_blocks(table, hashes, 4, 5, 0, 2, list(range(10)))  # a null block
     batch = events.take()
     assert batch is not None
-    stored = [(e.block_hashes, e.parent_block_hash, e.token_ids) for e in batch.events]  # type: ignore[union-attr]
+    stored = [(e.block_hashes, e.parent_block_hash, list(e.token_ids)) for e in batch.events]  # type: ignore[union-attr]
     assert stored == [([b"a", b"c", b"d"], None, list(range(8))), ([], b"d", [8, 9])]
 
 

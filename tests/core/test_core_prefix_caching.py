@@ -496,7 +496,7 @@ def test_events_store_remove_clear(blocks_to_cache: int) -> None:
     (stored,) = batch.events
     assert isinstance(stored, BlockStored)
     assert stored.block_hashes == req0.block_hashes
-    assert stored.token_ids == list(range(num_tokens)) and stored.block_size == 16
+    assert list(stored.token_ids) == list(range(num_tokens)) and stored.block_size == 16
     assert stored.group_index == 0 and stored.group_kind == "full_attention"
     assert stored.parent_block_hash is None and stored.medium == "GPU"
     assert manager.take_events() is None

@@ -208,7 +208,7 @@ def to_vllm_batch(
                 stored_class(
                     block_hashes=[_external(h, int_hashes) for h in event.block_hashes],
                     parent_block_hash=None if parent is None else _external(parent, int_hashes),
-                    token_ids=event.token_ids,
+                    token_ids=list(event.token_ids),  # msgspec encodes lists, not arrays
                     block_size=event.block_size,
                     lora_id=event.lora_id,
                     medium=event.medium,

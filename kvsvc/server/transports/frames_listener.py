@@ -59,6 +59,7 @@ from kvsvc.ports import (
 from kvsvc.server.config import join_host_port, split_host_port
 from kvsvc.server.errors import CallObserver
 from kvsvc.server.namespace import current_engine, current_pools
+from kvsvc.server.reply_early import early_reply
 from kvsvc.server.request_caps import SMALL_REQUEST_BYTES, RequestCaps
 from kvsvc.server.seclog import RateLimitedLog
 from kvsvc.server.transports.auth import (
@@ -177,13 +178,31 @@ class _PeerAuth:
 class FrameCallContext:
     """What a servicer's handler uses of gRPC's ``ServicerContext``, for one framed call."""
 
-    __slots__ = ("_code", "_details", "_peer", "trailing")
+    __slots__ = ("_code", "_details", "_ok_header", "_peer", "_writer", "replied", "trailing")
 
-    def __init__(self, peer: str) -> None:
+    def __init__(
+        self,
+        peer: str,
+        writer: asyncio.StreamWriter,
+        ok_header: Callable[[tuple[tuple[str, str], ...]], bytes],
+    ) -> None:
         self._peer = peer
+        self._writer = writer
+        self._ok_header = ok_header
         self._code: grpc.StatusCode | None = None
         self._details = ""
         self.trailing: tuple[tuple[str, str], ...] = ()
+        # Whether the OK reply went out already (reply_now): the handler's outcome is then
+        # not written again, whatever it is.
+        self.replied = False
+
+    def reply_now(self, response: Any) -> bytes:
+        """Write ``response`` as the call's OK reply now (with the trailing metadata set so
+        far); returns its serialized message. See :mod:`kvsvc.server.reply_early`."""
+        body: bytes = response.SerializeToString()
+        self._writer.write(frame(self._ok_header(self.trailing), body))
+        self.replied = True
+        return body
 
     def set_trailing_metadata(self, metadata: Iterable[tuple[str, str]]) -> None:
         self.trailing = tuple(metadata)
@@ -494,11 +513,12 @@ class FrameServer:
                         continue
                     held = body_size
                 conn.phase = _CALL
-                reply = await self._call(method, body, engine, pools, peer)
+                reply = await self._call(method, body, engine, pools, peer, writer)
                 del body
                 budget.release(caller, held)
                 held = 0
-                writer.write(reply)
+                if reply is not None:
+                    writer.write(reply)
             except _Closing as exc:
                 writer.write(frame(reply_header(_number(exc.code), exc.details, close=True)))
                 await _drain(conn, writer, clock())
@@ -597,8 +617,10 @@ class FrameServer:
         engine: str,
         pools: frozenset[str] | None,
         peer: str,
-    ) -> bytes:
-        """Run one call; the reply frame's bytes."""
+        writer: asyncio.StreamWriter,
+    ) -> bytes | None:
+        """Run one call; the reply frame's bytes (None: the handler wrote the reply
+        already, :meth:`FrameCallContext.reply_now`)."""
         try:
             request = method.parse(body)
         except DecodeError as exc:
@@ -608,14 +630,19 @@ class FrameServer:
                     f"the request message does not parse as the method's request: {exc}",
                 )
             )
-        context = FrameCallContext(peer)
+        context = FrameCallContext(peer, writer, self._ok_header)
         current_engine.set(engine)
         current_pools.set(pools)
+        early_reply.set(context.reply_now)
         try:
             response = await method.handler(request, context)
         except grpc.aio.AbortError:
+            if context.replied:  # a fault after the reply went out: logged, not sent
+                return None
             code = context.code() or grpc.StatusCode.UNKNOWN
             return frame(reply_header(_number(code), context.details(), context.trailing))
+        if context.replied:
+            return None
         return frame(self._ok_header(context.trailing), response.SerializeToString())
 
     def _ok_header(self, trailing: tuple[tuple[str, str], ...]) -> bytes:
