@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -26,25 +25,10 @@ from kvsvc_client import (
 from tests.frames.helpers import (
     POOL,
     QUICK,
-    live_requests,
     short_dir,
-    target_of,
-    unix_and_tcp_server,
     unix_target,
 )
 from tests.server.harness import ServerThread
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerThread]:
-    with unix_and_tcp_server() as srv:
-        yield srv
-
-
-@pytest.fixture(params=["unix", "tcp"])
-def target(request: pytest.FixtureRequest, server: ServerThread) -> Iterator[str]:
-    yield target_of(request.param, server)
-    assert live_requests(server) == [], "a test left requests live"
 
 
 def test_the_engine_sequence_over_asyncio_frames_matches_grpc(

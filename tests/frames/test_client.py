@@ -9,7 +9,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -36,24 +36,11 @@ from tests.frames.helpers import (
     short_dir,
     target_of,
     tcp_target,
-    unix_and_tcp_server,
     unix_target,
 )
 from tests.server.harness import ServerThread
 
 BIG = 2**31  # the first token id out of bounds
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerThread]:
-    with unix_and_tcp_server() as srv:
-        yield srv
-
-
-@pytest.fixture(params=["unix", "tcp"])
-def target(request: pytest.FixtureRequest, server: ServerThread) -> Iterator[str]:
-    yield target_of(request.param, server)
-    assert live_requests(server) == [], "a test left requests live"
 
 
 def pool_epoch(server: ServerThread) -> str:

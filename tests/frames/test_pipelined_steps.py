@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,22 +21,10 @@ from kvsvc_client import (
 )
 from kvsvc_client._frames import FrameChannel
 
-from tests.frames.helpers import POOL, live_requests, target_of, unix_and_tcp_server, unix_target
+from tests.frames.helpers import POOL, live_requests, unix_target
 from tests.server.harness import ServerThread
 
 INLINE = ClientOptions(step_sender="inline")
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerThread]:
-    with unix_and_tcp_server() as srv:
-        yield srv
-
-
-@pytest.fixture(params=["unix", "tcp"])
-def target(request: pytest.FixtureRequest, server: ServerThread) -> Iterator[str]:
-    yield target_of(request.param, server)
-    assert live_requests(server) == [], "a test left requests live"
 
 
 def counting_connects(kv: KVCacheClient) -> list[int]:
