@@ -156,10 +156,14 @@ class BlockPool:
         return ids
 
     def get_new_block(self) -> int:
-        """``get_new_blocks(1)[0]`` without the list (a decode step's block-boundary case)."""
-        block_id = self.free_queue.popleft_fresh()
+        """``get_new_blocks(1)[0]`` without the lists (a decode step's block-boundary case,
+        which in a pool that has cycled takes a cached block: its hash goes here)."""
+        free_queue = self.free_queue
+        block_id = free_queue.popleft_fresh()
         if not block_id:
-            return self.get_new_blocks(1)[0]
+            block_id = free_queue.popleft_linked()
+            if self.block_hash[block_id] is not None:
+                self._evict_one(block_id)
         self.ref_cnt[block_id] = 1
         self.num_allocated_blocks += 1
         return block_id
@@ -393,6 +397,35 @@ class BlockPool:
                         block_hashes=group_hashes, medium=self.medium, group_index=group_id
                     )
                 )
+
+    def _evict_one(self, block_id: int) -> None:
+        """``_evict_hashes([block_id])`` for a block known to carry a hash, without the
+        runs it groups events into (one block is one event)."""
+        block_hash = self.block_hash[block_id]
+        assert block_hash is not None
+        group_id = self.block_group[block_id]
+        index = self._index[group_id]
+        dups = self._dups[group_id]
+        if index.get(block_hash) == block_id:
+            later = dups.get(block_hash)
+            if later:
+                index[block_hash] = later.pop(0)
+                if not later:
+                    del dups[block_hash]
+            else:
+                del index[block_hash]
+        else:
+            later = dups[block_hash]
+            later.remove(block_id)
+            if not later:
+                del dups[block_hash]
+        self.block_hash[block_id] = None
+        self.num_cached_blocks -= 1
+        self.num_evictions += 1
+        if self.events is not None:
+            self.events.append(
+                BlockRemoved(block_hashes=[block_hash], medium=self.medium, group_index=group_id)
+            )
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop the given blocks from the prefix index (e.g. their KV failed to load).

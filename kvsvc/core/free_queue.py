@@ -124,6 +124,27 @@ class FreeBlockQueue:
             return lo
         return 0
 
+    def popleft_linked(self) -> int:
+        """Pop the head of the LRU region (``popleft_fresh`` found the others empty).
+
+        The one-block case of a decode step once the pool has cycled: no list is built.
+
+        Raises:
+            ValueError: the LRU region is empty too.
+        """
+        nxt = self._next
+        sentinel = self._sentinel
+        block_id = nxt[sentinel]
+        if block_id == sentinel:
+            raise ValueError("cannot pop a block from an empty free queue")
+        following = nxt[block_id]
+        nxt[block_id] = 0
+        nxt[sentinel] = following
+        self._prev[following] = sentinel
+        self._num_linked -= 1
+        self._cursor_pos = -1
+        return block_id
+
     def prepend_n(self, ids: Sequence[int]) -> None:
         """Put ``ids`` at the front, ``ids[0]`` first (they will be reused first)."""
         self._stack.extend(reversed(ids))

@@ -23,6 +23,11 @@ from kvsvc.core.pool_limits import too_many_tokens, too_many_unscheduled
 from kvsvc.core.pool_types import AllocateOutcome, RunningColumns
 from kvsvc.errors import InvalidArgument, KvsvcError, quoted
 
+# The loop's bound where a pool sets none: past any count of tokens a pool can hold, and
+# a small int when compiled (sys.maxsize is not: every comparison with it took the
+# boxed-integer path, ~5% of a decode Step's loop).
+_UNBOUNDED = 1 << 60
+
 
 def _token_error(token: object) -> InvalidArgument:
     """The error ``allocate`` raises for this bad token id (same words on both paths)."""
@@ -102,10 +107,10 @@ class RunningBatchPool(PoolKVCacheBase):
         # Tokens held, kept in a local across the loop (written back around the general
         # path, which counts its own, and at the end).
         held = self.num_tokens_held
-        max_held = self.max_tokens if self.max_tokens is not None else sys.maxsize
+        max_held = self.max_tokens if self.max_tokens is not None else _UNBOUNDED
         unscheduled_sum = self.num_tokens_unscheduled
         max_unscheduled = (
-            self.max_unscheduled_tokens if self.max_unscheduled_tokens is not None else sys.maxsize
+            self.max_unscheduled_tokens if self.max_unscheduled_tokens is not None else _UNBOUNDED
         )
         pos = token_pos
         # As objects: compiled, a declared int would fail before the check below.

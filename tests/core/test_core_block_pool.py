@@ -253,3 +253,64 @@ def test_a_drain_past_the_batch_bound_splits_into_chained_consecutive_batches() 
     (single,) = queue.take_batches()
     assert single.seq == len(batches) + 1 and len(single.events) == 1
     assert queue.take_batches() == []
+
+
+def _cycled_pool() -> BlockPool:
+    """A pool whose every free block is cached (the LRU region only), with a duplicate
+    hash, a block whose hash was dropped while it was free, and two groups."""
+    pool = BlockPool(9, num_groups=2, events=KVEventQueue())
+    blocks = pool.get_new_blocks(8)
+    pool.cache_full_blocks(blocks[:3], [b"a", b"b", b"c"], 0, 3, 0, 4)
+    pool.cache_full_blocks(blocks[3:5], [b"d", b"e"], 0, 2, 1, 4)
+    pool.cache_full_blocks(blocks[5:6], [b"a"], 0, 1, 0, 4)  # a duplicate of block 1
+    pool.cache_full_blocks(blocks[6:8], [b"f", b"g"], 0, 2, 0, 4)
+    pool.free_blocks(blocks)
+    pool.evict_blocks([blocks[7]])  # free, linked, and without a hash now
+    assert pool.events is not None
+    pool.events.take()
+    return pool
+
+
+def test_one_new_block_from_a_cycled_pool_is_one_of_get_new_blocks() -> None:
+    """get_new_block's own path for a block from the LRU region (a decode step once the
+    pool has cycled) leaves the pool, its index and its events as get_new_blocks(1)."""
+    one, listed = _cycled_pool(), _cycled_pool()
+    taken_one = [one.get_new_block() for _ in range(8)]
+    taken_listed = [listed.get_new_blocks(1)[0] for _ in range(8)]
+    assert taken_one == taken_listed == [1, 2, 3, 4, 5, 6, 7, 8]
+    for pool in (one, listed):
+        check_pool_invariants(pool, [taken_one])
+        assert pool.num_cached_blocks == 0
+        assert pool.cached_index(0) == pool.cached_index(1) == {}
+    assert one.num_evictions == listed.num_evictions == 8  # 7 + the one evict_blocks dropped
+    assert one.num_allocated_blocks == listed.num_allocated_blocks == 16
+    assert one.block_hash == listed.block_hash
+    assert one.events is not None and listed.events is not None
+    events = one.events.take()
+    assert events is not None
+    assert events.events == listed.events.pending
+    assert [(e.group_index, e.block_hashes) for e in events.events] == [
+        (0, [b"a"]),
+        (0, [b"b"]),
+        (0, [b"c"]),
+        (1, [b"d"]),
+        (1, [b"e"]),
+        (0, [b"a"]),
+        (0, [b"f"]),
+    ]
+    with pytest.raises(ValueError, match="empty free queue"):
+        one.get_new_block()
+
+
+def test_the_earliest_duplicate_takes_over_when_a_cycled_pool_reuses_a_block() -> None:
+    pool = BlockPool(5)
+    blocks = pool.get_new_blocks(4)
+    for block_id in blocks[:3]:
+        pool.cache_full_blocks([block_id], [b"a"], 0, 1, 0, 4)
+    pool.free_blocks(blocks[:3])
+    assert pool.get_new_block() == 1  # block 1 held "a" first; blocks 2 and 3 have it too
+    assert pool.get_cached_block(b"a", [0]) == [2]
+    assert pool.cached_blocks_of(b"a", 0) == [2, 3]
+    assert pool.get_new_block() == 2
+    assert pool.cached_blocks_of(b"a", 0) == [3]
+    check_pool_invariants(pool, [[1, 2, 4]])

@@ -55,6 +55,21 @@ def test_remove_of_an_unlinked_block_is_a_bug() -> None:
         queue.remove(2)  # still in the untouched range, never appended
 
 
+def test_popping_one_linked_id_from_an_empty_region_raises() -> None:
+    queue = FreeBlockQueue(4)
+    queue.popleft_n(3)
+    queue.prepend_n([2])
+    with pytest.raises(ValueError, match="empty free queue"):
+        queue.popleft_linked()  # the stack holds one, the LRU region none
+    queue.append_n([1])
+    assert queue.popleft_linked() == 1
+    assert list(queue) == [2]
+    # The region emptied by that pop takes appends again, front to back.
+    queue.append_n([1, 3])
+    assert list(queue) == [2, 1, 3]
+    assert queue.page(1, 2) == [1, 3]
+
+
 def test_popping_more_than_is_free_raises() -> None:
     queue = FreeBlockQueue(4)
     queue.popleft_n(2)
@@ -92,7 +107,7 @@ def test_same_order_as_a_single_list_under_random_operations(data: st.DataObject
     out: list[int] = []  # popped ids, free to put back
     appended: set[int] = set()  # ids put back with append (removable)
     for _ in range(data.draw(st.integers(1, 40))):
-        op = data.draw(st.sampled_from(["pop", "prepend", "append", "remove", "page"]))
+        op = data.draw(st.sampled_from(["pop", "pop1", "prepend", "append", "remove", "page"]))
         if op == "page":
             # Any window of the queue, read from wherever the cursor was left.
             offset = data.draw(st.integers(0, num_blocks + 2))
@@ -106,6 +121,18 @@ def test_same_order_as_a_single_list_under_random_operations(data: st.DataObject
             assert all(b in appended for b in ids[first_linked:])
             appended.difference_update(ids)
             out.extend(ids)
+        elif op == "pop1" and model.items:
+            # One id as a decode step takes it: from the stack or the untouched range,
+            # else the LRU region's head.
+            block_id = queue.popleft_fresh()
+            if block_id:
+                assert block_id not in appended
+            else:
+                block_id = queue.popleft_linked()
+                assert block_id in appended
+            assert [block_id] == model.popleft_n(1)
+            appended.discard(block_id)
+            out.append(block_id)
         elif op in ("prepend", "append") and out:
             chosen = data.draw(st.lists(st.sampled_from(out), unique=True, max_size=len(out)))
             for b in chosen:
