@@ -172,6 +172,35 @@ def test_an_engine_token_is_served_on_a_raw_connection(server: ServerThread) -> 
             assert kvcache_pb2.GetUsageResponse.FromString(data).pool == POOL
 
 
+def test_a_connection_decides_its_calls_by_its_own_token(server: ServerThread) -> None:
+    """A connection decides each call's header once and keeps the answer, for itself: the
+    same header bytes an engine's connection was served on are refused on an admin's, and
+    an engine's own namespace stays its own on every later call."""
+    free = KVCACHE + "Free"
+    body = kvcache_pb2.FreeRequest(pool=POOL, request_ids=["nobody"]).SerializeToString()
+    with RawClient(server.server.frames_addresses[0]) as engine:
+        engine.hello((("authorization", f"Bearer {ENGINE_A}"),))
+        for _ in range(3):
+            reply, _ = engine.call(free, body)
+            assert reply.code == 5 and "engine-a" not in reply.details  # NOT_FOUND
+        with RawClient(server.server.frames_addresses[0]) as admin:
+            admin.hello((("authorization", f"Bearer {ADMIN}"),))
+            reply, _ = admin.call(free, body)
+            assert reply.code == 7 and reply.close  # PERMISSION_DENIED
+        reply, _ = engine.call(free, body)  # the engine's connection is still served
+        assert reply.code == 5
+    with client(server, ENGINE_A) as a, client(server, ENGINE_B) as b:
+        assert a.allocate("mine", list(range(1, 33)), 32, start=True).ok
+        try:
+            for _ in range(3):
+                with pytest.raises(NotFoundError):
+                    b.free("mine")
+                assert a.block_table("mine").num_tokens == 32
+        finally:
+            a.free("mine")
+    assert live_requests(server) == []
+
+
 def test_refusals_from_new_connections_of_one_host_are_logged_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

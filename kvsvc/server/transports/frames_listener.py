@@ -447,6 +447,10 @@ class FrameServer:
         # tokens, its host's), the same caller as that client's gRPC calls, so one client
         # reads one large request at a time whichever transport it sends it on.
         caller: Hashable = (credential.credential, peer_host(peer))
+        # The calls this connection was allowed, by their header's bytes: an engine sends
+        # the same few headers on every call, so each is parsed and decided once (the
+        # credential is the connection's; a refusal closes it, so none is kept).
+        allowed: dict[bytes, tuple[FrameMethod, str, frozenset[str] | None]] = {}
         budget = self._budget
         methods = self._methods
         read = reader.readexactly
@@ -485,11 +489,20 @@ class FrameServer:
                         conn.phase = _FRAME
                         conn.since = clock()  # the frame's time starts when it may be read
                     reserved = wanted
-                header = _parse_header(await read(header_size))
-                method = methods.get(header.method)
-                if method is None:
-                    raise _Closing(grpc.StatusCode.UNIMPLEMENTED, _unknown_method(header.method))
-                engine, pools = self._check_call(credential, method, peer)
+                header_bytes = await read(header_size)
+                decided = allowed.get(header_bytes)
+                if decided is None:
+                    header = _parse_header(header_bytes)
+                    method = methods.get(header.method)
+                    if method is None:
+                        raise _Closing(
+                            grpc.StatusCode.UNIMPLEMENTED, _unknown_method(header.method)
+                        )
+                    engine, pools = self._check_call(credential, method, peer)
+                    if len(allowed) < _ALLOWED_HEADERS_KEPT:
+                        allowed[header_bytes] = (method, engine, pools)
+                else:
+                    method, engine, pools = decided
                 if body_size > max_body:
                     raise _Closing(
                         grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -676,6 +689,10 @@ async def bind_frames_addresses(frames: FrameServer, addresses: Iterable[str]) -
         bound_addresses.append(join_host_port(host, bound))
     return bound_addresses
 
+
+# Headers a connection's allowed calls are kept by (its methods' few; past it a call is
+# decided afresh, so a client sending ever new headers grows nothing).
+_ALLOWED_HEADERS_KEPT = 32
 
 # How a refused hello is named on the security log, and the roles a framed connection
 # may hold (those of the services it serves: KVCache's and Admin's unary methods).
