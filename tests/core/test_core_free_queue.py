@@ -196,3 +196,14 @@ def test_a_page_starts_from_the_nearest_of_front_back_and_cursor() -> None:
     assert queue.page_walk(381, 2) == 381
     assert queue.page(381, 2) == [618, 617]
     assert queue.page(5000, 10) == [] and queue.page_walk(5000, 10) == 0
+
+
+def test_a_page_after_a_decode_took_the_lru_head_reads_the_queue_as_it_is() -> None:
+    """A pop from the LRU region moves every position in it: the cursor the last page
+    left must not be used after one."""
+    queue = lru_queue(8)  # 8, 7, ..., 1
+    assert queue.page(2, 2) == [6, 5]  # leaves the cursor at position 3 (block 5)
+    assert queue.popleft_fresh() == 0
+    assert queue.popleft_linked() == 8
+    assert queue.page(2, 2) == [5, 4]
+    assert queue.page(0, 7) == [7, 6, 5, 4, 3, 2, 1]
