@@ -18,7 +18,8 @@ from kvsvc_client import (
 )
 
 from kvsvc.v1 import kvcache_pb2
-from kvsvc.wire.frames import PREFIX, call_header
+from kvsvc.v1.frames_pb2 import FrameHeader, FrameMetadata
+from kvsvc.wire.frames import PREFIX, call_header, frame
 from tests.frames.helpers import (
     KVCACHE,
     POOL,
@@ -199,6 +200,32 @@ def test_a_connection_decides_its_calls_by_its_own_token(server: ServerThread) -
         finally:
             a.free("mine")
     assert live_requests(server) == []
+
+
+def test_a_connection_keeps_few_and_small_call_headers(server: ServerThread) -> None:
+    """The decisions a connection keeps are bounded: a large header (metadata a client
+    pads it with) is served, and decided afresh each time, not kept."""
+    usage = KVCACHE + "GetUsage"
+    body = kvcache_pb2.GetUsageRequest(pool=POOL).SerializeToString()
+    padded = FrameHeader(
+        method=usage, metadata=[FrameMetadata(key="x-pad", value="p" * 1000)]
+    ).SerializeToString()
+
+    def kept() -> list[list[int]]:
+        frames = server.server._frames
+        assert frames is not None
+        return [sorted(map(len, conn.allowed)) for conn in frames._connections.values()]
+
+    with RawClient(server.server.frames_addresses[0]) as raw:
+        raw.hello((("authorization", f"Bearer {ENGINE_A}"),))
+        for _ in range(2):
+            reply, _ = raw.call(usage, body)
+            assert reply.code == 0
+            raw.send(frame(padded, body))
+            reply, data = raw.read()
+            assert reply.code == 0
+            assert kvcache_pb2.GetUsageResponse.FromString(data).pool == POOL
+        assert server.run(kept) == [[len(call_header(usage))]]
 
 
 def test_refusals_from_new_connections_of_one_host_are_logged_once(

@@ -158,13 +158,19 @@ _WAITING_FOR = {
 class _Conn:
     """One open connection, as the sweep and the caps see it."""
 
-    __slots__ = ("authenticated", "phase", "since", "task")
+    __slots__ = ("allowed", "authenticated", "phase", "since", "task")
 
     def __init__(self, task: asyncio.Task[None], now: float) -> None:
         self.task = task
         self.phase = _HELLO
         self.since = now  # loop time the current phase began
         self.authenticated = False
+        # The calls it was allowed, by their header's bytes: an engine sends the same few
+        # small headers on every call, so each is parsed and decided once (the credential
+        # is the connection's; a refusal closes it, so none is kept). At most
+        # _ALLOWED_HEADERS_KEPT of at most _ALLOWED_HEADER_BYTES each: a client sending
+        # ever new or large headers holds no more than that.
+        self.allowed: dict[bytes, tuple[FrameMethod, str, frozenset[str] | None]] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -447,10 +453,7 @@ class FrameServer:
         # tokens, its host's), the same caller as that client's gRPC calls, so one client
         # reads one large request at a time whichever transport it sends it on.
         caller: Hashable = (credential.credential, peer_host(peer))
-        # The calls this connection was allowed, by their header's bytes: an engine sends
-        # the same few headers on every call, so each is parsed and decided once (the
-        # credential is the connection's; a refusal closes it, so none is kept).
-        allowed: dict[bytes, tuple[FrameMethod, str, frozenset[str] | None]] = {}
+        allowed = conn.allowed
         budget = self._budget
         methods = self._methods
         read = reader.readexactly
@@ -499,7 +502,10 @@ class FrameServer:
                             grpc.StatusCode.UNIMPLEMENTED, _unknown_method(header.method)
                         )
                     engine, pools = self._check_call(credential, method, peer)
-                    if len(allowed) < _ALLOWED_HEADERS_KEPT:
+                    if (
+                        len(allowed) < _ALLOWED_HEADERS_KEPT
+                        and header_size <= _ALLOWED_HEADER_BYTES
+                    ):
                         allowed[header_bytes] = (method, engine, pools)
                 else:
                     method, engine, pools = decided
@@ -690,9 +696,11 @@ async def bind_frames_addresses(frames: FrameServer, addresses: Iterable[str]) -
     return bound_addresses
 
 
-# Headers a connection's allowed calls are kept by (its methods' few; past it a call is
-# decided afresh, so a client sending ever new headers grows nothing).
+# The call headers a connection keeps its decisions by (see _Conn.allowed): its methods'
+# few, each a method's path (~40 bytes; a header may be up to MAX_HEADER_BYTES). Past
+# either bound a call is decided afresh: 1,024 connections hold at most 8 MiB of them.
 _ALLOWED_HEADERS_KEPT = 32
+_ALLOWED_HEADER_BYTES = 256
 
 # How a refused hello is named on the security log, and the roles a framed connection
 # may hold (those of the services it serves: KVCache's and Admin's unary methods).
