@@ -698,7 +698,7 @@ async def bind_frames_addresses(frames: FrameServer, addresses: Iterable[str]) -
 
 # The call headers a connection keeps its decisions by (see _Conn.allowed): its methods'
 # few, each a method's path (~40 bytes; a header may be up to MAX_HEADER_BYTES). Past
-# either bound a call is decided afresh: 1,024 connections hold at most 8 MiB of them.
+# either bound a call is decided afresh: 1,024 connections hold about 10 MiB of them.
 _ALLOWED_HEADERS_KEPT = 32
 _ALLOWED_HEADER_BYTES = 256
 
