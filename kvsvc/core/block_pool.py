@@ -353,8 +353,6 @@ class BlockPool:
         """Drop the cached hash of each block that has one (the block stays where it is)."""
         hashes = self.block_hash
         block_group = self.block_group
-        indexes = self._index
-        all_dups = self._dups
         # Runs of one group's hashes in eviction order (vLLM reports each evicted block in
         # the order it goes, groups interleaved; consecutive ones of a group share an event).
         removed: list[tuple[int, list[BlockHash]]] | None = [] if self.events is not None else None
@@ -364,22 +362,7 @@ class BlockPool:
             if block_hash is None:
                 continue
             group_id = block_group[block_id]
-            index = indexes[group_id]
-            if index.get(block_hash) == block_id:
-                dups = all_dups[group_id]
-                later = dups.get(block_hash)
-                if later:
-                    index[block_hash] = later.pop(0)
-                    if not later:
-                        del dups[block_hash]
-                else:
-                    del index[block_hash]
-            else:
-                dups = all_dups[group_id]
-                later = dups[block_hash]
-                later.remove(block_id)
-                if not later:
-                    del dups[block_hash]
+            self._unindex(block_id, block_hash, group_id)
             hashes[block_id] = None
             num_evicted += 1
             if removed is not None:
@@ -404,6 +387,19 @@ class BlockPool:
         block_hash = self.block_hash[block_id]
         assert block_hash is not None
         group_id = self.block_group[block_id]
+        self._unindex(block_id, block_hash, group_id)
+        self.block_hash[block_id] = None
+        self.num_cached_blocks -= 1
+        self.num_evictions += 1
+        if self.events is not None:
+            self.events.append(
+                BlockRemoved(block_hashes=[block_hash], medium=self.medium, group_index=group_id)
+            )
+
+    def _unindex(self, block_id: int, block_hash: BlockHash, group_id: int) -> None:
+        """Take ``block_id`` out of its group's prefix index under ``block_hash``: the
+        earliest later duplicate takes over the hash where the block held it, as vLLM's
+        index keeps the earliest block of a hash."""
         index = self._index[group_id]
         dups = self._dups[group_id]
         if index.get(block_hash) == block_id:
@@ -419,13 +415,6 @@ class BlockPool:
             later.remove(block_id)
             if not later:
                 del dups[block_hash]
-        self.block_hash[block_id] = None
-        self.num_cached_blocks -= 1
-        self.num_evictions += 1
-        if self.events is not None:
-            self.events.append(
-                BlockRemoved(block_hashes=[block_hash], medium=self.medium, group_index=group_id)
-            )
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop the given blocks from the prefix index (e.g. their KV failed to load).
