@@ -204,6 +204,7 @@ bench: venv
 	$(PY) benchmarks/plan_bench.py
 	$(PY) benchmarks/core_bench.py
 	$(PY) benchmarks/rpc_bench.py
+	$(PY) benchmarks/tail_bench.py
 	$(PY) benchmarks/state_bench.py
 
 bench-vllm: venv-vllm

@@ -21,10 +21,27 @@ from kvsvc.core.free_queue import FreeBlockQueue
 from kvsvc.core.hashing import BlockExtraKeys, BlockHash, BlockHashList
 
 NULL_BLOCK_ID = 0
+# The prefix index of a group is split into shards (by a hash's last byte: digests are
+# uniform there) of about this many entries at most, up to 256 shards. A dict that loses
+# and gains entries grows its table again every ~(its size) insertions, copying every entry
+# while the call that inserted waits: one dict of an 81,920-block pool's hashes stalled an
+# admission for 4-12 ms every ~1,450 admissions (a million-block pool's, far longer). A
+# shard of ~1,000 entries regrows in tens of microseconds, as often in all.
+_SHARD_ENTRIES = 1024
+_MAX_SHARDS = 256
 # NOTE: the null block's reference count is a large constant, so the decrement-and-test in
 # ``free_blocks`` and the zero test in ``touch`` never see it reach 0: callers may pass table
 # entries that are null without filtering them out first.
 _NULL_REF_COUNT = 1 << 62
+
+
+def shard_count(num_blocks: int) -> int:
+    """Shards of each group's prefix index in a pool of ``num_blocks``: a power of two, so
+    that a hash's shard is its last byte masked."""
+    count = 1
+    while count < _MAX_SHARDS and count * _SHARD_ENTRIES < num_blocks:
+        count *= 2
+    return count
 
 
 def _keys_of_blocks(
@@ -47,7 +64,9 @@ class BlockPool:
 
     The prefix index maps, per group, a block hash to the blocks holding it. Duplicates are
     allowed (two requests may compute the same block before either is cached) so that block
-    tables stay append-only; a lookup returns the earliest cached one.
+    tables stay append-only; a lookup returns the earliest cached one. Each group's index
+    is split in shards by the hash's last byte, so that no single dict's regrowth stalls a
+    call for long on a big pool (see ``_SHARD_ENTRIES``).
 
     Args:
         num_blocks: blocks in the pool, including the null block.
@@ -56,6 +75,8 @@ class BlockPool:
         group_kinds: attention kind of each group, for events.
         events: where events go; None disables them.
         medium: the medium reported in events.
+        index_shards: shards of each group's prefix index (None: by ``num_blocks``, see
+            :func:`shard_count`); any count behaves the same.
     """
 
     def __init__(
@@ -67,6 +88,7 @@ class BlockPool:
         group_kinds: Sequence[str] | None = None,
         events: KVEventQueue | None = None,
         medium: str = "GPU",
+        index_shards: int | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"a block pool needs at least the null block, got {num_blocks}")
@@ -89,8 +111,17 @@ class BlockPool:
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
         self.block_group = bytearray(num_blocks)
         self.free_queue = FreeBlockQueue(num_blocks)
-        # Per group: hash -> earliest cached block, and hash -> later duplicates in order.
-        self._index: list[dict[BlockHash, int]] = [{} for _ in range(num_groups)]
+        # Per group: hash -> earliest cached block (in the shard of the hash's last byte,
+        # see _SHARD_ENTRIES), and hash -> later duplicates in order.
+        shards = shard_count(num_blocks) if index_shards is None else index_shards
+        if not 1 <= shards <= _MAX_SHARDS or shards & (shards - 1):
+            raise ValueError(
+                f"index_shards must be a power of two up to {_MAX_SHARDS}, got {shards}"
+            )
+        self.shard_mask = shards - 1
+        self._index: list[list[dict[BlockHash, int]]] = [
+            [{} for _ in range(self.shard_mask + 1)] for _ in range(num_groups)
+        ]
         self._dups: list[dict[BlockHash, list[int]]] = [{} for _ in range(num_groups)]
 
         self.num_reserved_blocks = 0
@@ -114,20 +145,29 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash, group_ids: Sequence[int]) -> list[int] | None:
         """The cached block of ``block_hash`` in each group, or None if any group misses."""
         found: list[int] = []
+        shard = block_hash[-1] & self.shard_mask
         for group_id in group_ids:
-            block_id = self._index[group_id].get(block_hash)
+            block_id = self._index[group_id][shard].get(block_hash)
             if block_id is None:
                 return None
             found.append(block_id)
         return found
 
     def cached_index(self, group_id: int) -> dict[BlockHash, int]:
-        """The live hash -> block map of one group (read-only use; hot lookup loops)."""
+        """One group's hash -> earliest block map, as a new dict (a snapshot's copy)."""
+        merged: dict[BlockHash, int] = {}
+        for shard in self._index[group_id]:
+            merged.update(shard)
+        return merged
+
+    def cached_shards(self, group_id: int) -> list[dict[BlockHash, int]]:
+        """The live shards of one group's index (read-only use, for hot lookup loops): the
+        block of ``h`` is ``shards[h[-1] & shard_mask].get(h)``."""
         return self._index[group_id]
 
     def cached_blocks_of(self, block_hash: BlockHash, group_id: int) -> list[int]:
         """Every block cached under ``block_hash`` in ``group_id``, earliest first."""
-        first = self._index[group_id].get(block_hash)
+        first = self._index[group_id][block_hash[-1] & self.shard_mask].get(block_hash)
         if first is None:
             return []
         return [first, *self._dups[group_id].get(block_hash, ())]
@@ -278,7 +318,8 @@ class BlockPool:
                 return
             hashes[block_id] = block_hash
             self.block_group[block_id] = group_id
-            if self._index[group_id].setdefault(block_hash, block_id) != block_id:
+            shard = self._index[group_id][block_hash[-1] & self.shard_mask]
+            if shard.setdefault(block_hash, block_id) != block_id:
                 self._dups[group_id].setdefault(block_hash, []).append(block_id)
             self.num_cached_blocks += 1
             if self.events is not None:
@@ -288,7 +329,8 @@ class BlockPool:
                 )  # fmt: skip
             return
         groups = self.block_group
-        index = self._index[group_id]
+        shards = self._index[group_id]
+        mask = self.shard_mask
         stored: list[int] | None = [] if self.events is not None else None
         for i in range(num_cached_blocks, num_full_blocks):
             block_id = blocks[i]
@@ -303,7 +345,7 @@ class BlockPool:
                 continue
             hashes[block_id] = block_hash
             groups[block_id] = group_id
-            first = index.setdefault(block_hash, block_id)
+            first = shards[block_hash[-1] & mask].setdefault(block_hash, block_id)
             if first != block_id:
                 self._dups[group_id].setdefault(block_hash, []).append(block_id)
             self.num_cached_blocks += 1
@@ -400,7 +442,7 @@ class BlockPool:
         """Take ``block_id`` out of its group's prefix index under ``block_hash``: the
         earliest later duplicate takes over the hash where the block held it, as vLLM's
         index keeps the earliest block of a hash."""
-        index = self._index[group_id]
+        index = self._index[group_id][block_hash[-1] & self.shard_mask]
         dups = self._dups[group_id]
         if index.get(block_hash) == block_id:
             later = dups.get(block_hash)
@@ -447,8 +489,9 @@ class BlockPool:
         """
         dropped = self.num_cached_blocks
         # In place: managers keep references to these containers for their hot loops.
-        for index in self._index:
-            index.clear()
+        for shards in self._index:
+            for shard in shards:
+                shard.clear()
         for dups in self._dups:
             dups.clear()
         self.block_hash[:] = [None] * self.num_blocks
@@ -473,9 +516,10 @@ class BlockPool:
         """
         if self.events is not None and self.events.pending:
             raise ValueError("the block pool has undrained events; take them first")
+        mask = self.shard_mask
         dups = [
-            [[h, index[h], *later] for h, later in group_dups.items()]
-            for index, group_dups in zip(self._index, self._dups, strict=True)
+            [[h, shards[h[-1] & mask][h], *later] for h, later in group_dups.items()]
+            for shards, group_dups in zip(self._index, self._dups, strict=True)
         ]
         return {
             "num_blocks": self.num_blocks,
@@ -570,9 +614,16 @@ class BlockPool:
         self.ref_cnt[:] = list(ref_cnt)
         self.block_hash[:] = list(block_hash)
         self.block_group[:] = bytes(block_group)
+        mask = self.shard_mask
         for group_id in range(self.num_groups):
-            self._index[group_id].clear()
-            self._index[group_id].update(indexes[group_id])
+            shards = self._index[group_id]
+            for shard in shards:
+                shard.clear()
+            if mask:
+                for h, block_id in indexes[group_id].items():
+                    shards[h[-1] & mask][h] = block_id
+            else:
+                shards[0].update(indexes[group_id])
             self._dups[group_id].clear()
             self._dups[group_id].update(
                 {h: blocks[1:] for h, blocks in dup_blocks[group_id].items()}

@@ -112,6 +112,8 @@ class KVCacheManager:
         prefix_cache_retention_interval: vLLM's setting of that name for sliding-window
             groups: None caches every full block (dense), 0 only the blocks a later hit
             can reach (vLLM's default), N > 0 also a window tail per N-token segment.
+        index_shards: shards of each group's prefix index (see
+            :class:`kvsvc.core.BlockPool`; None: by the pool's size).
     """
 
     def __init__(
@@ -126,6 +128,7 @@ class KVCacheManager:
         enable_events: bool = False,
         medium: str = MEDIUM_GPU,
         prefix_cache_retention_interval: int | None = None,
+        index_shards: int | None = None,
     ) -> None:
         specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
         self.kv_cache_config = kv_cache_config
@@ -150,6 +153,7 @@ class KVCacheManager:
             group_kinds=self.group_kinds or ["unknown"],
             events=self.events,
             medium=medium,
+            index_shards=index_shards,
         )
         self.coordinator: KVCacheCoordinator = make_coordinator(
             specs,

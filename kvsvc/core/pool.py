@@ -108,6 +108,9 @@ class PoolKVCache(RunningBatchPool):
             first, so that a retried ``free`` of one succeeds (see :meth:`free`).
         prefix_cache_retention_interval: which blocks of sliding-window groups are
             cached (see :class:`kvsvc.core.KVCacheManager`); None: every full block.
+        index_shards: shards of each group's prefix index (a power of two up to 256;
+            None: by the pool's size). Any count behaves alike; fewer, larger shards
+            stall a call longer when one regrows (see :class:`kvsvc.core.BlockPool`).
 
     Raises:
         ValueError: an unknown ``hash_algo`` (listing the valid names), a

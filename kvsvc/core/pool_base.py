@@ -44,6 +44,7 @@ class PoolKVCacheBase:
         max_tokens: int | None = None,
         max_unscheduled_tokens: int | None = None,
         prefix_cache_retention_interval: int | None = None,
+        index_shards: int | None = None,
     ) -> None:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
@@ -67,6 +68,7 @@ class PoolKVCacheBase:
             enable_events=enable_events,
             medium=event_medium,
             prefix_cache_retention_interval=prefix_cache_retention_interval,
+            index_shards=index_shards,
         )
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -347,10 +347,11 @@ class SingleTypeKVCacheManager:
         block_size = spec.block_size
         max_num_blocks = max_length // block_size
         if len(group_ids) == 1:
-            index = pool.cached_index(group_ids[0])
+            shards = pool.cached_shards(group_ids[0])
+            mask = pool.shard_mask
             hits: list[int] = []
             for block_hash in islice(block_hashes, max_num_blocks):
-                block_id = index.get(block_hash)
+                block_id = shards[block_hash[-1] & mask].get(block_hash)
                 if block_id is None:
                     break
                 hits.append(block_id)

@@ -420,7 +420,7 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
             groups = [
                 (
                     group,
-                    dict(block_pool.cached_index(group)),
+                    block_pool.cached_index(group),  # a copy
                     # NOTE: the duplicates' map is the block pool's own; read, not kept.
                     {h: len(d) for h, d in block_pool._dups[group].items()},
                 )

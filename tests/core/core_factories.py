@@ -145,6 +145,12 @@ def check_pool_invariants(
                 assert pool.block_hash[block_id] == block_hash
                 assert pool.block_group[block_id] == group_id
                 indexed += 1
+    # Each hash is kept in the shard its last byte names (a lookup reads only that one).
+    for group_id in range(pool.num_groups):
+        for shard_id, shard in enumerate(pool.cached_shards(group_id)):
+            assert all(h[-1] & pool.shard_mask == shard_id for h in shard), (
+                f"group {group_id}: a hash in shard {shard_id} belongs to another"
+            )
     carrying = sum(1 for b in range(pool.num_blocks) if pool.block_hash[b] is not None)
     assert indexed == carrying == pool.num_cached_blocks
     assert pool.block_hash[NULL_BLOCK_ID] is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 from array import array
 
 import pytest
@@ -17,6 +18,7 @@ from kvsvc.core import (
     BlockStored,
     KVEventQueue,
 )
+from kvsvc.core.block_pool import shard_count
 
 
 def cache(pool: BlockPool, blocks: list[int], hashes: list[bytes], group_id: int = 0) -> None:
@@ -314,3 +316,81 @@ def test_the_earliest_duplicate_takes_over_when_a_cycled_pool_reuses_a_block() -
     assert pool.get_new_block() == 2
     assert pool.cached_blocks_of(b"a", 0) == [3]
     check_pool_invariants(pool, [[1, 2, 4]])
+
+
+def test_the_index_is_sharded_by_pool_size_and_the_count_is_checked() -> None:
+    assert [shard_count(n) for n in (1, 1024, 1025, 81_920, 1 << 20, 1 << 30)] == [
+        1,
+        1,
+        2,
+        128,
+        256,
+        256,
+    ]
+    assert BlockPool(81_920).shard_mask == 127
+    assert BlockPool(9, index_shards=4).shard_mask == 3
+    for bad in (0, 3, 512):
+        with pytest.raises(ValueError, match="index_shards must be a power of two"):
+            BlockPool(9, index_shards=bad)
+
+
+def _random_operations(pool: BlockPool, seed: int) -> list[object]:
+    """A seeded run of what a pool's callers do (admissions that hit and cache, decodes
+    taking one block, frees, evictions, a reset, a state round trip); what each one
+    returned, for comparing pools that must behave alike."""
+    rng = random.Random(seed)
+    # Few hashes, so blocks get cached under a hash another block already has.
+    hashes = [bytes([rng.randrange(256), i]) for i in range(24)]
+    tables: list[list[int]] = []
+    seen: list[object] = []
+    for _ in range(600):
+        op = rng.random()
+        free = pool.get_num_free_blocks()
+        if op < 0.35 and free:
+            group_id = rng.randrange(pool.num_groups)
+            wanted = rng.sample(hashes, rng.randint(1, 4))
+            hits = [pool.get_cached_block(h, [group_id]) for h in wanted]
+            seen.append(hits)
+            n = min(len(wanted), free)
+            blocks = pool.get_new_blocks(n) if n > 1 else [pool.get_new_block()]
+            pool.cache_full_blocks(blocks, wanted, 0, n, group_id, 4)
+            tables.append(blocks)
+        elif op < 0.6 and tables:
+            table = tables.pop(rng.randrange(len(tables)))
+            pool.free_blocks(reversed(table))
+        elif op < 0.7:
+            h = rng.choice(hashes)
+            group_id = rng.randrange(pool.num_groups)
+            hit = pool.get_cached_block(h, [group_id])
+            seen.append(pool.cached_blocks_of(h, group_id))
+            if hit is not None:
+                pool.touch(hit)
+                tables.append(hit)
+        elif op < 0.75:
+            cached = [b for b in range(1, pool.num_blocks) if pool.block_hash[b] is not None]
+            pool.evict_blocks(rng.sample(cached, min(2, len(cached))))
+        elif op < 0.77:
+            seen.append(pool.reset_prefix_cache())
+        elif op < 0.8:
+            assert pool.events is not None
+            pool.events.take()
+            state = pool.to_state()
+            pool.load_state(state)
+            seen.append(state["dups"])
+        seen.append(free_order(pool))
+        check_pool_invariants(pool, tables)
+    assert pool.events is not None
+    seen.append(pool.events.pending)
+    seen.append([pool.cached_index(g) for g in range(pool.num_groups)])
+    return seen
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_sharded_index_behaves_as_one_dict(seed: int) -> None:
+    """Any shard count gives the same lookups, duplicates, evictions, events and state as
+    a single dict (the shards only bound how long one dict's regrowth stalls a call)."""
+    runs = [
+        _random_operations(BlockPool(40, num_groups=2, events=KVEventQueue(), index_shards=n), seed)
+        for n in (1, 4, 64)
+    ]
+    assert runs[0] == runs[1] == runs[2]

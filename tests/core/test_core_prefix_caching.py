@@ -708,3 +708,28 @@ def test_null_block_is_never_handed_out() -> None:
     blocks = manager.allocate_slots(req, 12)
     assert blocks is not None and NULL_BLOCK_ID not in blocks.get_block_ids()[0]
     assert manager.allocate_slots(make_request(manager, "1", [1]), 1) is None
+
+
+def test_a_big_pools_prefix_hits_in_every_shard() -> None:
+    """A pool of 20,000 blocks splits its index in 32 shards: an admission of a cached
+    200-block prompt hits all of it, whichever shard each hash is in, and a reused block's
+    old hash stops hitting."""
+    manager = make_manager(full_config(16, 20_000), hash_algo="xxh3_128", max_model_len=1 << 20)
+    pool = manager.block_pool
+    assert pool.shard_mask == 31
+    prompt = [i % 30_000 + 1 for i in range(200 * 16)]
+    first = make_request(manager, "first", prompt)
+    admit(manager, first)
+    assert len({h[-1] & pool.shard_mask for h in first.block_hashes}) == 32
+    manager.free(first)
+    again = make_request(manager, "again", [*prompt, 7])
+    hits, num_hits, _ = admit(manager, again)
+    assert num_hits == 200 * 16 and len(hits.get_block_ids()[0]) == 200
+    manager.free(again)
+    # Take every block: the cached ones are reused, and their hashes leave the index.
+    filler = make_request(manager, "filler", [5] * (19_999 * 16))
+    admit(manager, filler)
+    manager.free(filler)
+    probe = make_request(manager, "probe", [*prompt, 7])
+    assert manager.get_computed_blocks(probe)[1] == 0
+    check_pool_invariants(pool, all_tables(manager))
