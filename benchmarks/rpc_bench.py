@@ -23,7 +23,10 @@ same kind of socket and with gRPC's same call):
                     (decoding, the core, the reply) and how much gRPC, transport and client
   tail              p99 / p50 of each Allocate and Step row, and of its samples past twice
                     the p50 how many overlapped a garbage collection of this process (the
-                    client's share of the tail; gc.callbacks)
+                    client's share of the tail; gc.callbacks); and the median of each
+                    round's first call over the p50 (those calls are not timed: every bench
+                    makes ROUND_WARMUP untimed calls at the start of each round, after the
+                    other benches ran)
   by stage          the handlers' work split into its stages (decode, hash, core, reply),
                     the server's own functions run in this process once the servers have
                     stopped (benchmarks/handler_split.py), p50 and p99, beside the server's
@@ -372,25 +375,45 @@ class HandlerClock:
         return {method: (s, c) for method, (s, c) in totals.items()}
 
 
+# Calls each bench makes untimed at the start of each round. Its first calls after the
+# other benches ran (its server asleep meanwhile, the caches the others') cost 2-3x its
+# p50 and settle by the third (rpc_bench --samples, 2026-12-07: a framed 256-decode Step's
+# median by place in its round 913, 506, 429, 416 us); timed, they were 4-10% of each
+# bench's samples, so they made its p99. They are run before the timed calls, and their
+# first call of each round is kept as a figure of its own (``first``).
+ROUND_WARMUP = 3
+
+
 def interleaved(
     rounds: int, clock: HandlerClock | None = None, **benches: tuple[Any, int]
-) -> tuple[dict[str, list[float]], dict[str, float]]:
+) -> tuple[dict[str, list[float]], dict[str, float], dict[str, list[float]]]:
     """Run each bench a little in turn, ``rounds`` times.
 
     This VM's speed drifts by tens of percent over seconds; interleaving makes every
     figure (and so every ratio between them) see the same mix of fast and slow moments.
+    Each turn first makes ``ROUND_WARMUP`` untimed calls (their GC marks dropped too).
 
-    Returns the samples per bench and, with ``clock``, the server's mean handler time in
-    microseconds of each bench with a ``method`` (read around each of its runs, so the
-    other benches' calls of the same method are not counted in).
+    Returns the samples per bench; with ``clock``, the server's mean handler time in
+    microseconds of each bench with a ``method`` (read around each of its runs, untimed
+    calls included, so the other benches' calls of the same method are not counted in);
+    and each bench's first call of every round (untimed in the samples).
     """
     samples: dict[str, list[float]] = {name: [] for name in benches}
+    first: dict[str, list[float]] = {name: [] for name in benches}
     handled: dict[str, list[float]] = {}
     for _ in range(rounds):
         for name, (bench, n) in benches.items():
             method: str = getattr(bench, "method", "")
             bench_clock = getattr(bench, "clock", None) or clock  # its own server's
+            # Read before the untimed calls: a read is an HTTP scrape of the server's
+            # /metrics, and the call right after one ran 2x its p50 (the handler's mean
+            # counts the untimed calls, as it counted a round's first calls before).
             before = bench_clock.read() if bench_clock and method else None
+            marks: list[bool] | None = getattr(bench, "gc_marks", None)
+            kept = len(marks) if marks is not None else 0
+            first[name].append(bench.run(ROUND_WARMUP)[0])
+            if marks is not None:
+                del marks[kept:]
             samples[name].extend(bench.run(n))
             if bench_clock is not None and before is not None:
                 after = bench_clock.read()
@@ -400,7 +423,7 @@ def interleaved(
                 total[0] += seconds - seconds0
                 total[1] += calls - calls0
     means = {name: 1e6 * s / c for name, (s, c) in handled.items() if c}
-    return samples, means
+    return samples, means, first
 
 
 def _concurrent_worker(
@@ -619,8 +642,8 @@ def start_server(
                 "--spec-file",
                 str(spec_file),
                 # The step benches (256 requests, and 32 for the slope, per transport),
-                # each request growing by 25 * rounds tokens, and the frames ones by
-                # twice wake_figures' calls more.
+                # each request growing by (25 + ROUND_WARMUP) * rounds tokens, and the
+                # frames ones by twice wake_figures' calls more.
                 "--kv-cache-memory",
                 "320MiB",
             ],
@@ -644,6 +667,9 @@ def main() -> int:
     parser.add_argument(
         "--no-pure", action="store_true", help="do not run a pure-Python core's server beside"
     )
+    parser.add_argument(
+        "--samples", metavar="PATH", help="also write every call's sample (us) as JSON, per bench"
+    )
     args = parser.parse_args()
     # A second build to compare with only where this one is compiled.
     with_pure = native.BUILD == "mypyc" and not args.no_pure
@@ -655,7 +681,7 @@ def main() -> int:
 
     # vLLM's manager is built before the servers start (its import takes seconds and
     # would compete with them) and measured in the same interleaved rounds.
-    vllm = None if args.no_vllm else VllmManager.make(256, 25 * rounds + 10)
+    vllm = None if args.no_vllm else VllmManager.make(256, (25 + ROUND_WARMUP) * rounds + 10)
     children: list[Child] = []
     with tempfile.TemporaryDirectory(prefix="kvsvc-bench-") as tmp:
         server_socket, frames_socket = server_sockets(tmp, "")
@@ -730,7 +756,7 @@ def main() -> int:
                         "vllm_admission": (vllm.admissions(), 10),
                     }
                 with CLIENT_GC:
-                    samples, handler_us = interleaved(
+                    samples, handler_us, first_calls = interleaved(
                         rounds,
                         HandlerClock(metrics_port),
                         **in_process,
@@ -745,6 +771,9 @@ def main() -> int:
                         },
                         lockstep=(lockstep, 16),
                     )
+                if args.samples:
+                    with open(args.samples, "w") as out:
+                        json.dump(samples, out)
                 # (Copies: the calls below add marks of their own.)
                 gc_marks = {
                     **{f"allocate_new{s}": list(new.gc_marks) for s, new in admissions.items()},
@@ -813,6 +842,11 @@ def main() -> int:
             ]
             figures[f"{call}{suffix}_slow_samples"] = len(slow)
             figures[f"{call}{suffix}_slow_with_client_gc"] = sum(slow)
+            # The round's first call (untimed above): what a switch from the other
+            # benches costs, against the timed calls' p50.
+            figures[f"{call}{suffix}_first_call_vs_p50"] = round(
+                statistics.median(first_calls[name]) / p50, 2
+            )
     figures |= split | wake
     lock = samples["lockstep"]
     vllm_decode = statistics.median(vllm.decode_ns) / 1000.0 if vllm else REFERENCE_VLLM_DECODE_US
@@ -877,7 +911,8 @@ def _tail_row(f: dict[str, Any], call: str, suffix: str) -> tuple[str, str, str,
         "",
         "",
         f"p99/p50 {f[f'{name}_p99_vs_p50']:.2f}; {f[f'{name}_slow_with_client_gc']} of "
-        f"{f[f'{name}_slow_samples']} samples > 2x p50 had a client GC",
+        f"{f[f'{name}_slow_samples']} > 2x p50 in a client GC; round's 1st call "
+        f"{f[f'{name}_first_call_vs_p50']:.2f}x",
         f"goal p99/p50 <= {GOAL_P99_VS_P50}",
     )
 

@@ -159,7 +159,7 @@ def bench_steps(tmp: Path, rounds: int) -> dict[str, Any]:
             kv.wait_until_ready(timeout=120)
             benches[name] = (DecodeStep(kv), 25)
             sizes[name] = state
-        samples, _ = interleaved(rounds, **benches)
+        samples, _, _ = interleaved(rounds, **benches)
         journal = None
         if sizes["normal"] is not None:
             # Bytes a 256-operation Step adds to the journal (rows, their index, WAL pages
