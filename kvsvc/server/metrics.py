@@ -30,6 +30,7 @@ from kvsvc import __version__, native
 from kvsvc.metrics_http import serve_metrics_http
 from kvsvc.server.config import split_host_port
 from kvsvc.server.errors import CallObserver
+from kvsvc.server.gc_pauses import gc_pauses
 from kvsvc.server.pool import PoolState
 from kvsvc.tls import ServerTlsSource
 
@@ -379,6 +380,7 @@ class ServerMetrics:
         for pool in pools.by_name.values():
             pool.counters.step_size_observer = self.step_operations.labels(pool.name).observe
         self.registry.register(_PoolCollector(pools))
+        self.registry.register(gc_pauses())
 
     def serve_http(self, listen: str, tls: ServerTlsSource | None = None) -> tuple[Any, int]:
         """Serve ``/metrics`` on ``listen`` in a daemon thread; returns (server, port).

@@ -35,6 +35,7 @@ BOUNDED_LABELS = {
     "code",
     "state",
     "le",
+    "generation",
     "grpc_type",
     "grpc_service",
     "grpc_method",
