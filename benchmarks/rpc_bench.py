@@ -374,6 +374,29 @@ class HandlerClock:
                     totals.setdefault(method, [0.0, 0.0])[1] = sample.value
         return {method: (s, c) for method, (s, c) in totals.items()}
 
+    def gc_pauses(self) -> dict[str, float]:
+        """The server process's garbage collections so far (``kvsvc_gc_pause_seconds``):
+        per generation their count (``"0"`` ...) and seconds (``"0_s"`` ...), and per
+        bucket bound of any generation the collections at or under it (``"le=0.001"``)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(self.url, timeout=10) as reply:
+            text = reply.read().decode()
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            if family.name != "kvsvc_gc_pause_seconds":
+                continue
+            for sample in family.samples:
+                generation = sample.labels.get("generation", "")
+                if sample.name.endswith("_count"):
+                    out[generation] = sample.value
+                elif sample.name.endswith("_sum"):
+                    out[f"{generation}_s"] = sample.value
+                elif sample.name.endswith("_bucket"):
+                    key = f"le={sample.labels['le']}"
+                    out[key] = out.get(key, 0.0) + sample.value
+        return out
+
 
 # Calls each bench makes untimed at the start of each round. Its first calls after the
 # other benches ran (its server asleep meanwhile, the caches the others') cost 2-3x its
@@ -573,6 +596,26 @@ def frames_tcp_port(server: Child) -> int:
     raise RuntimeError(f"the server printed no framed TCP address: {server.lines}")
 
 
+def server_gc_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """The main server's garbage collections during the interleaved rounds: how many per
+    generation, their pauses in all, and the bucket bound the longest was under (None
+    without any)."""
+    count = {g: int(after.get(g, 0) - before.get(g, 0)) for g in ("0", "1", "2")}
+    seconds = sum(after.get(f"{g}_s", 0.0) - before.get(f"{g}_s", 0.0) for g in count)
+    total = sum(count.values())
+    bounds = sorted(
+        (float(key[3:]), after[key] - before.get(key, 0.0))
+        for key in after
+        if key.startswith("le=") and key != "le=+Inf"
+    )
+    longest = next((bound for bound, n in bounds if n >= total), None) if total else None
+    return {
+        "server_gc_collections": [count["0"], count["1"], count["2"]],
+        "server_gc_pause_ms": round(seconds * 1000, 2),
+        "server_gc_longest_under_ms": None if longest is None else longest * 1000,
+    }
+
+
 def _summary(samples: list[float]) -> tuple[float, float]:
     return statistics.median(samples), percentile(samples, 0.99)
 
@@ -755,6 +798,8 @@ def main() -> int:
                         "vllm_step": (vllm.decode_steps(), 25),
                         "vllm_admission": (vllm.admissions(), 10),
                     }
+                main_clock = HandlerClock(metrics_port)
+                gc_before = main_clock.gc_pauses()
                 with CLIENT_GC:
                     samples, handler_us, first_calls = interleaved(
                         rounds,
@@ -774,6 +819,7 @@ def main() -> int:
                 if args.samples:
                     with open(args.samples, "w") as out:
                         json.dump(samples, out)
+                gc_after = main_clock.gc_pauses()
                 # (Copies: the calls below add marks of their own.)
                 gc_marks = {
                     **{f"allocate_new{s}": list(new.gc_marks) for s, new in admissions.items()},
@@ -847,7 +893,7 @@ def main() -> int:
             figures[f"{call}{suffix}_first_call_vs_p50"] = round(
                 statistics.median(first_calls[name]) / p50, 2
             )
-    figures |= split | wake
+    figures |= split | wake | server_gc_figures(gc_before, gc_after)
     lock = samples["lockstep"]
     vllm_decode = statistics.median(vllm.decode_ns) / 1000.0 if vllm else REFERENCE_VLLM_DECODE_US
     figures |= {
@@ -1078,6 +1124,19 @@ def render(f: dict[str, Any]) -> str:
     else:
         rows.append((f"{vllm_label}: one decode", f"{f['vllm_decode_us_p50']:.2f}", "", "", ""))
     rows += _split_rows(f)
+    gen0, gen1, gen2 = f["server_gc_collections"]
+    longest = f["server_gc_longest_under_ms"]
+    rows.append(
+        (
+            "The server's garbage collections in the rounds",
+            "",
+            "",
+            f"{gen0 + gen1 + gen2} (generation 0/1/2: {gen0}/{gen1}/{gen2}), "
+            f"{f['server_gc_pause_ms']:.1f} ms in all"
+            + (f", each under {longest:g} ms" if longest is not None else ""),
+            "kvsvc_gc_pause_seconds",
+        )
+    )
     rows += _wake_rows(f)
     rows += [
         (
