@@ -55,14 +55,12 @@ bound what it costs.)
 from __future__ import annotations
 
 import asyncio
-import marshal
 import uuid
 import weakref
-from array import array
 from collections import deque
 from collections.abc import Awaitable, Callable
 
-from kvsvc.core import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
+from kvsvc.core import KVEventBatch
 from kvsvc.errors import InvalidArgument, ResourceExhausted, quoted
 from kvsvc.server.config import (
     DEFAULT_EVENT_BUFFER_BYTES,
@@ -71,6 +69,7 @@ from kvsvc.server.config import (
     DEFAULT_SUBSCRIBER_WRITE_TIMEOUT_S,
 )
 from kvsvc.server.seclog import RateLimitedLog
+from kvsvc.server.wire import event_batch_to_pb, pack_events, unpack_events
 from kvsvc.v1 import kvcache_pb2 as pb
 
 # Subscriber writes per round of the send gate, and its pause after a round relative to
@@ -93,10 +92,6 @@ _REMOVED_BYTES = 144
 _CLEARED_BYTES = 16
 _HASH_BYTES = 41  # + the hash's length
 _TOKEN_BYTES = 36
-# How a packed event says what it is (its tuple's first item).
-_STORED = 1
-_REMOVED = 2
-_CLEARED = 3
 # Serialized-size estimate of a batch (for lag, before it is serialized): its header with
 # the epoch, and per event the fields around its hashes and token ids (medium, group kind:
 # ~32 bytes), 2 bytes of framing per hash and 3 bytes per id (varints of ids below 2^21).
@@ -149,49 +144,7 @@ class _Entry:
         if self.batch is not None:
             return self.batch
         assert self.packed is not None
-        return KVEventBatch(self.sequence, self.timestamp, _unpack(self.packed))
-
-
-def _pack(rows: list[tuple[object, ...]]) -> bytes | None:
-    """The events' rows as one bytes object; None when a value does not pack (an extra
-    key of a type ``marshal`` does not write): that batch is then held as objects."""
-    try:
-        return marshal.dumps(rows)
-    except ValueError:
-        return None
-
-
-def _unpack(packed: bytes) -> list[KVEvent]:
-    """The events of :func:`_pack`'s bytes, equal to those packed."""
-    events: list[KVEvent] = []
-    for row in marshal.loads(packed):
-        kind = row[0]
-        if kind == _STORED:
-            (_, hashes, parent, tokens, block_size, lora_name, medium, group, group_kind,
-             extra_keys, lora_id) = row  # fmt: skip
-            token_ids = array("I")
-            token_ids.frombytes(tokens)
-            events.append(
-                BlockStored(
-                    list(hashes),
-                    parent,
-                    token_ids,
-                    block_size,
-                    lora_name,
-                    medium,
-                    group,
-                    group_kind,
-                    extra_keys,
-                    lora_id,
-                )
-            )
-        elif kind == _REMOVED:
-            events.append(
-                BlockRemoved(block_hashes=list(row[1]), medium=row[2], group_index=row[3])
-            )
-        else:
-            events.append(AllBlocksCleared())
-    return events
+        return KVEventBatch(self.sequence, self.timestamp, unpack_events(self.packed))
 
 
 class SendGate:
@@ -390,51 +343,14 @@ class EventLog:
     def append(self, batch: KVEventBatch) -> None:
         """Add the next batch (its sequence must follow the last one) and wake subscribers."""
         assert batch.seq == self._last_seq + 1, (batch.seq, self._last_seq)
-        # One pass over the events: the counters, and what the sizes that bound the buffer
-        # are made of (summed, then priced once: this runs on every change to the index).
-        # The same pass packs them (see the module's docstring).
-        stored = removed = cleared = hashes = tokens = 0
-        hash_len = 16
-        rows: list[tuple[object, ...]] = []
-        for event in batch.events:
-            if type(event) is BlockStored:
-                stored += 1
-                hashes += len(event.block_hashes) + 1  # + the parent
-                token_ids = event.token_ids
-                tokens += len(token_ids)
-                rows.append(
-                    (
-                        _STORED,
-                        tuple(event.block_hashes),
-                        event.parent_block_hash,
-                        token_ids.tobytes()
-                        if isinstance(token_ids, array) and token_ids.typecode == "I"
-                        else array("I", token_ids).tobytes(),
-                        event.block_size,
-                        event.lora_name,
-                        event.medium,
-                        event.group_index,
-                        event.group_kind,
-                        event.extra_keys,
-                        event.lora_id,
-                    )
-                )
-            elif type(event) is BlockRemoved:
-                removed += 1
-                hashes += len(event.block_hashes)
-                rows.append((_REMOVED, tuple(event.block_hashes), event.medium, event.group_index))
-            else:
-                cleared += 1
-                rows.append((_CLEARED,))
-        if hashes:
-            first = next(e for e in batch.events if not isinstance(e, AllBlocksCleared))
-            if first.block_hashes:
-                hash_len = len(first.block_hashes[0])
+        # One pass over the events (compiled, kvsvc.server.wire.pack_events): packed (see
+        # the module's docstring), and the counters and what the sizes that bound the
+        # buffer are made of (summed, then priced once: this runs on every change).
+        packed, (stored, removed, cleared, hashes, tokens, hash_len) = pack_events(batch.events)
         counts = self.num_events_by_type
         counts["stored"] += stored
         counts["removed"] += removed
         counts["cleared"] += cleared
-        packed = _pack(rows)
         if packed is not None:
             size = len(packed) + _SERIALIZED_OVERHEAD
         else:
@@ -482,8 +398,6 @@ class EventLog:
         """The entry's serialized WatchEventsResponse (made once, then shared)."""
         data = entry.data
         if data is None:
-            from kvsvc.server.wire import event_batch_to_pb
-
             message = event_batch_to_pb(entry.unpacked())
             message.epoch = self.epoch
             data = entry.data = message.SerializeToString()

@@ -7,6 +7,8 @@ columns as lists, letting protobuf copy them in bulk.
 
 from __future__ import annotations
 
+import marshal
+from array import array
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -17,6 +19,7 @@ from kvsvc.core import (
     BlockRemoved,
     BlockStored,
     HashingContext,
+    KVEvent,
     KVEventBatch,
     MultiModalItem,
     RequestStart,
@@ -464,6 +467,98 @@ def _varint_bytes(value: int) -> bytes:
         value >>= 7
     out.append(value)
     return bytes(out)
+
+
+# How a packed event says what it is (its row's first item; see pack_events).
+_PACKED_STORED = 1
+_PACKED_REMOVED = 2
+_PACKED_CLEARED = 3
+
+
+def pack_events(events: list[KVEvent]) -> tuple[bytes | None, list[int]]:
+    """A batch's events as one bytes object of plain values (``marshal``'s encoding of
+    a tuple per event), and what the replay log counts of them: ``[stored, removed,
+    cleared, hashes (each stored event's parent too), token ids, a hash's length]``.
+
+    The bytes are None when a value does not pack (an extra key of a type ``marshal``
+    does not write): the log then holds the batch as objects. Compiled with the core: the
+    replay log packs every batch a change makes (:mod:`kvsvc.server.events`).
+    """
+    stored = removed = cleared = hashes = tokens = 0
+    hash_len = 16
+    rows: list[tuple[object, ...]] = []
+    for event in events:
+        if isinstance(event, BlockStored):
+            stored += 1
+            block_hashes = event.block_hashes
+            hashes += len(block_hashes) + 1  # + the parent
+            if block_hashes:
+                hash_len = len(block_hashes[0])
+            token_ids = event.token_ids
+            tokens += len(token_ids)
+            if not (isinstance(token_ids, array) and token_ids.typecode == "I"):
+                token_ids = array("I", token_ids)
+            rows.append(
+                (
+                    _PACKED_STORED,
+                    tuple(block_hashes),
+                    event.parent_block_hash,
+                    token_ids.tobytes(),
+                    event.block_size,
+                    event.lora_name,
+                    event.medium,
+                    event.group_index,
+                    event.group_kind,
+                    event.extra_keys,
+                    event.lora_id,
+                )
+            )
+        elif isinstance(event, BlockRemoved):
+            removed += 1
+            block_hashes = event.block_hashes
+            hashes += len(block_hashes)
+            if block_hashes:
+                hash_len = len(block_hashes[0])
+            rows.append((_PACKED_REMOVED, tuple(block_hashes), event.medium, event.group_index))
+        else:
+            cleared += 1
+            rows.append((_PACKED_CLEARED,))
+    counts = [stored, removed, cleared, hashes, tokens, hash_len]
+    try:
+        return marshal.dumps(rows), counts
+    except ValueError:
+        return None, counts
+
+
+def unpack_events(packed: bytes) -> list[KVEvent]:
+    """The events of :func:`pack_events`' bytes, equal to those packed."""
+    events: list[KVEvent] = []
+    for row in marshal.loads(packed):
+        kind = row[0]
+        if kind == _PACKED_STORED:
+            token_ids = array("I")
+            token_ids.frombytes(row[3])
+            events.append(
+                BlockStored(
+                    list(row[1]),
+                    row[2],
+                    token_ids,
+                    row[4],
+                    row[5],
+                    row[6],
+                    row[7],
+                    row[8],
+                    row[9],
+                    row[10],
+                )
+            )
+        elif kind == _PACKED_REMOVED:
+            events.append(
+                BlockRemoved(block_hashes=list(row[1]), medium=row[2], group_index=row[3])
+            )
+        else:
+            events.append(AllBlocksCleared())
+    return events
 
 
 def _stored_to_pb(event: BlockStored) -> pb.KVEvent:
