@@ -10,12 +10,11 @@ events), and a watched one serializes each batch once, not once per subscriber.
 
 Until then a held batch is kept packed: its events as tuples of plain values in one
 ``marshal`` bytes object (compiled: a Step's 32-event batch is appended in ~9 us, 4 as
-objects; protobuf's serialization takes ~90). The
-garbage collector does not track bytes. Held as objects (an event, its hash list and token
-array each), the buffer's up to 200,000 events were most of what the server's collections
-walked: every young collection walked the events appended since the one before, 2.4-9 ms
-every ~1.5 s in rpc_bench, the calls it interrupted 5-20x their p50, and the rarer older
-generations walked them all.
+objects; protobuf's serialization takes ~90). The garbage collector does not track bytes.
+Held as objects (an event, its hash list and token array each), the buffer's up to
+200,000 events were most of what the server's collections walked: every young collection
+walked the events appended since the one before, 2.4-9 ms every ~1.5 s in rpc_bench, the
+calls it interrupted 5-20x their p50, and the rarer older generations walked them all.
 
 A subscriber asks for a start sequence: it gets what is still held, a ``gap`` marker
 first when its start was already dropped, then new batches as they arrive. One that asks
