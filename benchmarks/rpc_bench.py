@@ -356,45 +356,44 @@ class HandlerClock:
     def __init__(self, metrics_port: int) -> None:
         self.url = f"http://127.0.0.1:{metrics_port}/metrics"
 
-    def read(self) -> dict[str, tuple[float, float]]:
-        """Method -> (seconds, calls) so far."""
+    def _samples(self, family_name: str) -> list[Any]:
+        """The samples of one metric family in a scrape of the server's /metrics."""
         from prometheus_client.parser import text_string_to_metric_families
 
         with urllib.request.urlopen(self.url, timeout=10) as reply:
             text = reply.read().decode()
+        return [
+            sample
+            for family in text_string_to_metric_families(text)
+            if family.name == family_name
+            for sample in family.samples
+        ]
+
+    def read(self) -> dict[str, tuple[float, float]]:
+        """Method -> (seconds, calls) so far."""
         totals: dict[str, list[float]] = {}
-        for family in text_string_to_metric_families(text):
-            if family.name != "grpc_server_handling_seconds":
-                continue
-            for sample in family.samples:
-                method = sample.labels.get("grpc_method", "")
-                if sample.name.endswith("_sum"):
-                    totals.setdefault(method, [0.0, 0.0])[0] = sample.value
-                elif sample.name.endswith("_count"):
-                    totals.setdefault(method, [0.0, 0.0])[1] = sample.value
+        for sample in self._samples("grpc_server_handling_seconds"):
+            method = sample.labels.get("grpc_method", "")
+            if sample.name.endswith("_sum"):
+                totals.setdefault(method, [0.0, 0.0])[0] = sample.value
+            elif sample.name.endswith("_count"):
+                totals.setdefault(method, [0.0, 0.0])[1] = sample.value
         return {method: (s, c) for method, (s, c) in totals.items()}
 
     def gc_pauses(self) -> dict[str, float]:
         """The server process's garbage collections so far (``kvsvc_gc_pause_seconds``):
         per generation their count (``"0"`` ...) and seconds (``"0_s"`` ...), and per
         bucket bound of any generation the collections at or under it (``"le=0.001"``)."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        with urllib.request.urlopen(self.url, timeout=10) as reply:
-            text = reply.read().decode()
         out: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            if family.name != "kvsvc_gc_pause_seconds":
-                continue
-            for sample in family.samples:
-                generation = sample.labels.get("generation", "")
-                if sample.name.endswith("_count"):
-                    out[generation] = sample.value
-                elif sample.name.endswith("_sum"):
-                    out[f"{generation}_s"] = sample.value
-                elif sample.name.endswith("_bucket"):
-                    key = f"le={sample.labels['le']}"
-                    out[key] = out.get(key, 0.0) + sample.value
+        for sample in self._samples("kvsvc_gc_pause_seconds"):
+            generation = sample.labels.get("generation", "")
+            if sample.name.endswith("_count"):
+                out[generation] = sample.value
+            elif sample.name.endswith("_sum"):
+                out[f"{generation}_s"] = sample.value
+            elif sample.name.endswith("_bucket"):
+                key = f"le={sample.labels['le']}"
+                out[key] = out.get(key, 0.0) + sample.value
         return out
 
 

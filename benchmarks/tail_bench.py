@@ -85,6 +85,11 @@ class KvsvcAdmissions:
     def shards(self) -> int:
         return int(self.cache.manager.block_pool.shard_mask) + 1
 
+    @property
+    def evictions(self) -> int:
+        """Cached blocks whose hash this pool has evicted so far (each one reused)."""
+        return int(self.cache.manager.block_pool.num_evictions)
+
     def one(self) -> float:
         self.i += 1
         request_id = f"new-{self.i}"
@@ -154,13 +159,11 @@ def summary(samples: list[float]) -> dict[str, float]:
 def run(num_blocks: int, admissions: int, rounds: int) -> dict[str, Any]:
     import core_bench
 
-    engines: dict[str, Callable[[], float]] = {}
-    shards: dict[str, int] = {}
-    sharded = KvsvcAdmissions(num_blocks, None, salt=1)
-    one_dict = KvsvcAdmissions(num_blocks, 1, salt=2)
-    engines["kvsvc"] = sharded.one
-    engines["kvsvc, one dict"] = one_dict.one
-    shards = {"kvsvc": sharded.shards, "kvsvc, one dict": one_dict.shards}
+    kvsvc = {
+        "kvsvc": KvsvcAdmissions(num_blocks, None, salt=1),
+        "kvsvc, one dict": KvsvcAdmissions(num_blocks, 1, salt=2),
+    }
+    engines: dict[str, Callable[[], float]] = {name: pool.one for name, pool in kvsvc.items()}
     v = core_bench.load_vllm()
     if v is not None:
         engines["vLLM"] = VllmAdmissions(v, num_blocks).one
@@ -171,10 +174,7 @@ def run(num_blocks: int, admissions: int, rounds: int) -> dict[str, Any]:
         for one in engines.values():
             for _ in range(fill):
                 one()
-        cycled = {
-            name: pool.cache.manager.block_pool.num_evictions
-            for name, pool in (("kvsvc", sharded), ("kvsvc, one dict", one_dict))
-        }
+        cycled = {name: pool.evictions for name, pool in kvsvc.items()}
         per_round = max(1, admissions // rounds)
         for _ in range(rounds):
             for name, one in engines.items():
@@ -182,17 +182,17 @@ def run(num_blocks: int, admissions: int, rounds: int) -> dict[str, Any]:
     figures: dict[str, Any] = {
         "num_blocks": num_blocks,
         "admissions": per_round * rounds,
-        "shards": shards,
+        "shards": {name: pool.shards for name, pool in kvsvc.items()},
         "vllm": str(v.version) if v is not None else None,
     }
     for name, values in samples.items():
         figures[name] = summary(values)
     # Blocks whose hash the timed admissions evicted: each of them reused a cached block.
-    for name, pool in (("kvsvc", sharded), ("kvsvc, one dict", one_dict)):
-        figures[name]["evictions"] = pool.cache.manager.block_pool.num_evictions - cycled[name]
+    for name, pool in kvsvc.items():
+        figures[name]["evictions"] = pool.evictions - cycled[name]
     if "vLLM" in samples:
         vllm = figures["vLLM"]
-        for name in ("kvsvc", "kvsvc, one dict"):
+        for name in kvsvc:
             mine = figures[name]
             mine["p50_vs_vllm"] = round(mine["p50_us"] / vllm["p50_us"], 3)
             mine["p999_vs_vllm"] = round(mine["p999_us"] / vllm["p999_us"], 3)
