@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvsvc import native
+from kvsvc.server.busy_poll import DEFAULT_MAX_WINDOW_US, loop_factory
 from kvsvc.server.config import (
     DEFAULT_EVENT_BUFFER_BYTES,
     DEFAULT_LISTEN,
@@ -130,6 +131,14 @@ def add_parser(subparsers: Any) -> None:
         help="end a WatchEvents stream (RESOURCE_EXHAUSTED) whose write has not completed "
         f"after this long: it stopped reading (default {DEFAULT_SUBSCRIBER_WRITE_TIMEOUT_S:g}"
         "; 0 never)",
+    )
+    server.add_argument(
+        "--busy-poll-us",
+        type=int,
+        metavar="US",
+        help="poll up to this long for the next call before the event loop sleeps: calls "
+        "that come back to back find the server awake; the window closes by itself when "
+        f"calls come further apart (default {DEFAULT_MAX_WINDOW_US}; 0 never polls)",
     )
     server.add_argument(
         "--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR")
@@ -323,6 +332,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         overrides["event_buffer_batches"] = args.event_buffer
     if args.event_buffer_bytes:
         overrides["event_buffer_bytes"] = args.event_buffer_bytes
+    if args.busy_poll_us is not None:
+        overrides["busy_poll_us"] = args.busy_poll_us
     if args.subscriber_write_timeout is not None:
         overrides["subscriber_write_timeout_s"] = args.subscriber_write_timeout
     if args.state_dir:
@@ -536,7 +547,8 @@ def run(args: argparse.Namespace) -> int:
     from kvsvc.ports import ListenError
 
     try:
-        asyncio.run(serve(config, restore=args.restore, early_stop=early_stop))
+        with asyncio.Runner(loop_factory=loop_factory(config.busy_poll_us)) as runner:
+            runner.run(serve(config, restore=args.restore, early_stop=early_stop))
     except ListenError as exc:  # ports in use: a line for each
         print(exc.report("kvsvc serve"), file=sys.stderr)
         return 1

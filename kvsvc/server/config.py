@@ -28,6 +28,7 @@ from typing import Any
 
 from kvsvc.keepalive import SERVER_MIN_PING_INTERVAL_S
 from kvsvc.ports import DEFAULT_UNIX_SOCKET_MODE, is_unix_address, unix_path
+from kvsvc.server.busy_poll import DEFAULT_MAX_WINDOW_US, MAX_WINDOW_US_LIMIT
 from kvsvc.server.config_errors import ConfigError, ConfigFileError
 from kvsvc.server.kv_events_targets import kv_events_targets
 from kvsvc.tls import ServerTls, TlsFileError
@@ -332,6 +333,10 @@ class ServerConfig:
             restart replays well under two seconds whatever the load.
         state_checkpoint_interval_s: seconds between two checkpoints (disk syncs of the
             WAL): in ``normal`` mode, how much a power loss can take back.
+        busy_poll_us: the longest the event loop polls for the next call before it
+            sleeps, in microseconds (0: it never polls). The window adapts: it opens while
+            calls come back to back and closes when they come further apart than this
+            (see :mod:`kvsvc.server.busy_poll`).
     """
 
     pools: tuple[PoolConfig, ...]
@@ -389,6 +394,7 @@ class ServerConfig:
     state_snapshot_every: int = 200_000
     state_snapshot_min_interval_s: float = 10.0
     state_checkpoint_interval_s: float = 1.0
+    busy_poll_us: int = DEFAULT_MAX_WINDOW_US
 
     def __post_init__(self) -> None:
         if not self.pools:
@@ -459,6 +465,11 @@ class ServerConfig:
             raise ConfigError(
                 "max_inflight_request_bytes must be at least max_message_bytes (a request of "
                 "the largest size must be able to run)"
+            )
+        if type(self.busy_poll_us) is not int or not 0 <= self.busy_poll_us <= MAX_WINDOW_US_LIMIT:
+            raise ConfigError(
+                f"busy_poll_us must be an integer in [0, {MAX_WINDOW_US_LIMIT}] (microseconds; "
+                f"0: never poll), not {self.busy_poll_us!r}"
             )
         self._check_kv_events()
         self._check_tls()

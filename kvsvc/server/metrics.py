@@ -28,6 +28,7 @@ from prometheus_client.registry import Collector
 
 from kvsvc import __version__, native
 from kvsvc.metrics_http import serve_metrics_http
+from kvsvc.server.busy_poll import BusyPollMetrics, poll_stats
 from kvsvc.server.config import split_host_port
 from kvsvc.server.errors import CallObserver
 from kvsvc.server.gc_pauses import gc_pauses
@@ -381,6 +382,7 @@ class ServerMetrics:
             pool.counters.step_size_observer = self.step_operations.labels(pool.name).observe
         self.registry.register(_PoolCollector(pools))
         self.registry.register(gc_pauses())
+        self.registry.register(BusyPollMetrics(poll_stats()))
 
     def serve_http(self, listen: str, tls: ServerTlsSource | None = None) -> tuple[Any, int]:
         """Serve ``/metrics`` on ``listen`` in a daemon thread; returns (server, port).

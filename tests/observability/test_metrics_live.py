@@ -36,6 +36,7 @@ BOUNDED_LABELS = {
     "state",
     "le",
     "generation",
+    "outcome",
     "grpc_type",
     "grpc_service",
     "grpc_method",
