@@ -41,10 +41,14 @@ same kind of socket and with gRPC's same call):
   marginal          (step256 p50 - echo p50) / 256: a Step's whole cost beyond the echo,
                     per request (the fixed cost of a Step included: an upper bound on the
                     slope), next to what vLLM's own in-process manager spends on one decode
-                    allocation
-                    next to what vLLM's own in-process manager spends on one decode
                     allocation (allocate_slots(req, 1), 256 running requests of the same
-                    lengths).
+                    lengths)
+  busy polling      the main server's event loop polls for the next call before it sleeps
+                    (kvsvc serve --busy-poll-us, on by default; kvsvc.server.busy_poll);
+                    a second server with it off is measured over frames (Unix socket) in
+                    the same rounds, and the main server's polling in the rounds is shown
+                    (waits it caught, waits it missed, the time it spent spinning). The
+                    echo server polls as kvsvc serve does by default.
 
 vLLM's in-process KVCacheManager runs the same work in this process, in the same
 interleaved rounds as the servers' benches (so both see the same moments of the
@@ -109,6 +113,12 @@ PURE_TRANSPORTS = (
     ("_pure", "gRPC, TCP, pure-Python core", ""),
     ("_frames_pure", "frames, Unix socket, pure-Python core", "_frames"),
 )
+# A server with busy polling off (kvsvc serve --busy-poll-us 0), over the framed Unix
+# socket: (suffix, name, the main server's transport of the same calls and echo).
+NOPOLL_TRANSPORTS = (("_frames_nopoll", "frames, Unix socket, busy poll off", "_frames"),)
+# What the main server is, against each compared one: a compared call's figure
+# ``{call}{suffix}_vs_{word}`` is its p50 over the main server's same call.
+COMPARED_WITH = {"_pure": "compiled", "_frames_pure": "compiled", "_frames_nopoll": "polling"}
 
 # Goals of the issue (2-core machine): marginal < 3 us, step p50 < 1.5 ms, p99 < 3 ms,
 # a new-request Allocate within 1.5x of the echo floor, a Step within 1.0x (then 0.5x)
@@ -163,7 +173,10 @@ async def main():
     frames_port = await frames.listen("127.0.0.1:0", "127.0.0.1", 0)
     print(f"echo on port {port}, frames on port {frames_port}", flush=True)
     await server.wait_for_termination()
-asyncio.run(main())
+# The event loop kvsvc serve runs by default (it polls before it sleeps).
+from kvsvc.server.busy_poll import DEFAULT_MAX_WINDOW_US, loop_factory
+with asyncio.Runner(loop_factory=loop_factory(DEFAULT_MAX_WINDOW_US)) as runner:
+    runner.run(main())
 """
 
 TINY_SPECS = {
@@ -395,6 +408,29 @@ class HandlerClock:
                 key = f"le={sample.labels['le']}"
                 out[key] = out.get(key, 0.0) + sample.value
         return out
+
+    def busy_poll(self) -> dict[str, float]:
+        """The server's busy polling so far: ``seconds`` spent spinning, and its waits
+        that a call or other event ended (``hit``) or that went to sleep (``miss``)."""
+        out = {"seconds": 0.0, "hit": 0.0, "miss": 0.0}
+        for sample in self._samples("kvsvc_busy_poll_seconds"):
+            out["seconds"] = sample.value
+        for sample in self._samples("kvsvc_busy_poll_wakeups"):
+            out[sample.labels["outcome"]] = sample.value
+        return out
+
+
+def busy_poll_figures(
+    before: dict[str, float], after: dict[str, float], seconds: float
+) -> dict[str, Any]:
+    """The main server's busy polling during the interleaved rounds (``seconds`` long)."""
+    spun = after["seconds"] - before["seconds"]
+    return {
+        "server_busy_poll_hits": int(after["hit"] - before["hit"]),
+        "server_busy_poll_misses": int(after["miss"] - before["miss"]),
+        "server_busy_poll_s": round(spun, 3),
+        "server_busy_poll_share": round(spun / seconds, 4),
+    }
 
 
 # Calls each bench makes untimed at the start of each round. Its first calls after the
@@ -628,9 +664,11 @@ def start_server(
     children: list[Child], tmp: str, tag: str, spec_file: Path, pin: str | None
 ) -> tuple[int, int, int]:
     """A kvsvc server and its CPU agent (added to ``children``); ``tag`` "pure" runs the
-    pure-Python core. Returns its gRPC, metrics and framed TCP ports."""
+    pure-Python core, "nopoll" turns busy polling off. Returns its gRPC, metrics and
+    framed TCP ports."""
     grpc_socket, frames_socket = server_sockets(tmp, tag)
     env = {native.PURE_ENV: "1"} if tag == "pure" else {}
+    polling = ["--busy-poll-us", "0"] if tag == "nopoll" else []
     server = spawn(
         f"server{tag}",
         [
@@ -653,6 +691,7 @@ def start_server(
             # its per-call path logs at that level.
             "--log-level",
             "INFO",
+            *polling,
         ],
         env=env,
     )
@@ -741,6 +780,7 @@ def main() -> int:
             pure = None
             if with_pure:
                 pure = start_server(children, tmp, "pure", spec_file, server_pin)
+            nopoll = start_server(children, tmp, "nopoll", spec_file, server_pin)
             with (
                 contextlib.ExitStack() as stack,
                 KVCacheClient(address, pool="bench") as kv,
@@ -766,6 +806,12 @@ def main() -> int:
                         clients[suffix] = stack.enter_context(KVCacheClient(target, pool="bench"))
                         pure_clocks[suffix] = HandlerClock(pure_metrics_port)
                     clients["_pure"].wait_until_ready(timeout=120)
+                nopoll_frames_socket = server_sockets(tmp, "nopoll")[1]
+                clients["_frames_nopoll"] = stack.enter_context(
+                    KVCacheClient(f"frames:{nopoll_frames_socket}", pool="bench")
+                )
+                pure_clocks["_frames_nopoll"] = HandlerClock(nopoll[1])
+                clients["_frames_nopoll"].wait_until_ready(timeout=120)
                 echoes = {
                     "": Echo(f"127.0.0.1:{echo_port}"),
                     "_unix": Echo(echo_socket),
@@ -799,6 +845,8 @@ def main() -> int:
                     }
                 main_clock = HandlerClock(metrics_port)
                 gc_before = main_clock.gc_pauses()
+                poll_before = main_clock.busy_poll()
+                rounds_started = time.perf_counter()
                 with CLIENT_GC:
                     samples, handler_us, first_calls = interleaved(
                         rounds,
@@ -819,6 +867,9 @@ def main() -> int:
                     with open(args.samples, "w") as out:
                         json.dump(samples, out)
                 gc_after = main_clock.gc_pauses()
+                poll_figures = busy_poll_figures(
+                    poll_before, main_clock.busy_poll(), time.perf_counter() - rounds_started
+                )
                 # (Copies: the calls below add marks of their own.)
                 gc_marks = {
                     **{f"allocate_new{s}": list(new.gc_marks) for s, new in admissions.items()},
@@ -849,6 +900,7 @@ def main() -> int:
     measured = [(suffix, suffix) for suffix, _ in TRANSPORTS]
     if with_pure:
         measured += [(suffix, echo_of) for suffix, _, echo_of in PURE_TRANSPORTS]
+    measured += [(suffix, echo_of) for suffix, _, echo_of in NOPOLL_TRANSPORTS]
     for suffix, echo_of in measured:
         echo_p50, echo_p99 = _summary(samples[f"echo{echo_of}"])
         alloc_p50, alloc_p99 = _summary(samples[f"allocate_new{suffix}"])
@@ -892,7 +944,7 @@ def main() -> int:
             figures[f"{call}{suffix}_first_call_vs_p50"] = round(
                 statistics.median(first_calls[name]) / p50, 2
             )
-    figures |= split | wake | server_gc_figures(gc_before, gc_after)
+    figures |= split | wake | server_gc_figures(gc_before, gc_after) | poll_figures
     lock = samples["lockstep"]
     vllm_decode = statistics.median(vllm.decode_ns) / 1000.0 if vllm else REFERENCE_VLLM_DECODE_US
     figures |= {
@@ -905,14 +957,15 @@ def main() -> int:
         "marginal_vs_vllm": round(figures["step256_marginal_us"] / vllm_decode, 3),
         "pinned": bool(args.pin),
     }
-    # The compiled server's calls against the pure one's (> 1: the compiled core is faster).
+    # The compared servers' calls against the main one's (> 1: the main server is faster):
+    # the pure core's against the compiled one's, busy polling off against on.
     figures["pure_core"] = with_pure
-    if with_pure:
-        for suffix, _, compiled in PURE_TRANSPORTS:
-            for call in ("allocate_new", "step256"):
-                figures[f"{call}{suffix}_vs_compiled"] = round(
-                    figures[f"{call}{suffix}_p50_us"] / figures[f"{call}{compiled}_p50_us"], 3
-                )
+    compared = (*(PURE_TRANSPORTS if with_pure else ()), *NOPOLL_TRANSPORTS)
+    for suffix, _, main_suffix in compared:
+        for call in ("allocate_new", "step256"):
+            figures[f"{call}{suffix}_vs_{COMPARED_WITH[suffix]}"] = round(
+                figures[f"{call}{suffix}_p50_us"] / figures[f"{call}{main_suffix}_p50_us"], 3
+            )
     for call in ("echo", "allocate_new", "step256"):
         figures[f"{call}_unix_vs_tcp"] = round(
             figures[f"{call}_unix_p50_us"] / figures[f"{call}_p50_us"], 3
@@ -1038,6 +1091,7 @@ def render(f: dict[str, Any]) -> str:
     transports = [(suffix, transport, suffix) for suffix, transport in TRANSPORTS]
     if f.get("pure_core"):
         transports += PURE_TRANSPORTS
+    transports += NOPOLL_TRANSPORTS
     for suffix, transport, echo_of in transports:
         echo = f[f"echo{echo_of}_p50_us"]
         step = f[f"step256{suffix}_p50_us"]
@@ -1050,10 +1104,11 @@ def render(f: dict[str, Any]) -> str:
             )
         if measured:
             allocate_ratio += f", {f[f'allocate_new{suffix}_vs_vllm']:.2f}x vLLM"
-        if suffix != echo_of:  # the pure core's server: against the compiled one's call
-            allocate_ratio += f", {f[f'allocate_new{suffix}_vs_compiled']:.2f}x compiled"
+        if suffix != echo_of:  # a compared server: against the main one's same call
+            word = COMPARED_WITH[suffix]
+            allocate_ratio += f", {f[f'allocate_new{suffix}_vs_{word}']:.2f}x {word}"
             step_ratio += (", " if step_ratio else "") + (
-                f"{f[f'step256{suffix}_vs_compiled']:.2f}x compiled"
+                f"{f[f'step256{suffix}_vs_{word}']:.2f}x {word}"
             )
         if suffix == echo_of:
             rows.append(
@@ -1134,6 +1189,17 @@ def render(f: dict[str, Any]) -> str:
             f"{f['server_gc_pause_ms']:.1f} ms in all"
             + (f", each under {longest:g} ms" if longest is not None else ""),
             "kvsvc_gc_pause_seconds",
+        )
+    )
+    rows.append(
+        (
+            "The server's busy polling in the rounds",
+            "",
+            "",
+            f"{f['server_busy_poll_hits']:,} waits caught, {f['server_busy_poll_misses']:,} "
+            f"missed; {f['server_busy_poll_s']:.2f} s spinning, "
+            f"{f['server_busy_poll_share']:.0%} of the rounds",
+            "kvsvc_busy_poll_*",
         )
     )
     rows += _wake_rows(f)

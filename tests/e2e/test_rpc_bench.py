@@ -27,6 +27,8 @@ TRANSPORTS = ("", "_unix", "_frames_tcp", "_frames")
 # The pure-Python core's server (where the compiled core is built) -> the compiled
 # server's transport it is compared with.
 PURE_TRANSPORTS = {"_pure": "", "_frames_pure": "_frames"}
+# The server with busy polling off -> the main (polling) server's transport.
+NOPOLL_TRANSPORTS = {"_frames_nopoll": "_frames"}
 
 
 def run_bench(*flags: str, python: str = sys.executable) -> dict[str, Any]:
@@ -71,14 +73,23 @@ def check_relations(figures: dict[str, Any]) -> None:
             assert figures[f"{call}{transport}_vs_grpc"] == pytest.approx(vs_grpc, rel=1e-2)
     # The pure-Python core's server, beside a compiled one: its calls against the same
     # calls of the compiled server (gRPC TCP, frames Unix socket).
+    # And the server with busy polling off, against the polling one's same calls.
+    compared = [(NOPOLL_TRANSPORTS, "polling")]
     if figures["pure_core"]:
-        for transport, compiled in PURE_TRANSPORTS.items():
+        compared.append((PURE_TRANSPORTS, "compiled"))
+    for transports, word in compared:
+        for transport, main in transports.items():
             for call in ("allocate_new", "step256"):
                 name = f"{call}{transport}"
                 assert 0 < figures[f"{name}_p50_us"] <= figures[f"{name}_p99_us"], name
                 assert 0 < figures[f"{name}_handler_us"] < figures[f"{name}_p99_us"], name
-                ratio = figures[f"{name}_p50_us"] / figures[f"{call}{compiled}_p50_us"]
-                assert figures[f"{name}_vs_compiled"] == pytest.approx(ratio, rel=1e-2)
+                ratio = figures[f"{name}_p50_us"] / figures[f"{call}{main}_p50_us"]
+                assert figures[f"{name}_vs_{word}"] == pytest.approx(ratio, rel=1e-2)
+    # The main server polled through the rounds' back-to-back calls, and says what for.
+    assert figures["server_busy_poll_hits"] > 0
+    assert figures["server_busy_poll_misses"] >= 0
+    assert figures["server_busy_poll_s"] > 0
+    assert 0 < figures["server_busy_poll_share"] < 1
     # The tails: p99 over p50 as printed, and the slow samples a client GC overlapped.
     for transport in TRANSPORTS:
         for call in ("allocate_new", "step256"):
