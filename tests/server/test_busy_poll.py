@@ -39,9 +39,12 @@ def test_a_short_wait_opens_the_window_to_twice_the_wait() -> None:
     assert window.window_s == 0.0
     window.after_wait(40e-6, woken=True)
     assert window.window_s == pytest.approx(80e-6)
-    # Grows at least twofold, and never past the longest window.
+    # A shorter wait leaves it (one call's own events come microseconds apart: they do
+    # not double it), a longer one grows it to twice that wait, never past the bound.
     window.after_wait(10e-6, woken=True)
-    assert window.window_s == pytest.approx(160e-6)
+    assert window.window_s == pytest.approx(80e-6)
+    window.after_wait(60e-6, woken=True)
+    assert window.window_s == pytest.approx(120e-6)
     window.after_wait(150e-6, woken=True)
     assert window.window_s == MAX_S
 
@@ -50,6 +53,17 @@ def test_a_very_short_wait_opens_the_smallest_window() -> None:
     window = PollWindow(MAX_S)
     window.after_wait(1e-6, woken=True)
     assert window.window_s == MIN_WINDOW_S
+
+
+def test_a_calls_own_quick_events_do_not_hold_the_window_open_for_the_next_step() -> None:
+    # An engine's step: its call's events 5 us apart, then its next step 8 ms later.
+    window = PollWindow(MAX_S)
+    for _ in range(20):
+        for _ in range(6):
+            window.after_wait(5e-6, woken=True)
+        assert window.window_s == MIN_WINDOW_S  # what the step spins before it sleeps
+        window.after_wait(8e-3, woken=True)
+        assert window.window_s == 0.0
 
 
 def test_long_waits_halve_the_window_then_close_it() -> None:
