@@ -52,6 +52,8 @@ DEFAULT_MAX_WINDOW_US = 200
 MAX_WINDOW_US_LIMIT = 10_000
 # A window shorter than this is not worth opening (a poll and a yield take ~2 us).
 MIN_WINDOW_S = 25e-6
+# The CPU to whatever else wants it between two polls (where the platform has it).
+_yield_cpu: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
 
 _Ready = list[tuple[selectors.SelectorKey, int]]
 
@@ -133,7 +135,7 @@ class BusyPollSelector(selectors.DefaultSelector):
                     return ready
                 if now >= deadline:
                     break
-                os.sched_yield()  # the CPU to whatever else wants it, the GIL too
+                _yield_cpu()  # the CPU to whatever else wants it, the GIL too
             stats.spin_seconds += now - started
             if timeout is not None:
                 timeout = max(0.0, timeout - (now - started))
