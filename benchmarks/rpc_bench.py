@@ -795,7 +795,7 @@ def main() -> int:
                     "_frames_tcp": kv_frames_tcp,
                     "_frames": kv_frames,
                 }
-                pure_clocks = {}
+                compared_clocks = {}  # the compared servers' handler clocks, by suffix
                 if pure is not None:
                     pure_port, pure_metrics_port, _ = pure
                     pure_frames_socket = server_sockets(tmp, "pure")[1]
@@ -804,13 +804,13 @@ def main() -> int:
                         ("_frames_pure", f"frames:{pure_frames_socket}"),
                     ):
                         clients[suffix] = stack.enter_context(KVCacheClient(target, pool="bench"))
-                        pure_clocks[suffix] = HandlerClock(pure_metrics_port)
+                        compared_clocks[suffix] = HandlerClock(pure_metrics_port)
                     clients["_pure"].wait_until_ready(timeout=120)
                 nopoll_frames_socket = server_sockets(tmp, "nopoll")[1]
                 clients["_frames_nopoll"] = stack.enter_context(
                     KVCacheClient(f"frames:{nopoll_frames_socket}", pool="bench")
                 )
-                pure_clocks["_frames_nopoll"] = HandlerClock(nopoll[1])
+                compared_clocks["_frames_nopoll"] = HandlerClock(nopoll[1])
                 clients["_frames_nopoll"].wait_until_ready(timeout=120)
                 echoes = {
                     "": Echo(f"127.0.0.1:{echo_port}"),
@@ -833,7 +833,7 @@ def main() -> int:
                     suffix: AllocateNew(client, f"new{suffix}", salt=salt)
                     for salt, (suffix, client) in enumerate(clients.items())
                 }
-                for suffix, clock in pure_clocks.items():
+                for suffix, clock in compared_clocks.items():
                     decodes[suffix].clock = admissions[suffix].clock = clock
                     small_decodes[suffix].clock = clock
                 lockstep = DecodeStep(kv, lockstep=True)

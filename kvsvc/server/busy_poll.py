@@ -4,10 +4,10 @@ An engine's calls come back to back: a reply, then the next call tens of microse
 later. A server that blocks in ``epoll_wait`` between them pays for sleeping each time:
 the kernel deschedules its thread, the vCPU halts, and the next call wakes it cold. On
 the 2-core VM the benchmarks run on, a framed 2048-token ``Allocate``'s handler ran ~1.8x
-its in-process time and a framed ``Step`` ~1.5x (``docs/performance.md``); polling for
-the next call for up to 200 us instead of sleeping took the framed ``Allocate`` from
-~0.93x to ~0.78x of vLLM's in-process admission, and the framed ``Step`` from ~0.33x to
-~0.28x of vLLM's 256 in-process decodes.
+its in-process time and a framed ``Step`` ~1.5x (``docs/performance.md``). Polling for
+the next call for up to 200 us instead of sleeping took 10-13% off a framed ``Allocate``
+(0.86-0.91x -> 0.78-0.82x of vLLM's in-process admission, in the same runs) and 6-11% off
+a framed ``Step`` (0.30-0.315x -> 0.276-0.283x of vLLM's 256 in-process decodes).
 
 Spinning is only worth its CPU while calls do come that soon, so the window adapts as
 the guest-side ``haltpoll`` cpuidle governor of Linux does for a VM's idle vCPU:
@@ -25,11 +25,11 @@ the call ended, to be spun in full before the engine's next step came millisecon
 (vllm_bench: the server's CPU per output token 11-17 -> 22 us over frames). Grown only to
 twice those waits, it stays at ``MIN_WINDOW_S`` within a call and closes after the next
 long wait: an engine stepping every few milliseconds costs ~25 us of spinning a step,
-while a client calling back to back keeps the window at twice its turnaround. While spinning, each
-poll is followed by ``sched_yield``, so a process or thread that needs the CPU gets it
-(the spin takes only what would have been idle), and the window bounds how long any
-other thread of this process waits for the GIL meanwhile.
+while a client calling back to back keeps the window at twice its turnaround.
 
+While spinning, each poll is followed by ``sched_yield``, so a process or thread that
+needs the CPU gets it (the spin takes only what would have been idle), and the window
+bounds how long any other thread of this process waits for the GIL meanwhile.
 ``kvsvc_busy_poll_seconds_total`` and ``kvsvc_busy_poll_wakeups_total{outcome}`` on
 ``/metrics`` say what the spinning cost and caught (:class:`BusyPollMetrics`).
 """
@@ -101,24 +101,17 @@ class BusyPollSelector(selectors.DefaultSelector):
     Args:
         max_window_s: the longest spin (``PollWindow``).
         stats: where to count (default: this process's, :func:`poll_stats`).
-        clock: seconds (tests may pass their own).
     """
 
-    def __init__(
-        self,
-        max_window_s: float,
-        stats: PollStats | None = None,
-        clock: Callable[[], float] = time.perf_counter,
-    ) -> None:
+    def __init__(self, max_window_s: float, stats: PollStats | None = None) -> None:
         super().__init__()
         self.window = PollWindow(max_window_s)
         self.stats = stats if stats is not None else poll_stats()
-        self._clock = clock
 
     def select(self, timeout: float | None = None) -> _Ready:
         if timeout is not None and timeout <= 0:  # the loop has work ready: a plain poll
             return super().select(timeout)
-        clock = self._clock
+        clock = time.perf_counter
         started = clock()
         window = self.window.window_s
         if window > 0:
