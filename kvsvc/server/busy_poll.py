@@ -7,7 +7,10 @@ the 2-core VM the benchmarks run on, a framed 2048-token ``Allocate``'s handler 
 its in-process time and a framed ``Step`` ~1.5x (``docs/performance.md``). Polling for
 the next call for up to 200 us instead of sleeping took 10-13% off a framed ``Allocate``
 (0.86-0.91x -> 0.78-0.82x of vLLM's in-process admission, in the same runs) and 6-11% off
-a framed ``Step`` (0.30-0.315x -> 0.276-0.283x of vLLM's 256 in-process decodes).
+a framed ``Step`` (0.30-0.315x -> 0.276-0.283x of vLLM's 256 in-process decodes). The
+default is 500 us: on a slower moment of the machine a Python client took over 200 us
+between a 256-request ``Step``'s reply and its next one (building it), the window closed
+and the ``Step`` gained 0-5%; at 500 us, 6-16% in the same conditions.
 
 Spinning is only worth its CPU while calls do come that soon, so the window adapts as
 the guest-side ``haltpoll`` cpuidle governor of Linux does for a VM's idle vCPU:
@@ -46,7 +49,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-DEFAULT_MAX_WINDOW_US = 200
+DEFAULT_MAX_WINDOW_US = 500
 # The largest window a config may ask for: past a few milliseconds the spin would keep a
 # core busy between an engine's steps, which is no longer "the next call is about to come".
 MAX_WINDOW_US_LIMIT = 10_000
