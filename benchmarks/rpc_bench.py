@@ -369,8 +369,9 @@ class HandlerClock:
     def __init__(self, metrics_port: int) -> None:
         self.url = f"http://127.0.0.1:{metrics_port}/metrics"
 
-    def _samples(self, family_name: str) -> list[Any]:
-        """The samples of one metric family in a scrape of the server's /metrics."""
+    def _samples(self, *family_names: str) -> list[Any]:
+        """The samples of the metric families named, from one scrape of the server's
+        /metrics."""
         from prometheus_client.parser import text_string_to_metric_families
 
         with urllib.request.urlopen(self.url, timeout=10) as reply:
@@ -378,7 +379,7 @@ class HandlerClock:
         return [
             sample
             for family in text_string_to_metric_families(text)
-            if family.name == family_name
+            if family.name in family_names
             for sample in family.samples
         ]
 
@@ -413,10 +414,8 @@ class HandlerClock:
         """The server's busy polling so far: ``seconds`` spent spinning, and its waits
         that a call or other event ended (``hit``) or that went to sleep (``miss``)."""
         out = {"seconds": 0.0, "hit": 0.0, "miss": 0.0}
-        for sample in self._samples("kvsvc_busy_poll_seconds"):
-            out["seconds"] = sample.value
-        for sample in self._samples("kvsvc_busy_poll_wakeups"):
-            out[sample.labels["outcome"]] = sample.value
+        for sample in self._samples("kvsvc_busy_poll_seconds", "kvsvc_busy_poll_wakeups"):
+            out[sample.labels.get("outcome", "seconds")] = sample.value
         return out
 
 

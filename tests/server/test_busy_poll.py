@@ -110,12 +110,24 @@ def _selector(reader: socket.socket, max_window_s: float) -> tuple[BusyPollSelec
     return selector, stats
 
 
+@pytest.fixture
+def spinning(
+    pair: tuple[socket.socket, socket.socket],
+) -> Iterator[tuple[BusyPollSelector, PollStats]]:
+    """A selector on ``pair``'s reader whose window is open for 5 s: whatever comes
+    within it is caught spinning."""
+    selector, stats = _selector(pair[0], 5.0)
+    selector.window.window_s = 5.0
+    yield selector, stats
+    selector.close()
+
+
 def test_the_selector_catches_an_event_while_it_spins(
     pair: tuple[socket.socket, socket.socket],
+    spinning: tuple[BusyPollSelector, PollStats],
 ) -> None:
     reader, writer = pair
-    selector, stats = _selector(reader, 5.0)
-    selector.window.window_s = 5.0  # open: a write well within it is caught spinning
+    selector, stats = spinning
 
     def send_once_spinning() -> None:
         while stats.spins == 0:  # the spin has begun (it yields the GIL between polls)
@@ -132,7 +144,6 @@ def test_the_selector_catches_an_event_while_it_spins(
     assert [key.fileobj for key, _ in ready] == [reader]
     assert (stats.spins, stats.hits) == (1, 1)
     assert 0.004 <= stats.spin_seconds <= took
-    selector.close()
 
 
 def test_a_closed_window_blocks_without_spinning_then_opens(
@@ -149,30 +160,24 @@ def test_a_closed_window_blocks_without_spinning_then_opens(
 
 
 def test_a_spin_stops_at_the_loops_timeout_and_counts_a_miss(
-    pair: tuple[socket.socket, socket.socket],
+    spinning: tuple[BusyPollSelector, PollStats],
 ) -> None:
-    reader, _ = pair
-    selector, stats = _selector(reader, 5.0)
-    selector.window.window_s = 5.0
+    selector, stats = spinning
     started = time.perf_counter()
     assert selector.select(0.02) == []  # a timer is due in 20 ms: not spun past it
     took = time.perf_counter() - started
     assert 0.02 <= took < 1.0
     assert (stats.spins, stats.hits) == (1, 0)
-    selector.close()
 
 
 def test_ready_work_is_polled_without_spinning(
-    pair: tuple[socket.socket, socket.socket],
+    spinning: tuple[BusyPollSelector, PollStats],
 ) -> None:
-    reader, _ = pair
-    selector, stats = _selector(reader, 5.0)
-    selector.window.window_s = 5.0
+    selector, stats = spinning
     started = time.perf_counter()
     assert selector.select(0) == []
     assert time.perf_counter() - started < 0.5
     assert stats.spins == 0
-    selector.close()
 
 
 def test_the_loop_factory_runs_asyncio_on_the_busy_polling_selector() -> None:
