@@ -91,12 +91,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from engine_figures import process_cpu_s  # noqa: E402
-from handler_split import GcWatch, split_figures  # noqa: E402
+from handler_split import EVICT_BYTES, GcWatch, split_figures  # noqa: E402
 from kvsvc_client import KVCacheClient  # noqa: E402
 from kvsvc_client._frames import FrameChannel  # noqa: E402
 
 from kvsvc import native  # noqa: E402
 from kvsvc.demo.processes import Child, spawn, stop_all, wait_for_ports  # noqa: E402
+from kvsvc.server.handler_stages import STAGES as HANDLER_STAGES  # noqa: E402
 
 # Transports measured (a figure's suffix, its name in the table), and for the framed
 # ones the gRPC echo of the same socket kind, which their calls are also compared with.
@@ -384,11 +385,16 @@ class HandlerClock:
         ]
 
     def read(self) -> dict[str, tuple[float, float]]:
-        """Method -> (seconds, calls) so far."""
+        """Method -> (seconds, calls) so far; and "method/stage" -> (seconds, 0) of the
+        stages the server times in its pool-changing handlers
+        (``kvsvc_handler_stage_seconds``: decode, apply, reply, events, journal)."""
         totals: dict[str, list[float]] = {}
-        for sample in self._samples("grpc_server_handling_seconds"):
+        for sample in self._samples("grpc_server_handling_seconds", "kvsvc_handler_stage_seconds"):
             method = sample.labels.get("grpc_method", "")
-            if sample.name.endswith("_sum"):
+            if "stage" in sample.labels:
+                stage = f"{sample.labels['method']}/{sample.labels['stage']}"
+                totals[stage] = [sample.value, 0.0]
+            elif sample.name.endswith("_sum"):
                 totals.setdefault(method, [0.0, 0.0])[0] = sample.value
             elif sample.name.endswith("_count"):
                 totals.setdefault(method, [0.0, 0.0])[1] = sample.value
@@ -452,8 +458,10 @@ def interleaved(
 
     Returns the samples per bench; with ``clock``, the server's mean handler time in
     microseconds of each bench with a ``method`` (read around each of its runs, untimed
-    calls included, so the other benches' calls of the same method are not counted in);
-    and each bench's first call of every round (untimed in the samples).
+    calls included, so the other benches' calls of the same method are not counted in),
+    and under "bench/stage" its mean time in each stage of the handler that the server
+    times (:meth:`HandlerClock.read`); and each bench's first call of every round
+    (untimed in the samples).
     """
     samples: dict[str, list[float]] = {name: [] for name in benches}
     first: dict[str, list[float]] = {name: [] for name in benches}
@@ -479,6 +487,12 @@ def interleaved(
                 total = handled.setdefault(name, [0.0, 0.0])
                 total[0] += seconds - seconds0
                 total[1] += calls - calls0
+                for key, (spent, _) in after.items():
+                    if key.startswith(f"{method}/"):
+                        stage = f"{name}/{key.partition('/')[2]}"
+                        staged = handled.setdefault(stage, [0.0, 0.0])
+                        staged[0] += spent - before.get(key, (0.0, 0.0))[0]
+                        staged[1] += calls - calls0
     means = {name: 1e6 * s / c for name, (s, c) in handled.items() if c}
     return samples, means, first
 
@@ -924,6 +938,13 @@ def main() -> int:
                 (alloc_p50 - handler_us[f"allocate_new{suffix}"]) / echo_p50, 3
             ),
         }
+        # The handler's stages as the server timed them (means; the rest is the handler's
+        # own calls, its lock and the awaits between them).
+        for call, name in (("allocate_new", f"allocate_new{suffix}"), ("step256", f"step{suffix}")):
+            for stage in HANDLER_STAGES:
+                figures[f"{call}{suffix}_stage_{stage}_us"] = round(
+                    handler_us.get(f"{name}/{stage}", 0.0), 1
+                )
         for call, name, p50 in (
             ("allocate_new", f"allocate_new{suffix}", alloc_p50),
             ("step256", f"step{suffix}", step_p50),
@@ -1019,15 +1040,28 @@ SPLIT_ROWS = (
     ("allocate_new_split_decode", "  Allocate: decode (parse, decode_allocate)"),
     ("allocate_new_split_hash", "  Allocate: hash the prompt's 128 blocks"),
     ("allocate_new_split_core", "  Allocate: core (hash, lookup, allocate, evict)"),
+    (
+        "allocate_new_split_core_cold",
+        f"  Allocate: core, after {EVICT_BYTES >> 20} MiB written elsewhere",
+    ),
     ("allocate_new_split_reply", "  Allocate: reply (message, bytes)"),
     ("allocate_new_split_handler", "  Allocate: all of the above"),
     ("step256_split_decode", "  Step: decode (raw codec, decode_step)"),
     ("step256_split_decode_pb", "  Step: decode through a protobuf message"),
     ("step256_split_core", "  Step: core (apply_step, 256 decodes)"),
+    ("step256_split_core_cold", f"  Step: core, after {EVICT_BYTES >> 20} MiB written elsewhere"),
     ("step256_split_reply", "  Step: reply (bytes from the columns)"),
     ("step256_split_reply_pb", "  Step: reply through a protobuf message"),
     ("step256_split_handler", "  Step: all of the above"),
 )
+
+
+def _stage_row(f: dict[str, Any], call: str, suffix: str) -> tuple[str, str, str, str, str]:
+    """The handler's stages as its server timed them (``kvsvc_handler_stage_seconds``)."""
+    stages = {stage: f[f"{call}{suffix}_stage_{stage}_us"] for stage in HANDLER_STAGES}
+    rest = f[f"{call}{suffix}_handler_us"] - sum(stages.values())
+    shown = ", ".join(f"{stage} {us:.0f}" for stage, us in stages.items() if us >= 0.5)
+    return ("    by stage, in the server (mean)", "", "", f"{shown}; the rest {rest:.0f}", "")
 
 
 def _split_rows(f: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
@@ -1135,6 +1169,7 @@ def render(f: dict[str, Any]) -> str:
                 f"the rest {f[f'allocate_new{suffix}_beyond_handler_vs_echo']:.2f}x echo",
                 "transport and client",
             ),
+            _stage_row(f, "allocate_new", suffix),
             (
                 f"Step, 256-request decode, {transport}",
                 f"{step:.0f}",
@@ -1152,6 +1187,7 @@ def render(f: dict[str, Any]) -> str:
                 f"{f[f'step256{suffix}_handler_us'] / step:.2f} of the call",
                 "",
             ),
+            _stage_row(f, "step256", suffix),
             (
                 f"  one more request (slope {SMALL_BATCH} -> 256)",
                 f"{f[f'step256{suffix}_slope_us']:.2f}",

@@ -53,3 +53,13 @@ def test_the_stages_run_under_the_servers_collector_settings(split: ModuleType) 
         assert gc.get_freeze_count() > 0  # what was alive (the pool) is out of collections
     assert gc.get_threshold() == before
     assert gc.get_freeze_count() == 0
+
+
+def test_the_cold_runs_write_their_bytes_before_each_call(split: ModuleType) -> None:
+    evict = split._Evictor(1 << 20)
+    assert not any(evict._target)
+    evict()
+    assert evict._target == evict._source and len(evict._target) == 1 << 20
+    # The cold run measures the same stages, one sample per Step.
+    stages, whole, _ = split.step_stages(20, split.EVICT_BYTES)
+    assert len(stages["core"]) == len(whole) == 20

@@ -32,6 +32,7 @@ from kvsvc.server.busy_poll import BusyPollMetrics, poll_stats
 from kvsvc.server.config import split_host_port
 from kvsvc.server.errors import CallObserver
 from kvsvc.server.gc_pauses import gc_pauses
+from kvsvc.server.handler_stages import HandlerStageMetrics, handler_stages
 from kvsvc.server.pool import PoolState
 from kvsvc.tls import ServerTlsSource
 
@@ -383,6 +384,7 @@ class ServerMetrics:
         self.registry.register(_PoolCollector(pools))
         self.registry.register(gc_pauses())
         self.registry.register(BusyPollMetrics(poll_stats()))
+        self.registry.register(HandlerStageMetrics(handler_stages()))
 
     def serve_http(self, listen: str, tls: ServerTlsSource | None = None) -> tuple[Any, int]:
         """Serve ``/metrics`` on ``listen`` in a daemon thread; returns (server, port).

@@ -14,6 +14,7 @@ import sqlite3
 import tempfile
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from time import perf_counter
 from typing import Any, cast
 
 from kvsvc.convert import config_to_pb, layer_specs_from_pb
@@ -34,6 +35,7 @@ from kvsvc.server.calls import (
     journal_units,
 )
 from kvsvc.server.errors import CallObserver, OpenStreams, rpc_handler, rpc_stream_handler
+from kvsvc.server.handler_stages import STAGES, handler_stages
 from kvsvc.server.namespace import (
     check_pool_allowed,
     current_engine,
@@ -140,7 +142,22 @@ def _epoch(context: Any, pool: Pool) -> None:
     context.set_trailing_metadata(((EPOCH_METADATA, pool.events.epoch),))
 
 
-async def _mutate(pool: Pool, kind: int, request: Any, work: int, fn: Any, *args: Any) -> Any:
+# Where _mutate adds each stage's seconds (kvsvc.server.handler_stages).
+_DECODE, _APPLY, _REPLY, _EVENTS, _JOURNAL = (
+    STAGES.index(stage) for stage in ("decode", "apply", "reply", "events", "journal")
+)
+
+
+async def _mutate(
+    pool: Pool,
+    kind: int,
+    request: Any,
+    work: int,
+    fn: Any,
+    *args: Any,
+    started: float,
+    stage_sums: list[float],
+) -> Any:
     """Apply an engine call that may change the pool, as its one writer, and reply once
     the change is durable.
 
@@ -151,7 +168,11 @@ async def _mutate(pool: Pool, kind: int, request: Any, work: int, fn: Any, *args
     answered with the first attempt's reply, applied nothing again. Without a journal, a
     transport that can (frames) sends the reply as soon as the change is applied, ahead of
     the events' drain and the reply's keeping (:mod:`kvsvc.server.reply_early`).
+
+    ``started`` is when the handler began (what it spent before this is its decoding);
+    each stage's seconds are added to ``stage_sums`` (:mod:`kvsvc.server.handler_stages`).
     """
+    stage_sums[_DECODE] += perf_counter() - started
     engine = current_engine.get()
     call_id = request.call_id
     if call_id:
@@ -162,6 +183,7 @@ async def _mutate(pool: Pool, kind: int, request: Any, work: int, fn: Any, *args
         if known is not None:
             response, ticket = known
         else:
+            applying = perf_counter()
             if work > OFFLOAD_WORK_THRESHOLD:
                 # The thread applies the change whatever happens to this call: a caller
                 # that goes away (deadline, cancel) must neither release the lock nor skip
@@ -178,11 +200,20 @@ async def _mutate(pool: Pool, kind: int, request: Any, work: int, fn: Any, *args
                             break
             else:
                 response, changed = fn(*args)
+            applied = perf_counter()
+            stage_sums[_APPLY] += applied - applying
             # Without a journal the reply may go out now, before the bookkeeping below
             # (see kvsvc.server.reply_early); the bytes written are the ones kept.
             send_now = early_reply.get() if pool.persistence is None else None
-            reply = send_now(response) if send_now is not None else None
+            reply = None
+            replied = applied
+            if send_now is not None:
+                reply = send_now(response)
+                replied = perf_counter()
+                stage_sums[_REPLY] += replied - applied
             batches = pool.drain_events()
+            drained = perf_counter()
+            stage_sums[_EVENTS] += drained - replied
             ticket = 0
             # An event is a change, whatever ``changed`` says. Only a change is journaled
             # and kept for a retry: repeating a call that changed nothing applies it once.
@@ -200,6 +231,7 @@ async def _mutate(pool: Pool, kind: int, request: Any, work: int, fn: Any, *args
                     )
                 if call_id:
                     pool.calls.put(engine, call_id, kind, reply, ticket)
+                stage_sums[_JOURNAL] += perf_counter() - drained
     if cancelled:
         raise asyncio.CancelledError
     await pool.durable(ticket)
@@ -224,6 +256,11 @@ async def _read(pool: Pool, fn: Any, *args: Any) -> Any:
         return fn(*args)
 
 
+_ALLOCATE_STAGES = handler_stages().table("Allocate")
+_FREE_STAGES = handler_stages().table("Free")
+_STEP_STAGES = handler_stages().table("Step")
+
+
 class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
     def __init__(self, pools: Pools, observer: CallObserver, max_step_operations: int) -> None:
         super().__init__(pools, observer)
@@ -231,12 +268,21 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
 
     @rpc_handler("Allocate")
     async def Allocate(self, request: Any, context: Any) -> kvcache_pb2.AllocateResponse:
+        started = perf_counter()
         pool = self._pools.get(request.pool)
         _epoch(context, pool)
         pool.ensure_writable()
         call = decode_allocate(request, current_engine.get())
         response: kvcache_pb2.AllocateResponse = await _mutate(
-            pool, JournalKind.ALLOCATE, request, len(call.tokens), self._allocate_one, pool, call
+            pool,
+            JournalKind.ALLOCATE,
+            request,
+            len(call.tokens),
+            self._allocate_one,
+            pool,
+            call,
+            started=started,
+            stage_sums=_ALLOCATE_STAGES,
         )
         return response
 
@@ -248,12 +294,21 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
 
     @rpc_handler("Free")
     async def Free(self, request: Any, context: Any) -> kvcache_pb2.FreeResponse:
+        started = perf_counter()
         pool = self._pools.get(request.pool)
         _epoch(context, pool)
         pool.ensure_writable()
         call = decode_free(request, current_engine.get())
         response: kvcache_pb2.FreeResponse = await _mutate(
-            pool, JournalKind.FREE, request, len(call.ids), self._free, pool, call
+            pool,
+            JournalKind.FREE,
+            request,
+            len(call.ids),
+            self._free,
+            pool,
+            call,
+            started=started,
+            stage_sums=_FREE_STAGES,
         )
         return response
 
@@ -266,6 +321,7 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
 
     @rpc_handler("Step")
     async def Step(self, request: Any, context: Any) -> kvcache_pb2.StepResponse:
+        started = perf_counter()
         pool = self._pools.get(request.pool)
         _epoch(context, pool)
         pool.ensure_writable()
@@ -273,7 +329,16 @@ class KVCacheServicer(_Base, kvcache_pb2_grpc.KVCacheServiceServicer):
         columns = decode_step(request, engine, self._max_step_operations)
         work = step_work(columns)
         response: kvcache_pb2.StepResponse = await _mutate(
-            pool, JournalKind.STEP, request, work, self._apply_step, pool, columns, engine
+            pool,
+            JournalKind.STEP,
+            request,
+            work,
+            self._apply_step,
+            pool,
+            columns,
+            engine,
+            started=started,
+            stage_sums=_STEP_STAGES,
         )
         pool.counters.count_step(len(columns.types))
         return response

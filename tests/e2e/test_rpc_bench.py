@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 import kvsvc.native
+from kvsvc.server.handler_stages import STAGES as HANDLER_STAGES
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
@@ -63,6 +64,15 @@ def check_relations(figures: dict[str, Any]) -> None:
         assert figures[f"allocate_new{transport}_beyond_handler_vs_echo"] == pytest.approx(
             beyond, rel=1e-2, abs=2e-3
         )
+        # The server's own split of its handler: the pool's work and the events' drain
+        # in every call, a reply sent from the handler only over frames, the parts
+        # within the whole (each mean rounded to 0.1 us).
+        for call in ("allocate_new", "step256"):
+            stages = {s: figures[f"{call}{transport}_stage_{s}_us"] for s in HANDLER_STAGES}
+            assert stages["decode"] > 0 and stages["apply"] > 0 and stages["events"] > 0
+            assert (stages["reply"] > 0) == ("frames" in transport), (call, transport, stages)
+            handler = figures[f"{call}{transport}_handler_us"]
+            assert sum(stages.values()) <= handler + 0.5, (call, transport, stages)
     # The framed transport's calls against gRPC's echo and call on the same socket kind.
     for transport, grpc_transport in (("_frames_tcp", ""), ("_frames", "_unix")):
         for call in ("allocate_new", "step256"):
@@ -111,6 +121,9 @@ def check_relations(figures: dict[str, Any]) -> None:
         )
         assert parts == pytest.approx(whole, rel=0.5), call
         assert figures[f"{call}_split_gc_collections"] >= 0
+        # The pool's work again after other memory traffic: measured, one run apiece.
+        cold = f"{call}_split_core_cold"
+        assert 0 < figures[f"{cold}_p50_us"] <= figures[f"{cold}_p99_us"], call
     # The server's CPU per framed call (Linux /proc), back to back and woken after a gap:
     # read from the right processes (a wrong or ended one reads 0).
     for name in ("echo", "step32", "step256"):

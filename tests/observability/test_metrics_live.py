@@ -37,6 +37,7 @@ BOUNDED_LABELS = {
     "le",
     "generation",
     "outcome",
+    "stage",
     "grpc_type",
     "grpc_service",
     "grpc_method",
