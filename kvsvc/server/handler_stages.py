@@ -4,10 +4,11 @@
 Steps got slower, and a benchmark that compares a handler with the same work run in one
 process, also need to know which part: decoding the request, the pool's work, sending the
 reply, draining the events it made, journaling it. Measured in the server, those stages
-of a framed 256-decode Step read ~25 / ~170 / ~30 / ~20 us (rpc_bench), where the same
-functions run back to back in one process take ~20 / ~110 / ~28 / -: the pool's work is
-the part that differs, because between two calls the machine's other work evicts the
-core's data from the CPU's caches (docs/performance.md).
+of a framed 256-decode Step read ~21 / ~250-290 / ~30 / ~25 us (rpc_bench's means), where
+the same functions run back to back in one process take ~16 / ~105-115 / ~25 / -: the
+pool's work is the part that differs, because between two calls the machine's other work
+evicts the core's data from the CPU's caches, and a server's pool holds more than one
+engine's requests (docs/performance.md).
 
 Exported as ``kvsvc_handler_stage_seconds_total{method, stage}``, a counter per stage of
 ``Allocate``, ``Free`` and ``Step``; a stage's mean per call is its rate over the rate of
