@@ -35,13 +35,36 @@ def sample_names(registry: Any) -> set[str]:
 
 
 @cache
-def server_metric_names() -> frozenset[str]:
-    """The names the kvsvc server exports (its collector and its gRPC series)."""
+def _server_registry() -> Any:
+    """A kvsvc server's registry (one pool, ``p``; the server is built, not started)."""
     from kvsvc.server.app import KvsvcServer
     from kvsvc.server.config import PoolConfig, ServerConfig
 
     server = KvsvcServer(ServerConfig(pools=(PoolConfig(name="p"),), metrics_listen=None))
-    return frozenset(sample_names(server.metrics.registry))
+    return server.metrics.registry
+
+
+@cache
+def server_metric_names() -> frozenset[str]:
+    """The names the kvsvc server exports (its collector and its gRPC series)."""
+    return frozenset(sample_names(_server_registry()))
+
+
+@cache
+def server_wide_metric_names() -> frozenset[str]:
+    """The server's ``kvsvc_`` names of the whole process, not of a pool: families whose
+    samples a fresh server (with a pool) already shows, none of them with a ``pool``
+    label. A family with no sample yet is not among them."""
+    names: set[str] = set()
+    for family in _server_registry().collect():
+        samples = family.samples
+        if (
+            family.name.startswith("kvsvc_")
+            and samples
+            and all("pool" not in sample.labels for sample in samples)
+        ):
+            names |= {family.name + suffix for suffix in _SUFFIXES[family.type]}
+    return frozenset(names)
 
 
 @cache

@@ -20,6 +20,7 @@ from tests.observability.metric_names import (
     exported_metric_names,
     promql_metric_names,
     server_metric_names,
+    server_wide_metric_names,
     unknown_metric_names,
 )
 
@@ -33,10 +34,6 @@ ROWS = (
     "Event stream",
     "Workers",
 )
-
-# kvsvc series of the whole server process, with no pool label: a panel of them cannot
-# filter by $pool (the handler stages are timed across pools, as gRPC's latency is).
-SERVER_WIDE_SERIES = frozenset({"kvsvc_build_info", "kvsvc_handler_stage_seconds_total"})
 
 
 @pytest.fixture(scope="module")
@@ -118,14 +115,23 @@ def test_panels_query_only_exported_metrics(dashboard: dict[str, Any]) -> None:
 
 
 def test_pool_series_are_filtered_by_the_pool_variable(dashboard: dict[str, Any]) -> None:
+    # A series of the whole server process (build info, the handler stages: timed across
+    # pools, as gRPC's latency is) has no pool label for a panel to filter by.
     pool_labelled = {
         n for n in exported_metric_names() if n.startswith("kvsvc_")
-    } - SERVER_WIDE_SERIES
+    } - server_wide_metric_names()
     for title, expr in queries(dashboard):
         if title.startswith("$"):
             continue
         if promql_metric_names(expr) & pool_labelled:
             assert 'pool=~"$pool"' in expr, f"panel {title!r} ignores the pool variable"
+
+
+def test_server_wide_series_are_the_process_ones() -> None:
+    # What the pool-variable check above exempts: the process's own series, never a pool's.
+    server_wide = server_wide_metric_names()
+    assert {"kvsvc_build_info", "kvsvc_handler_stage_seconds_total"} <= server_wide
+    assert not server_wide & {"kvsvc_kv_cache_usage_ratio", "kvsvc_pool_blocks"}
 
 
 def test_the_dashboard_covers_the_issue_series(dashboard: dict[str, Any]) -> None:
