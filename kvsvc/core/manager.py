@@ -29,7 +29,7 @@ from kvsvc.core.window_managers import ChunkedLocalAttentionManager, SlidingWind
 from kvsvc.specs import CrossAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class KVCacheBlocks:
     """Block ids per KV cache group: ``blocks[g][j]`` is group g's j-th block.
 
@@ -37,6 +37,10 @@ class KVCacheBlocks:
     """
 
     blocks: tuple[Sequence[int], ...]
+
+    def __init__(self, blocks: tuple[Sequence[int], ...]) -> None:
+        # Written out: a native constructor (kvsvc.core.events' note); several an allocate.
+        self.blocks = blocks
 
     def get_block_ids(self) -> tuple[list[int], ...]:
         return tuple(list(group) for group in self.blocks)

@@ -43,7 +43,7 @@ class RequestStart:
     num_draft_tokens: int = 0
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class AllocateOutcome:
     """Result of one ``allocate``.
 
@@ -74,6 +74,27 @@ class AllocateOutcome:
     num_computed_tokens: int
     recompute: bool = False
     released: bool = False
+
+    def __init__(
+        self,
+        ok: bool,
+        new_block_ids: tuple[list[int], ...],
+        num_null_blocks: tuple[int, ...],
+        num_cached_tokens: int,
+        num_scheduled_tokens: int,
+        num_computed_tokens: int,
+        recompute: bool = False,
+        released: bool = False,
+    ) -> None:
+        # Written out: a native constructor (kvsvc.core.events' note); one per allocate.
+        self.ok = ok
+        self.new_block_ids = new_block_ids
+        self.num_null_blocks = num_null_blocks
+        self.num_cached_tokens = num_cached_tokens
+        self.num_scheduled_tokens = num_scheduled_tokens
+        self.num_computed_tokens = num_computed_tokens
+        self.recompute = recompute
+        self.released = released
 
 
 class RunningColumns:
