@@ -25,9 +25,8 @@ from kvsvc.errors import InvalidArgument, quoted
 from kvsvc.server.namespace import NAMESPACE_SEPARATOR, scoped_request_id, unscope_message
 from kvsvc.server.persistence.records import JournalKind
 from kvsvc.server.persistence.writer import replay_units
-from kvsvc.server.step import apply_step
+from kvsvc.server.step import apply_step, changed_the_pool
 from kvsvc.server.wire import (
-    STATUS_OK,
     StepColumns,
     allocate_response,
     check_request_id,
@@ -44,7 +43,6 @@ CALL_LOG_POOL_BYTES = 32 << 20
 CALL_LOG_ENTRY_OVERHEAD = 200
 MAX_CALL_ID_BYTES = 128
 _FREE_REASONS = frozenset(kvcache_pb2.FreeReason.values())
-_LOOKUP = kvcache_pb2.STEP_OPERATION_TYPE_LOOKUP
 
 
 def check_call_id(call_id: str) -> None:
@@ -184,15 +182,7 @@ def apply_step_call(
     if engine and results.errors:
         for error in results.errors.values():
             error.message = unscope_message(error.message, engine)
-    statuses = results.statuses
-    types = columns.types
-    if _LOOKUP in types:
-        changed = any(
-            status == STATUS_OK and kind != _LOOKUP
-            for status, kind in zip(statuses, types, strict=True)
-        )
-    else:
-        changed = STATUS_OK in statuses
+    changed = changed_the_pool(results.statuses, columns.types)
     data = results.to_bytes()
     reply = results.to_pb() if data is None else StepReply(data)
     return reply, changed or results.released

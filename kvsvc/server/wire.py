@@ -423,14 +423,21 @@ _STEP_RESPONSE_SCALAR_TAGS: dict[str, tuple[bytes, int]] = {
 
 def _one_byte_column(tag: bytes, values: list[int]) -> bytes | None:
     """``packed_one_byte_field`` compiled here with the reply (it runs for most of a Step
-    reply's columns): ``values`` as a packed field when each is in [0, 128), else None."""
-    try:
-        payload = bytes(values)  # refuses values outside [0, 256), in C
-    except ValueError:
-        return None
-    if not payload.isascii():
-        return None
-    size = len(payload)
+    reply's columns): ``values`` as a packed field when each is in [0, 128), else None.
+
+    The values are checked by a native loop, which also sees whether they are all one
+    value (most of a decode Step's columns: statuses, scheduled, cached, freed): such a
+    column is that byte repeated. ``bytes(values)`` converts each item through the number
+    protocol (~65 instructions an item, ~130k a 256-decode Step's reply before this)."""
+    first = values[0] if values else 0
+    uniform = True
+    for value in values:
+        if value < 0 or value >= 0x80:
+            return None
+        if value != first:
+            uniform = False
+    size = len(values)
+    payload = bytes((first,)) * size if uniform else bytes(values)
     if size < 0x80:
         return tag + bytes((size,)) + payload
     return tag + _varint_bytes(size) + payload

@@ -135,6 +135,55 @@ def test_read_only_steps_are_not_kept_nor_saved(server: ServerThread) -> None:
     assert not [e for e in capture.server_state["calls"] if e[1].startswith("read-")]
 
 
+def test_a_step_of_lookups_alone_is_not_kept_and_one_with_an_allocation_is(
+    server: ServerThread,
+) -> None:
+    """A lookup changes nothing: a Step of lookups only (a router's probes, each with a
+    call id) is answered and forgotten; the same lookup beside an admission is kept, as
+    the admission changed the pool (``changed_the_pool``)."""
+    pool = server.server.pools.by_name["p"]
+    lookup = kvcache_pb2.STEP_OPERATION_TYPE_LOOKUP
+    allocate = kvcache_pb2.STEP_OPERATION_TYPE_ALLOCATE
+    prompt = list(range(1, 33))
+    channel, stub = _stub(server)
+    with channel:
+        for i in range(3):
+            stub.Step(
+                kvcache_pb2.StepRequest(
+                    pool="p",
+                    call_id=f"probe-{i}",
+                    types=[lookup, lookup],
+                    request_ids=["", ""],
+                    num_token_ids=[32, 32],
+                    token_ids=prompt + prompt,
+                ),
+                metadata=_auth(ENGINE_A),
+                timeout=10,
+            )
+        stub.Step(
+            kvcache_pb2.StepRequest(
+                pool="p",
+                call_id="admit-and-probe",
+                types=[lookup, allocate],
+                request_ids=["", "lookup-beside"],
+                num_token_ids=[32, 32],
+                num_new_tokens=[0, 32],
+                token_ids=prompt + prompt,
+                starts={1: kvcache_pb2.RequestStart()},
+            ),
+            metadata=_auth(ENGINE_A),
+            timeout=10,
+        )
+    kept = server.run(
+        lambda: [
+            call_id
+            for call_id in ("probe-0", "probe-1", "probe-2", "admit-and-probe")
+            if pool.calls.get("engine-a", call_id, STEP)
+        ]
+    )
+    assert kept == ["admit-and-probe"]
+
+
 async def _capture(server: ServerThread) -> SnapshotCapture:
     """What a snapshot of pool p would hold now (taken between two calls)."""
     pool = server.server.pools.by_name["p"]

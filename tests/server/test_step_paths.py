@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kvsvc.core import PoolKVCache
 from kvsvc.server.engine_stats import EngineCounters
-from kvsvc.server.step import _apply_general, _apply_plain
+from kvsvc.server.step import _apply_general, _apply_plain, apply_step
 from kvsvc.server.wire import StepColumns
 from kvsvc.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from kvsvc.v1 import kvcache_pb2 as pb
@@ -181,3 +181,29 @@ def test_a_decode_step_whose_first_operation_gets_no_space_says_so() -> None:
     )
     assert list(reply.statuses) == [pb.ALLOCATE_STATUS_NO_SPACE, pb.ALLOCATE_STATUS_OK]
     assert list(reply.num_scheduled_tokens) == [0, 1]
+
+
+def test_a_steps_outcomes_are_counted_as_they_were_answered() -> None:
+    # apply_step, as the server runs it (the pool's metrics): 23 usable blocks of 4
+    # tokens, all held; r0's next token needs a block, r1's and r2's do not. Of the three
+    # allocations, two are counted OK and one NO_SPACE.
+    pool = make_pool()
+    _admit(
+        (pool,),
+        {
+            "r0": [1, 2, 3, 4],
+            "r1": [5, 6],
+            "r2": [9, 10],
+            "filler-a": list(range(100, 164)),
+            "filler-b": list(range(200, 216)),
+        },
+    )
+    counters = EngineCounters()
+    ops = [(ALLOCATE, rid, [7], 1, 0, 0, False) for rid in ("r0", "r1", "r2")]
+    results = apply_step(pool, build(ops), counters)
+    assert results.statuses == [
+        pb.ALLOCATE_STATUS_NO_SPACE,
+        pb.ALLOCATE_STATUS_OK,
+        pb.ALLOCATE_STATUS_OK,
+    ]
+    assert (counters.allocate_ok, counters.allocate_no_space) == (2, 1)
