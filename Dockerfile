@@ -60,7 +60,7 @@ RUN (command -v cc >/dev/null 2>&1 \
      || (apt-get update -qq && apt-get install -y -qq --no-install-recommends gcc libc6-dev >/dev/null) \
      || echo "notice: no C compiler could be installed") \
  && python -m venv /opt/build \
- && /opt/build/bin/pip install -q --upgrade pip "setuptools>=77" wheel "mypy>=1.10" \
+ && /opt/build/bin/pip install -q --upgrade pip "setuptools>=77" wheel "mypy>=2.4.1" \
  && /opt/build/bin/python -m kvsvc.tools.compile_core \
  && /opt/build/bin/pip wheel --no-deps --wheel-dir /wheels .
 
