@@ -4,8 +4,8 @@
 Steps got slower, and a benchmark that compares a handler with the same work run in one
 process, also need to know which part: decoding the request, the pool's work, sending the
 reply, draining the events it made, journaling it. Measured in the server, those stages
-of a framed 256-decode Step read ~21 / ~250-290 / ~30 / ~25 us (rpc_bench's means), where
-the same functions run back to back in one process take ~16 / ~105-115 / ~25 / -: the
+of a framed 256-decode Step read ~20 / ~185-215 / ~25 / ~20 us (rpc_bench's means), where
+the same functions run back to back in one process take ~16 / ~90-95 / ~25 / -: the
 pool's work is the part that differs, because between two calls the machine's other work
 evicts the core's data from the CPU's caches, and a server's pool holds more than one
 engine's requests (docs/performance.md).
