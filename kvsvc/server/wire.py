@@ -110,7 +110,16 @@ def hashing_from_pb(msg: pb.HashingContext, where: str) -> HashingContext | None
     return context
 
 
+# The start of an admission that sets nothing (no hashing context, no flags, no counts):
+# RequestStart is frozen, so one instance serves every such admission.
+_PLAIN_START = RequestStart()
+
+
 def start_from_pb(msg: pb.RequestStart, where: str) -> RequestStart:
+    if not msg.ByteSize():
+        # Every field at its default: what the fields below would read, without reading
+        # each through protobuf (~14 attribute reads, ~10k instructions an admission).
+        return _PLAIN_START
     if msg.num_encoder_tokens < 0:
         raise InvalidArgument(f"{where}.num_encoder_tokens", "must be >= 0")
     if msg.num_prompt_tokens < 0:

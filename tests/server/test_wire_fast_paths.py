@@ -165,3 +165,28 @@ def test_step_request_equals_the_constructors(operations: list[Any], head: int) 
 @given(st.lists(st.integers(0, 3), max_size=50), st.integers(0, 3))
 def test_indices_of_finds_every_position(values: list[int], value: int) -> None:
     assert _indices_of(values, value) == [i for i, v in enumerate(values) if v == value]
+
+
+# Each RequestStart field set away from its default (presence counts: an explicit 0 for
+# the optional max_cache_hit_tokens is a bound, not "no bound").
+_SET_STARTS: list[pb.RequestStart] = [
+    pb.RequestStart(hashing=pb.HashingContext(cache_salt="salt")),
+    pb.RequestStart(skip_prefix_cache_read=True),
+    pb.RequestStart(resumed=True),
+    pb.RequestStart(num_encoder_tokens=3),
+    pb.RequestStart(num_prompt_tokens=5),
+    pb.RequestStart(max_cache_hit_tokens=0),
+    pb.RequestStart(num_draft_tokens=2),
+]
+
+
+def test_an_empty_start_is_the_default_one_and_any_field_set_is_read() -> None:
+    from kvsvc.core import RequestStart
+    from kvsvc.server.wire import start_from_pb
+
+    assert start_from_pb(pb.RequestStart(), "start") == RequestStart()
+    assert {field.name for field in pb.RequestStart.DESCRIPTOR.fields} == {
+        descriptor.name for start in _SET_STARTS for descriptor, _ in start.ListFields()
+    }, "a RequestStart field this test does not set"
+    for message in _SET_STARTS:
+        assert start_from_pb(message, "start") != RequestStart(), message
