@@ -137,26 +137,19 @@ class Workload:
 
     def call(self, data: bytes) -> None:
         """One call of this mode, from its request's bytes."""
-        from kvsvc.server.calls import decode_allocate
-        from kvsvc.server.wire import allocate_response
+        from kvsvc.server.calls import apply_allocate, decode_allocate
         from kvsvc.v1 import kvcache_pb2 as pb
 
         if self.mode == "step":
             if not self._apply(data) or self.counters.allocate_no_space:
                 raise RuntimeError("a decode was not OK: the pool is too small")
             return
+        # As the server's handler: the pool's work and the reply's bytes.
         call = decode_allocate(pb.AllocateRequest.FromString(data), "")
-        outcome = self.cache.allocate(
-            call.request_id,
-            call.tokens,
-            call.num_new_tokens,
-            call.num_lookahead_tokens,
-            call.start,
-            packed_token_ids=call.packed,
-        )
+        reply, _, outcome = apply_allocate(self.cache, call)
         if not outcome.ok:
             raise RuntimeError("an admission got NO_SPACE: the pool is too small")
-        allocate_response(outcome).SerializeToString()
+        reply.SerializeToString()
         self.cache.take_event_batches()
         self.cache.free([call.request_id])
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, cast
 
 from google.protobuf.message import DecodeError, Message
 
@@ -28,6 +28,7 @@ from kvsvc.server.persistence.writer import replay_units
 from kvsvc.server.step import apply_step, changed_the_pool
 from kvsvc.server.wire import (
     StepColumns,
+    allocate_reply_bytes,
     allocate_response,
     check_request_id,
     start_from_pb,
@@ -96,7 +97,9 @@ def apply_allocate(cache: Any, call: AllocateCall) -> tuple[Any, bool, AllocateO
         packed_token_ids=call.packed,
         num_in_flight_tokens=call.num_in_flight_tokens,
     )
-    return allocate_response(outcome), outcome.ok or outcome.released, outcome
+    data = allocate_reply_bytes(outcome)
+    reply = allocate_response(outcome) if data is None else AllocateReply(data)
+    return reply, outcome.ok or outcome.released, outcome
 
 
 @dataclass(frozen=True)
@@ -188,39 +191,55 @@ def apply_step_call(
     return reply, changed or results.released
 
 
-class StepReply:
-    """A Step's reply as the bytes :meth:`StepResults.to_bytes` wrote: what the transports
-    send and the journal digests (``SerializeToString``), the same bytes protobuf writes of
-    the message. The message itself is parsed only where something reads it (an in-process
-    caller, a test): its fields are read through this object as from a ``StepResponse``.
+class WrittenReply:
+    """A reply as the bytes the server wrote itself: what the transports send and the
+    journal digests (``SerializeToString``), the same bytes protobuf writes of the message.
+    The message itself is parsed only where something reads it (an in-process caller, a
+    test): its fields are read through this object as from a message of ``MESSAGE``.
     """
 
     __slots__ = ("_data", "_message")
 
+    MESSAGE: ClassVar[type[Message]]
+
     def __init__(self, data: bytes) -> None:
         self._data = data
-        self._message: kvcache_pb2.StepResponse | None = None
+        self._message: Message | None = None
 
     def SerializeToString(self) -> bytes:
         """The reply's wire bytes."""
         return self._data
 
     @property
-    def message(self) -> kvcache_pb2.StepResponse:
+    def message(self) -> Any:
         """The reply as protobuf's message (parsed once, on first use)."""
         if self._message is None:
-            self._message = kvcache_pb2.StepResponse.FromString(self._data)
+            self._message = self.MESSAGE.FromString(self._data)
         return self._message
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.message, name)
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, StepReply):
-            return self._data == other._data
-        return self.message == other
+        if type(other) is type(self):
+            return self._data == cast(WrittenReply, other)._data
+        return bool(self.message == other)
 
     __hash__ = None  # type: ignore[assignment]  # as protobuf's messages: mutable, unhashable
+
+
+class StepReply(WrittenReply):
+    """A Step's reply as :meth:`StepResults.to_bytes` wrote it."""
+
+    __slots__ = ()
+    MESSAGE = kvcache_pb2.StepResponse
+
+
+class AllocateReply(WrittenReply):
+    """An Allocate's reply as :func:`~kvsvc.server.wire.allocate_reply_bytes` wrote it."""
+
+    __slots__ = ()
+    MESSAGE = kvcache_pb2.AllocateResponse
 
 
 class _Counters:

@@ -12,6 +12,8 @@ from array import array
 from collections.abc import Sequence
 from typing import Any, cast
 
+from librt.strings import BytesWriter
+
 from kvsvc.core import (
     MAX_MM_ITEMS,
     AllBlocksCleared,
@@ -145,6 +147,78 @@ def outcome_status(outcome: AllocateOutcome) -> int:
     if outcome.ok:
         return STATUS_OK
     return STATUS_RECOMPUTE if outcome.recompute else STATUS_NO_SPACE
+
+
+def _key(message: Any, name: str) -> int:
+    """The one-byte key of ``message``'s field ``name`` (varint: wire type 0; a message or
+    packed column: 2), from the descriptor, so a renumbered field cannot go out of step."""
+    field = message.DESCRIPTOR.fields_by_name[name]
+    wire_type = 2 if field.type == field.TYPE_MESSAGE or field.is_repeated else 0
+    key = field.number << 3 | wire_type
+    assert key < 0x80, f"{name}: a key past one byte"
+    return key
+
+
+_ALLOCATE_STATUS = _key(pb.AllocateResponse, "status")
+_ALLOCATE_NEW_BLOCKS = _key(pb.AllocateResponse, "new_blocks")
+_ALLOCATE_COUNTS = (
+    _key(pb.AllocateResponse, "num_cached_tokens"),
+    _key(pb.AllocateResponse, "num_scheduled_tokens"),
+    _key(pb.AllocateResponse, "num_computed_tokens"),
+)
+_GROUP_BLOCK_IDS = _key(pb.GroupBlocks, "block_ids")
+_GROUP_NUM_NULL_BLOCKS = _key(pb.GroupBlocks, "num_null_blocks")
+
+
+def _write_varint(out: BytesWriter, value: int) -> None:
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+
+
+def _write_field(out: BytesWriter, key: int, payload: BytesWriter) -> None:
+    """A length-delimited field: its key, its length, its bytes."""
+    out.append(key)
+    _write_varint(out, len(payload))
+    out.write(payload.getvalue())
+
+
+def allocate_reply_bytes(outcome: AllocateOutcome) -> bytes | None:
+    """The bytes of ``allocate_response(outcome)``, written here: protobuf's serialization
+    of the message (fields in number order, each at its default omitted, a group's block
+    ids one packed column), without building the message and its groups first (~70k
+    instructions of a 2048-token admission's ~740k, ``instruction_counts.py``). None for a
+    value an int32 field cannot hold as a plain varint (a negative one: protobuf's)."""
+    out = BytesWriter()
+    status = outcome_status(outcome)
+    if status:
+        out.append(_ALLOCATE_STATUS)
+        _write_varint(out, status)
+    for ids, num_null in zip(outcome.new_block_ids, outcome.num_null_blocks, strict=True):
+        group = BytesWriter()
+        if ids:
+            column = BytesWriter()
+            for block_id in ids:
+                if block_id < 0 or block_id > _INT32_MAX:
+                    return None
+                _write_varint(column, block_id)
+            _write_field(group, _GROUP_BLOCK_IDS, column)
+        if num_null:
+            if num_null < 0 or num_null > _INT32_MAX:
+                return None
+            group.append(_GROUP_NUM_NULL_BLOCKS)
+            _write_varint(group, num_null)
+        _write_field(out, _ALLOCATE_NEW_BLOCKS, group)
+    scheduled = outcome.num_scheduled_tokens if outcome.ok else 0
+    counts = (outcome.num_cached_tokens, scheduled, outcome.num_computed_tokens)
+    for key, value in zip(_ALLOCATE_COUNTS, counts, strict=True):
+        if value:
+            if value < 0 or value > _INT32_MAX:
+                return None
+            out.append(key)
+            _write_varint(out, value)
+    return out.getvalue()
 
 
 def allocate_response(outcome: AllocateOutcome) -> pb.AllocateResponse:

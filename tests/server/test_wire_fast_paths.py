@@ -190,3 +190,57 @@ def test_an_empty_start_is_the_default_one_and_any_field_set_is_read() -> None:
     }, "a RequestStart field this test does not set"
     for message in _SET_STARTS:
         assert start_from_pb(message, "start") != RequestStart(), message
+
+
+_INT32 = st.integers(0, 2**31 - 1)
+_SMALL_OR_INT32 = st.one_of(st.integers(0, 300), _INT32)
+
+
+@st.composite
+def _outcomes(draw: Any) -> Any:
+    from kvsvc.core import AllocateOutcome
+
+    groups = draw(st.integers(1, 3))
+    return AllocateOutcome(
+        ok=draw(st.booleans()),
+        new_block_ids=tuple(draw(st.lists(_SMALL_OR_INT32, max_size=140)) for _ in range(groups)),
+        num_null_blocks=tuple(draw(_SMALL_OR_INT32) for _ in range(groups)),
+        num_cached_tokens=draw(_SMALL_OR_INT32),
+        num_scheduled_tokens=draw(_SMALL_OR_INT32),
+        num_computed_tokens=draw(_SMALL_OR_INT32),
+        recompute=draw(st.booleans()),
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(_outcomes())
+def test_allocate_reply_bytes_are_protobufs(outcome: Any) -> None:
+    from kvsvc.server.calls import AllocateReply
+    from kvsvc.server.wire import allocate_reply_bytes, allocate_response
+
+    data = allocate_reply_bytes(outcome)
+    message = allocate_response(outcome)
+    assert data == message.SerializeToString()
+    assert data is not None
+    reply = AllocateReply(data)
+    assert reply == message and reply.status == message.status
+    assert [list(g.block_ids) for g in reply.new_blocks] == [list(g) for g in outcome.new_block_ids]
+
+
+@given(_outcomes(), st.sampled_from(["block", "null", "count"]), st.integers(-5, -1))
+def test_allocate_reply_bytes_leave_a_negative_value_to_protobuf(
+    outcome: Any, where: str, bad: int
+) -> None:
+    import dataclasses
+
+    from kvsvc.server.wire import allocate_reply_bytes
+
+    if where == "block":
+        ids = outcome.new_block_ids
+        outcome = dataclasses.replace(outcome, new_block_ids=([*ids[0], bad], *ids[1:]))
+    elif where == "null":
+        nulls = outcome.num_null_blocks
+        outcome = dataclasses.replace(outcome, num_null_blocks=(bad, *nulls[1:]))
+    else:
+        outcome = dataclasses.replace(outcome, num_computed_tokens=bad)
+    assert allocate_reply_bytes(outcome) is None

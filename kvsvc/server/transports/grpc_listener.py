@@ -183,8 +183,8 @@ def _passthrough(message: bytes) -> bytes:
 
 
 def _own_bytes(message: Any) -> bytes:
-    """The response serializer of Step: its reply (a message or a
-    :class:`~kvsvc.server.calls.StepReply`) serializes itself."""
+    """The response serializer of Step and Allocate: their reply (a message, or a
+    :class:`~kvsvc.server.calls.WrittenReply` holding the bytes) serializes itself."""
     data: bytes = message.SerializeToString()
     return data
 
@@ -231,6 +231,13 @@ def kvcache_method_handlers(servicer: Any) -> dict[str, grpc.RpcMethodHandler]:
         ),
         # Its reply: a StepReply (the bytes already written) or, for a retried call, the
         # message of the reply kept; each gives its bytes.
+        response_serializer=_own_bytes,
+    )
+    allocate = handlers["Allocate"]
+    # Allocate's reply: an AllocateReply (the bytes the handler wrote) or a message.
+    handlers["Allocate"] = grpc.unary_unary_rpc_method_handler(
+        allocate.unary_unary,  # type: ignore[attr-defined]
+        request_deserializer=allocate.request_deserializer,  # type: ignore[attr-defined]
         response_serializer=_own_bytes,
     )
     handlers["WatchEvents"] = grpc.unary_stream_rpc_method_handler(
