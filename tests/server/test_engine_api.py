@@ -364,7 +364,7 @@ def test_step_lookup_free_queue_head_and_send_future(kv: KVCacheClient) -> None:
     blocks; ``send_future`` returns before the reply and ``result()`` gives the results."""
     from kvsvc_client import LookupResult
 
-    prompt = tokens(7000, 40)
+    prompt = tokens(27000, 40)
     step = kv.step()
     step.allocate("la", prompt, 512, start=True)
     step.lookup([*prompt[:32], 1, 2])
@@ -377,7 +377,7 @@ def test_step_lookup_free_queue_head_and_send_future(kv: KVCacheClient) -> None:
     head = results.free_queue_head
     assert len(head) == 4 and results.num_free_blocks == USABLE_BLOCKS - 3
     later = kv.step()
-    later.allocate("lb", tokens(9000, 33), 512, start=True)
+    later.allocate("lb", tokens(29000, 33), 512, start=True)
     pending = later.send_future()
     (outcome,) = pending.result()
     assert outcome.new_block_ids[0] == tuple(head[:3])
