@@ -166,7 +166,7 @@ _ALLOCATE_COUNTS = (
     _key(pb.AllocateResponse, "num_scheduled_tokens"),
     _key(pb.AllocateResponse, "num_computed_tokens"),
 )
-_GROUP_BLOCK_IDS = _key(pb.GroupBlocks, "block_ids")
+_GROUP_BLOCK_IDS = packed_varint_tags(pb.GroupBlocks)["block_ids"]
 _GROUP_NUM_NULL_BLOCKS = _key(pb.GroupBlocks, "num_null_blocks")
 
 
@@ -198,12 +198,10 @@ def allocate_reply_bytes(outcome: AllocateOutcome) -> bytes | None:
     for ids, num_null in zip(outcome.new_block_ids, outcome.num_null_blocks, strict=True):
         group = BytesWriter()
         if ids:
-            column = BytesWriter()
-            for block_id in ids:
-                if block_id < 0 or block_id > _INT32_MAX:
-                    return None
-                _write_varint(column, block_id)
-            _write_field(group, _GROUP_BLOCK_IDS, column)
+            column = _varint_column(_GROUP_BLOCK_IDS, ids)
+            if column is None:
+                return None
+            group.write(column)
         if num_null:
             if num_null < 0 or num_null > _INT32_MAX:
                 return None
@@ -530,15 +528,12 @@ def _varint_column(tag: bytes, values: list[int]) -> bytes | None:
     """``values`` as a packed int32 field, a varint each, when each is in [0, 2**31); else
     None (a negative value is ten bytes in protobuf's encoding, one past int32 is refused:
     both are left to protobuf)."""
-    payload = bytearray()
+    payload = BytesWriter()
     for value in values:
         if value < 0 or value > _INT32_MAX:
             return None
-        while value > 0x7F:
-            payload.append((value & 0x7F) | 0x80)
-            value >>= 7
-        payload.append(value)
-    return tag + _varint_bytes(len(payload)) + bytes(payload)
+        _write_varint(payload, value)
+    return tag + _varint_bytes(len(payload)) + payload.getvalue()
 
 
 def _scalar_field(key: tuple[bytes, int], value: int) -> bytes | None:
@@ -551,12 +546,9 @@ def _scalar_field(key: tuple[bytes, int], value: int) -> bytes | None:
 
 
 def _varint_bytes(value: int) -> bytes:
-    out: list[int] = []
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
+    out = BytesWriter()
+    _write_varint(out, value)
+    return out.getvalue()
 
 
 # How a packed event says what it is (its row's first item; see pack_events).
