@@ -37,6 +37,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kvsvc_client._wire import StepBuilder, allocate_request
+
+import kvsvc.native
+from kvsvc.core import PoolKVCache
+from kvsvc.core.pool_types import RequestStart
+from kvsvc.server.calls import apply_allocate, apply_step_call, decode_allocate, decode_step
+from kvsvc.server.step_codec import parse_step_request
+from kvsvc.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from kvsvc.v1 import kvcache_pb2 as pb
+
 MODES = ("step", "allocate")
 BATCH = 256
 BLOCK_SIZE = 16
@@ -53,11 +63,6 @@ class Workload:
     xxh3_128, events on) and the calls of one mode, made ready before any is counted."""
 
     def __init__(self, mode: str, calls: int) -> None:
-        from kvsvc_client._wire import StepBuilder, allocate_request
-
-        from kvsvc.core import PoolKVCache
-        from kvsvc.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
@@ -104,8 +109,6 @@ class Workload:
     def _fill_with_cached_blocks(self) -> None:
         """Admit and free distinct prompts until every free block has held a cached one:
         each block a counted call takes then evicts a prefix (untimed setup)."""
-        from kvsvc.core.pool_types import RequestStart
-
         pool = self.cache.manager.block_pool
         filler = 0
         while pool.num_evictions == 0:
@@ -121,9 +124,6 @@ class Workload:
     def _apply(self, data: bytes) -> bool:
         """A Step as the server's handler applies it (``apply_step_call``: the pool's work
         and the reply's bytes), then its events drained; whether it changed the pool."""
-        from kvsvc.server.calls import apply_step_call, decode_step
-        from kvsvc.server.step_codec import parse_step_request
-
         columns = decode_step(parse_step_request(data), "", 1 << 20)
         reply, changed = apply_step_call(self.cache, columns, "", self.counters)
         reply.SerializeToString()
@@ -137,9 +137,6 @@ class Workload:
 
     def call(self, data: bytes) -> None:
         """One call of this mode, from its request's bytes."""
-        from kvsvc.server.calls import apply_allocate, decode_allocate
-        from kvsvc.v1 import kvcache_pb2 as pb
-
         if self.mode == "step":
             if not self._apply(data) or self.counters.allocate_no_space:
                 raise RuntimeError("a decode was not OK: the pool is too small")
@@ -228,8 +225,6 @@ def main() -> int:
     if valgrind is None:
         print("instruction_counts: needs valgrind (apt-get install valgrind)", file=sys.stderr)
         return 2
-    import kvsvc.native
-
     builds = ["compiled", "pure"] if kvsvc.native.BUILD == "mypyc" else ["pure"]
     calls = QUICK_CALLS if args.quick else CALLS
     figures: dict[str, Any] = {"calls": calls, "builds": builds}
