@@ -18,7 +18,8 @@ def _links(values: Iterable[int]) -> vec[i32]:
     ``array("i")``'s, which these were, went through the generic item protocol with a
     boxed index (~100-350 instructions each, ``callgrind``): an admission's 64 new blocks,
     its prefix hits leaving the queue and its freed blocks joining it are a few hundred
-    such accesses, ~10% of a 2048-token admission's instructions. Same 4 bytes an id.
+    such accesses: 31% of a 2048-token admission's instructions went with them
+    (``benchmarks/instruction_counts.py``). Same 4 bytes an id.
     """
     return vec[i32](values)
 
