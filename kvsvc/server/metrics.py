@@ -1,9 +1,10 @@
 """Prometheus metrics of the server, read from the pools at scrape time.
 
 The core and the pools keep plain counters (the hot path pays an integer add); a custom
-collector turns them into metric families when Prometheus scrapes, so nothing here runs
-per engine call except the gRPC accounting (a counter and a histogram per call) and the
-Step-size histogram (once per Step).
+collector turns them into metric families when Prometheus scrapes. The per-call series
+are plain numbers too (:class:`PlainHistogram`): each call's gRPC accounting (a count by
+code and a latency histogram) and each Step's size cost a few adds, not prometheus_client's
+locked value objects.
 
 Naming follows Prometheus conventions: ``kvsvc_`` prefix, base units, ``_total`` on
 counters, ``_info`` for metadata, and only bounded labels (pool, group, kind, rank,
@@ -13,18 +14,22 @@ known to exist is exported from the start, with 0.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Iterator
+from bisect import bisect_left
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     InfoMetricFamily,
 )
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from kvsvc import __version__, native
 from kvsvc.metrics_http import serve_metrics_http
@@ -81,39 +86,115 @@ LATENCY_BUCKETS = (
 STEP_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
-class _GrpcObserver(CallObserver):
-    def __init__(self, registry: CollectorRegistry) -> None:
-        labels = ("grpc_type", "grpc_service", "grpc_method")
-        self.handled = Counter(
-            "grpc_server_handled_total",
-            "RPCs completed on the server, regardless of success or failure.",
-            (*labels, "grpc_code"),
-            registry=registry,
-        )
-        self.seconds = Histogram(
-            "grpc_server_handling_seconds",
-            "Time from receiving an RPC to sending its last response.",
-            labels,
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        # Resolve each method's label children once: the hot path then pays two calls.
-        self._children: dict[str, tuple[Any, dict[grpc.StatusCode, Any]]] = {}
-        for method, (service, kind) in _METHODS.items():
-            self._children[method] = (self.seconds.labels(kind, service, method), {})
-            self.handled.labels(kind, service, method, "OK")
+class PlainHistogram:
+    """One histogram series as plain numbers: :meth:`observe` is a bisect (in C) and two
+    adds, where prometheus_client's ``Histogram.observe`` took ~9k instructions (a lock and
+    a value object per bucket and for the sum). Its owner exports it at scrape time as
+    prometheus_client's own would be (cumulative ``le`` buckets, ``+Inf`` last, the sum;
+    no ``_created`` sample).
+
+    Observed only on the server's event-loop thread (every call's accounting runs there);
+    a scrape, on the metrics thread, may read one observation's bucket before its sum.
+    """
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(float(bound) for bound in bounds)
+        # counts[i]: observations in (bounds[i-1], bounds[i]]; the last, above every bound.
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        # bisect_left: the first bound >= value, as a bucket's ``le`` (value <= bound).
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def buckets(self) -> list[tuple[str, float]]:
+        """The cumulative buckets as the exposition names them."""
+        total = 0
+        out: list[tuple[str, float]] = []
+        for bound, count in zip((*self.bounds, math.inf), self.counts, strict=True):
+            total += count
+            out.append((floatToGoString(bound), total))
+        return out
+
+
+_OK = grpc.StatusCode.OK
+
+
+class _MethodCalls:
+    """One method's calls: its latency histogram and its counts by status code (OK apart:
+    a StatusCode's hash is Python-level ``Enum.__hash__``, so the common outcome is
+    counted by an identity test, not through a dict)."""
+
+    __slots__ = ("failed", "latency", "ok")
+
+    def __init__(self) -> None:
+        self.latency = PlainHistogram(LATENCY_BUCKETS)
+        self.ok = 0
+        self.failed: dict[grpc.StatusCode, int] = {}
+
+
+class _GrpcObserver(CallObserver, Collector):
+    """The gRPC series (go-grpc-prometheus names and labels) of every call, framed ones
+    included: ``grpc_server_handled_total`` by code and ``grpc_server_handling_seconds``,
+    kept as plain numbers (an add and a :class:`PlainHistogram` observation a call, ~4k
+    instructions against ~18k through prometheus_client's Counter and Histogram) and
+    turned into families when scraped. Every method's series exist from the start (its OK
+    count and its histogram, at 0)."""
+
+    _LABELS = ("grpc_type", "grpc_service", "grpc_method")
+
+    def __init__(self) -> None:
+        self._calls = {method: _MethodCalls() for method in _METHODS}
 
     def observe(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
-        entry = self._children.get(method)
-        if entry is None:
+        calls = self._calls.get(method)
+        if calls is None:
             return
-        histogram, by_code = entry
-        counter = by_code.get(code)
-        if counter is None:
+        if code is _OK:
+            calls.ok += 1
+        else:
+            calls.failed[code] = calls.failed.get(code, 0) + 1
+        calls.latency.observe(seconds)
+
+    def collect(self) -> Iterator[Any]:
+        handled = CounterMetricFamily(
+            "grpc_server_handled",
+            "RPCs completed on the server, regardless of success or failure.",
+            labels=(*self._LABELS, "grpc_code"),
+        )
+        seconds = HistogramMetricFamily(
+            "grpc_server_handling_seconds",
+            "Time from receiving an RPC to sending its last response.",
+            labels=self._LABELS,
+        )
+        for method, calls in self._calls.items():
             service, kind = _METHODS[method]
-            counter = by_code[code] = self.handled.labels(kind, service, method, code.name)
-        counter.inc()
-        histogram.observe(seconds)
+            handled.add_metric([kind, service, method, _OK.name], calls.ok)
+            for code, count in list(calls.failed.items()):
+                handled.add_metric([kind, service, method, code.name], count)
+            latency = calls.latency
+            seconds.add_metric([kind, service, method], latency.buckets(), latency.sum)
+        yield handled
+        yield seconds
+
+
+class _StepSizes(Collector):
+    """``kvsvc_step_operations``: operations per Step call, a :class:`PlainHistogram` per
+    pool (observed by the pool's :class:`~kvsvc.server.engine_stats.EngineCounters`)."""
+
+    def __init__(self, pool_names: Iterable[str]) -> None:
+        self.by_pool = {name: PlainHistogram(STEP_SIZE_BUCKETS) for name in pool_names}
+
+    def collect(self) -> Iterator[Any]:
+        family = HistogramMetricFamily(
+            "kvsvc_step_operations", "Operations per Step call.", labels=("pool",)
+        )
+        for name, histogram in self.by_pool.items():
+            family.add_metric([name], histogram.buckets(), histogram.sum)
+        yield family
 
 
 class _PoolCollector(Collector):
@@ -371,16 +452,12 @@ class ServerMetrics:
 
     def __init__(self, pools: Any, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.call_observer = _GrpcObserver(self.registry)
-        self.step_operations = Histogram(
-            "kvsvc_step_operations",
-            "Operations per Step call.",
-            ("pool",),
-            buckets=STEP_SIZE_BUCKETS,
-            registry=self.registry,
-        )
+        self.call_observer = _GrpcObserver()
+        self.registry.register(self.call_observer)
+        self.step_operations = _StepSizes(pools.by_name)
+        self.registry.register(self.step_operations)
         for pool in pools.by_name.values():
-            pool.counters.step_size_observer = self.step_operations.labels(pool.name).observe
+            pool.counters.step_size_observer = self.step_operations.by_pool[pool.name].observe
         self.registry.register(_PoolCollector(pools))
         self.registry.register(gc_pauses())
         self.registry.register(BusyPollMetrics(poll_stats()))
