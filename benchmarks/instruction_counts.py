@@ -15,6 +15,16 @@ executes do not depend on what else the machine runs: this counts them with valg
   (rpc_bench's), decoded, hashed, looked up, allocated, its reply written and its events
   drained; freed after (counted too: one admission's whole life).
 
+- ``--server``: a framed Step of one decode token for each of 32 running requests (an
+  engine's step in vllm_bench), counted in a whole ``kvsvc serve`` process: the frame's
+  read, the event loop, the handler and its accounting, the reply's write, as well as the
+  pool's work. Beside it, the same Step's handler work alone (``step`` at 32 decodes), so
+  the difference is what a call costs around the pool: the transport and the glue. The
+  server runs under valgrind with busy polling off (its spin depends on timing), its CPU
+  agent beside it uncounted; each of the two servers is stopped with SIGTERM once its
+  calls are made (the one without calls after waiting as long as the other's took, so
+  their timers' work cancels too).
+
 Each count is ``(I(n) - I(0)) / n``: a process that makes the pool and the requests of
 ``n`` calls and then the calls, less one that makes the same and no call, so the
 interpreter's start, the imports and the setup cancel out. ``PYTHONHASHSEED`` is fixed, so
@@ -34,9 +44,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
+from kvsvc_client import KVCacheClient
 from kvsvc_client._wire import StepBuilder, allocate_request
 
 import kvsvc.native
@@ -49,6 +62,11 @@ from kvsvc.v1 import kvcache_pb2 as pb
 
 MODES = ("step", "allocate")
 BATCH = 256
+# --server: the requests of the whole-server Step (an engine's batch in vllm_bench), and
+# its calls per figure.
+SERVER_BATCH = 32
+SERVER_CALLS = 300
+QUICK_SERVER_CALLS = 100
 BLOCK_SIZE = 16
 SHARED_PREFIX = 1024
 PROMPT = 2048
@@ -62,7 +80,7 @@ class Workload:
     """A pool shaped as rpc_bench's server's (one full-attention group, block size 16,
     xxh3_128, events on) and the calls of one mode, made ready before any is counted."""
 
-    def __init__(self, mode: str, calls: int) -> None:
+    def __init__(self, mode: str, calls: int, batch: int = BATCH) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
@@ -70,7 +88,7 @@ class Workload:
         # Room for the running requests and every block the counted calls take, all of
         # it cycled through cached prefixes below before the first counted call.
         blocks_per_request = -(-(80 + calls + 1) // BLOCK_SIZE) + 1
-        num_blocks = BATCH * blocks_per_request + 2 * PROMPT // BLOCK_SIZE + 1
+        num_blocks = batch * blocks_per_request + 2 * PROMPT // BLOCK_SIZE + 1
         spec = FullAttentionSpec(
             block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64, dtype="float16"
         )
@@ -82,7 +100,7 @@ class Workload:
         )
         if mode == "step":
             admit = StepBuilder("bench")
-            for r in range(BATCH):
+            for r in range(batch):
                 length = 64 + r % 16
                 prompt = [(r * 31 + j) % 30000 + 1 for j in range(length)]
                 admit.allocate(f"dec-{r}", prompt, length, start=True)
@@ -94,7 +112,7 @@ class Workload:
         for i in range(-1 if mode == "allocate" else 0, calls):
             if mode == "step":
                 step = StepBuilder("bench")
-                for r in range(BATCH):
+                for r in range(batch):
                     step.allocate(f"dec-{r}", [i % 30000 + 1], 1)
                 self.requests.append(step.to_pb().SerializeToString())
             else:
@@ -172,13 +190,19 @@ def per_call(with_calls: int, without_calls: int, calls: int) -> float:
     return (with_calls - without_calls) / calls
 
 
-def count(valgrind: str, mode: str, calls: int, make: bool, pure: bool) -> int:
+def _counted_env(pure: bool) -> dict[str, str]:
+    """A counted process's environment: the hash seed fixed, the build chosen."""
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    env.pop(kvsvc.native.PURE_ENV, None)
+    if pure:
+        env[kvsvc.native.PURE_ENV] = "1"
+    return env
+
+
+def count(valgrind: str, mode: str, calls: int, make: bool, pure: bool, batch: int = BATCH) -> int:
     """Instructions of one process: the workload of ``calls`` calls set up, then (``make``)
     the calls made. Both processes of a figure set up the same: only the calls differ."""
-    env = {**os.environ, "PYTHONHASHSEED": "0"}
-    env.pop("KVSVC_PURE_PYTHON", None)
-    if pure:
-        env["KVSVC_PURE_PYTHON"] = "1"
+    env = _counted_env(pure)
     with tempfile.TemporaryDirectory(prefix="kvsvc-icount-") as tmp:
         done = subprocess.run(
             [
@@ -192,6 +216,8 @@ def count(valgrind: str, mode: str, calls: int, make: bool, pure: bool) -> int:
                 mode,
                 str(calls),
                 "make" if make else "setup-only",
+                "--batch",
+                str(batch),
             ],
             env=env,
             capture_output=True,
@@ -205,6 +231,103 @@ def count(valgrind: str, mode: str, calls: int, make: bool, pure: bool) -> int:
     return parse_instructions(done.stderr)
 
 
+# The server's KV cache: one full-attention layer of rpc_bench's shape.
+_SERVER_SPECS = {
+    "model.layers.0.self_attn.attn": {
+        "type": "full_attention",
+        "block_size": BLOCK_SIZE,
+        "num_kv_heads": 1,
+        "head_size": 64,
+        "dtype": "float16",
+    }
+}
+_SERVER_START_S = 600.0  # a server's start under valgrind (its imports, interpreted)
+
+
+def server_steps(target: str, calls: int, batch: int = SERVER_BATCH, pool: str = "bench") -> float:
+    """The client of a counted server: admit ``batch`` requests of 64-79 tokens (one
+    Step), then ``calls`` decode Steps of one token each, every one checked OK. Returns
+    the seconds the decode Steps took (the uncounted twin waits as long)."""
+    with KVCacheClient(target, pool=pool) as kv:
+        kv.wait_until_ready(timeout=_SERVER_START_S)
+        admit = kv.step()
+        for r in range(batch):
+            length = 64 + r % 16
+            admit.allocate(
+                f"dec-{r}", [(r * 31 + j) % 30000 + 1 for j in range(length)], length, start=True
+            )
+        if not all(result.ok for result in admit.send(timeout=_SERVER_START_S)):
+            raise RuntimeError("the server refused an admission: make its pool larger")
+        started = time.perf_counter()
+        for i in range(calls):
+            step = kv.step()
+            for r in range(batch):
+                step.allocate(f"dec-{r}", [i % 30000 + 1], 1)
+            results = step.send(timeout=_SERVER_START_S)
+            if len(results) != batch or results.no_space_indices() or results.error_indices():
+                raise RuntimeError("a decode was not OK: the server's pool is too small")
+        return time.perf_counter() - started
+
+
+def server_count(valgrind: str, calls: int, pure: bool, wait_s: float = 0.0) -> tuple[int, float]:
+    """Instructions of a whole ``kvsvc serve`` process (and the seconds its calls took)
+    that served :func:`server_steps` with ``calls`` decode Steps over a framed Unix
+    socket; with none, it waits ``wait_s`` before it is stopped."""
+    env = _counted_env(pure)
+    with tempfile.TemporaryDirectory(prefix="kvsvc-icount-") as tmp:
+        spec_file = Path(tmp) / "specs.json"
+        spec_file.write_text(json.dumps(_SERVER_SPECS))
+        frames = f"unix:{tmp}/frames.sock"
+        log = Path(tmp) / "valgrind.log"
+        # fmt: off
+        server = subprocess.Popen(
+            [
+                valgrind, "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
+                f"--log-file={log}", sys.executable, "-m", "kvsvc", "serve",
+                "--listen", "127.0.0.1:0", "--frames-listen", frames,
+                "--metrics-listen", "off", "--pool", "bench", "--max-model-len", "4096",
+                "--busy-poll-us", "0",
+            ],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        # fmt: on
+        worker = None
+        try:
+            port = _serving_port(server)
+            # fmt: off
+            worker = subprocess.Popen(
+                [
+                    sys.executable, "-m", "kvsvc", "worker", "--server", f"127.0.0.1:{port}",
+                    "--pool", "bench", "--rank", "0", "--world-size", "1", "--device", "cpu",
+                    "--spec-file", str(spec_file), "--kv-cache-memory", "64MiB",
+                ],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+            # fmt: on
+            took = server_steps(f"frames:{frames}", calls)
+            if not calls:
+                time.sleep(wait_s)
+        finally:
+            if worker is not None:
+                worker.terminate()
+                worker.wait(60)
+            server.terminate()
+            server.wait(_SERVER_START_S)
+        return parse_instructions(log.read_text()), took
+
+
+def _serving_port(server: subprocess.Popen[str]) -> int:
+    """The gRPC port of a starting ``kvsvc serve``, from its 'serving on port' line."""
+    assert server.stdout is not None
+    for line in server.stdout:
+        match = re.match(r"kvsvc serving on port (\d+)", line)
+        if match:
+            # The rest of its output is read by nobody: let it drain, not block the server.
+            threading.Thread(target=server.stdout.read, daemon=True).start()
+            return int(match.group(1))
+    raise RuntimeError(f"the counted server exited ({server.wait()}) before serving")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -212,12 +335,18 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_CALLS} calls per mode")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
+        "--server",
+        action="store_true",
+        help=f"also count a whole server process's framed Step of {SERVER_BATCH} decodes",
+    )
+    parser.add_argument(
         "--child", nargs=3, metavar=("MODE", "CALLS", "MAKE"), help=argparse.SUPPRESS
     )
+    parser.add_argument("--batch", type=int, default=BATCH, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         mode, calls, make = args.child[0], int(args.child[1]), args.child[2] == "make"
-        workload = Workload(mode, calls)
+        workload = Workload(mode, calls, args.batch)
         if make:
             workload.run()
         return 0
@@ -242,6 +371,24 @@ def main() -> int:
             figures[f"{mode}_compiled_vs_pure"] = round(
                 figures[f"{mode}_compiled_instructions"] / figures[f"{mode}_pure_instructions"], 3
             )
+    if args.server:
+        server_calls = QUICK_SERVER_CALLS if args.quick else SERVER_CALLS
+        figures["server_calls"] = server_calls
+        build = builds[0]  # the compiled one where it is installed
+        made, took = server_count(valgrind, server_calls, build == "pure")
+        idle, _ = server_count(valgrind, 0, build == "pure", wait_s=took)
+        whole = round(per_call(made, idle, server_calls))
+        handler = round(
+            per_call(
+                count(valgrind, "step", calls, True, build == "pure", SERVER_BATCH),
+                count(valgrind, "step", calls, False, build == "pure", SERVER_BATCH),
+                calls,
+            )
+        )
+        figures["server_step_build"] = build
+        figures["server_step_instructions"] = whole
+        figures["server_step_handler_instructions"] = handler
+        figures["server_step_around_the_pool_instructions"] = whole - handler
     if args.json:
         print(json.dumps(figures))
         return 0
@@ -260,6 +407,21 @@ def main() -> int:
             )
             instructions = figures[f"{mode}_{build}_instructions"]
             print(f"{names[mode]:58} {build:10} {instructions:>14,}  {ratio}")
+    if args.server:
+        whole = figures["server_step_instructions"]
+        handler = figures["server_step_handler_instructions"]
+        build = figures["server_step_build"]
+        print(
+            f"\nframed Step, {SERVER_BATCH} decodes, the whole server process "
+            f"({figures['server_calls']} calls)"
+        )
+        rows = (
+            ("all of it: transport, event loop, handler, pool", whole),
+            (f"the handler's work (Step, {SERVER_BATCH} decodes, as above)", handler),
+            ("around the pool: transport, event loop, glue", whole - handler),
+        )
+        for name, instructions in rows:
+            print(f"  {name:56} {build:10} {instructions:>14,}  {instructions / whole:.2f} of it")
     return 0
 
 

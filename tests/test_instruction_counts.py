@@ -14,6 +14,7 @@ from types import ModuleType
 
 import pytest
 
+from tests.frames.helpers import POOL, frames_server, short_dir, unix_target
 from tests.tooling import script_module
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -75,3 +76,28 @@ def test_a_figure_is_the_difference_per_call(counts: ModuleType) -> None:
     assert counts.per_call(1_300_000_000, 1_000_000_000, 100) == 3_000_000
     with pytest.raises(ValueError, match="calls must be positive"):
         counts.per_call(1, 1, 0)
+
+
+def test_the_counted_servers_client_makes_ok_decode_steps(counts: ModuleType) -> None:
+    """--server's client, against a real server: every request admitted, every decode
+    applied (each request grew by the calls' tokens)."""
+    with short_dir() as tmp, frames_server(f"unix:{tmp}/s.sock", blocks=512) as srv:
+        took = counts.server_steps(unix_target(srv), 5, pool=POOL)
+        assert took > 0
+
+        def lengths() -> dict[str, int]:
+            cache = srv.server.pools.by_name[POOL].cache
+            assert cache is not None
+            return {rid: cache.block_table(rid).num_tokens for rid in cache.request_ids()}
+
+        grown = srv.run(lengths)
+    assert grown == {f"dec-{r}": 64 + r % 16 + 5 for r in range(counts.SERVER_BATCH)}
+
+
+def test_the_counted_servers_client_refuses_a_pool_too_small(counts: ModuleType) -> None:
+    with (
+        short_dir() as tmp,
+        frames_server(f"unix:{tmp}/s.sock", blocks=64) as srv,
+        pytest.raises(RuntimeError, match="make its pool larger"),
+    ):
+        counts.server_steps(unix_target(srv), 1, pool=POOL)
