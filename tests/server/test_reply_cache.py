@@ -11,6 +11,7 @@ exactly what is kept.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -82,6 +83,75 @@ def test_saved_replies_load_within_the_bounds() -> None:
     assert small.engine_bytes("a") <= 30_000
     assert small.get("a", "c49", STEP) is not None and small.get("a", "c0", STEP) is None
     assert entry_cost("a", "c49", reply(1000)) < 30_000
+
+
+def test_an_engine_whose_entries_the_pool_evicted_keeps_its_new_one_counted() -> None:
+    """The pool's bound can take an engine's last entry while that engine puts a new one:
+    the new one is still counted as that engine's."""
+    data = reply(200)
+    cost = entry_cost("a", "a0", data)  # every id here is as long: every entry costs this
+    log = CallLog(per_caller_entries=10, per_caller_bytes=10 * cost, pool_bytes=4 * cost)
+    log.put("a", "a0", STEP, data, 0)  # the pool's oldest
+    for call_id in ("b0", "b1", "b2"):
+        log.put("b", call_id, STEP, data, 0)  # the pool is full
+    log.put("a", "a1", STEP, data, 0)  # the pool evicts a0, a's only entry
+    assert log.get("a", "a0", STEP) is None and log.get("a", "a1", STEP) is not None
+    assert (log.engine_bytes("a"), log.engine_bytes("b"), log.num_bytes) == (
+        cost, 3 * cost, 4 * cost,
+    )  # fmt: skip
+    log.put("a", "a2", STEP, data, 0)  # evicts b0, now the oldest
+    assert (log.engine_bytes("a"), log.engine_bytes("b")) == (2 * cost, 2 * cost)
+
+
+class _ReferenceLog:
+    """The log's rule written plainly: one list of entries, oldest first; a put drops the
+    same call's entry, then the caller's oldest while it has ``per_caller_entries`` or
+    the new one would pass its bytes, then the pool's oldest while the pool's bytes would
+    be passed."""
+
+    def __init__(self, per_caller_entries: int, per_caller_bytes: int, pool_bytes: int) -> None:
+        self.bounds = (per_caller_entries, per_caller_bytes, pool_bytes)
+        self.entries: list[tuple[str, str, int]] = []  # (engine, call id, cost)
+
+    def put(self, engine: str, call_id: str, data: bytes) -> None:
+        entries_bound, caller_bytes, pool_bytes = self.bounds
+        self.entries = [e for e in self.entries if (e[0], e[1]) != (engine, call_id)]
+        cost = entry_cost(engine, call_id, data)
+        if cost > caller_bytes or cost > pool_bytes:
+            return
+
+        def mine() -> list[tuple[str, str, int]]:
+            return [e for e in self.entries if e[0] == engine]
+
+        while mine() and (
+            len(mine()) >= entries_bound or sum(e[2] for e in mine()) + cost > caller_bytes
+        ):
+            self.entries.remove(mine()[0])
+        while self.entries and sum(e[2] for e in self.entries) + cost > pool_bytes:
+            self.entries.pop(0)
+        self.entries.append((engine, call_id, cost))
+
+
+def test_the_log_keeps_exactly_what_its_rule_says() -> None:
+    """Random puts from three engines (repeated ids among them) against the rule written
+    plainly: the same entries, in the same order, and the same byte counts after each."""
+    rng = random.Random(11)
+    bounds = (4, 3_000, 6_000)
+    log, reference = CallLog(*bounds), _ReferenceLog(*bounds)
+    for _ in range(600):
+        engine = rng.choice("abc")
+        call_id = f"c{rng.randrange(12)}"
+        data = reply(rng.choice([1, 50, 200, 400, 1500]))
+        log.put(engine, call_id, STEP, data, 0)
+        reference.put(engine, call_id, data)
+        assert [(e, c) for e, c, _, _ in log.to_state()] == [
+            (e, c) for e, c, _ in reference.entries
+        ]
+        assert log.num_bytes == sum(cost for _, _, cost in reference.entries)
+        for name in "abc":
+            assert log.engine_bytes(name) == sum(
+                cost for e, _, cost in reference.entries if e == name
+            )
 
 
 @pytest.fixture(scope="module")
