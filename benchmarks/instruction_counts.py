@@ -44,7 +44,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -55,6 +54,7 @@ from kvsvc_client._wire import StepBuilder, allocate_request
 import kvsvc.native
 from kvsvc.core import PoolKVCache
 from kvsvc.core.pool_types import RequestStart
+from kvsvc.demo.processes import Child, wait_for_ports
 from kvsvc.server.calls import apply_allocate, apply_step_call, decode_allocate, decode_step
 from kvsvc.server.step_codec import parse_step_request
 from kvsvc.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -293,7 +293,10 @@ def server_count(valgrind: str, calls: int, pure: bool, wait_s: float = 0.0) -> 
         # fmt: on
         worker = None
         try:
-            port = _serving_port(server)
+            # Its output read (and kept for an error) as kvsvc's demo reads its servers'.
+            counted = Child("counted server", server)
+            counted.start_reader()
+            port, _ = wait_for_ports(counted, timeout=_SERVER_START_S)
             # fmt: off
             worker = subprocess.Popen(
                 [
@@ -314,18 +317,6 @@ def server_count(valgrind: str, calls: int, pure: bool, wait_s: float = 0.0) -> 
             server.terminate()
             server.wait(_SERVER_START_S)
         return parse_instructions(log.read_text()), took
-
-
-def _serving_port(server: subprocess.Popen[str]) -> int:
-    """The gRPC port of a starting ``kvsvc serve``, from its 'serving on port' line."""
-    assert server.stdout is not None
-    for line in server.stdout:
-        match = re.match(r"kvsvc serving on port (\d+)", line)
-        if match:
-            # The rest of its output is read by nobody: let it drain, not block the server.
-            threading.Thread(target=server.stdout.read, daemon=True).start()
-            return int(match.group(1))
-    raise RuntimeError(f"the counted server exited ({server.wait()}) before serving")
 
 
 def main() -> int:
