@@ -1,11 +1,14 @@
 """Stock vLLM against vLLM on kvsvc: the same prompts, the same run, interleaved rounds.
 
 Per model (the tiny dummy-weight Llama, dense, and the tiny Gemma 3, hybrid: a
-sliding-window and a full-attention group), four in-process engines (CPU) run the same
-greedy workload in rotating rounds: stock vLLM, vLLM on kvsvc over gRPC, and vLLM on kvsvc
-with its scheduler's calls over the framed transport (a Unix socket: the sidecar case),
-its Steps sent by the client's sender thread (the default) and, a fourth, sent and read
-on the scheduler's thread (``step_sender="inline"``); each kvsvc engine has its own server and pool.
+sliding-window and a full-attention group), in-process engines (CPU) run the same greedy
+workload in rotating rounds: stock vLLM, vLLM on kvsvc over gRPC, and vLLM on kvsvc with
+its scheduler's calls over the framed transport (a Unix socket: the sidecar case), its
+Steps sent by the client's sender thread (the default) and, a fourth, sent and read on
+the scheduler's thread (``step_sender="inline"``); then "steps held", over gRPC and over
+frames: the default settings but ``steps_per_call`` (``--steps-per-call``, default 4), the
+operations of steps that admit nothing held for a later step's call. Each kvsvc engine
+has its own server and pool.
 
 Wall-clock tokens/s alone says little on a shared machine (stock's own rounds have ranged
 17x), so each engine's rounds also measure what another process's load touches less
@@ -63,6 +66,7 @@ from benchmarks.engine_figures import (
 )
 from kvsvc import native
 from kvsvc.integrations.vllm import vllm_kwargs
+from kvsvc.integrations.vllm.config import MAX_STEPS_PER_CALL
 from tests.vllm.helpers import VLLM_ENV, engine_args, engine_core, kvsvc_server
 from tests.vllm.models import MODELS, write_model
 
@@ -72,6 +76,8 @@ LABELS = {
     "kvsvc": "gRPC",
     "kvsvc_frames": "frames",
     "kvsvc_frames_inline": "frames, inline Steps",
+    "kvsvc_held": "gRPC, steps held",
+    "kvsvc_frames_held": "frames, steps held",
     "kvsvc_pure": "gRPC, pure-Python server",
     "kvsvc_frames_pure": "frames, pure-Python server",
 }
@@ -119,6 +125,13 @@ def main() -> int:
         help=f"comma-separated tiny models to run, of: {', '.join(MODELS)} (default: %(default)s)",
     )
     parser.add_argument(
+        "--steps-per-call",
+        type=int,
+        default=4,
+        help="steps_per_call of the 'steps held' engines, gRPC and frames (1: none run; "
+        "default %(default)s)",
+    )
+    parser.add_argument(
         "--no-pure", action="store_true", help="no engines on servers with the pure-Python core"
     )
     args = parser.parse_args()
@@ -126,6 +139,8 @@ def main() -> int:
     unknown = [m for m in models if m not in MODELS]
     if unknown:
         parser.error(f"unknown model(s) {', '.join(unknown)}; valid: {', '.join(MODELS)}")
+    if not 1 <= args.steps_per_call <= MAX_STEPS_PER_CALL:
+        parser.error(f"--steps-per-call must be from 1 to {MAX_STEPS_PER_CALL}")
     os.environ.update(VLLM_ENV)
     import vllm
 
@@ -133,6 +148,11 @@ def main() -> int:
         f"vLLM {vllm.__version__} on CPU, {args.requests} requests x {args.max_tokens} "
         f"tokens, {args.rounds} interleaved rounds, {args.blocks} blocks; load average "
         f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs at the start"
+        + (
+            f"; 'steps held': steps_per_call={args.steps_per_call}"
+            if args.steps_per_call > 1
+            else ""
+        )
     )
     for model in models:
         lines = bench_model(vllm, model, args)
@@ -190,6 +210,25 @@ def bench_model(vllm: Any, model_name: str, args: argparse.Namespace) -> list[st
                         ),
                     )
                 )
+                if args.steps_per_call > 1:
+                    # Steps that admit nothing held for later steps' calls (steps_per_call):
+                    # fewer calls, the server's view up to steps_per_call - 1 steps behind.
+                    for name, frames in (("kvsvc_held", False), ("kvsvc_frames_held", True)):
+                        held_server = stack.enter_context(
+                            kvsvc_server(*server_args, pool=f"vllm-{name}", frames=frames, env=env)
+                        )
+                        servers[name] = held_server
+                        engines[name] = vllm.LLM(
+                            **engine_args(
+                                model,
+                                **vllm_kwargs(
+                                    held_server.address,
+                                    held_server.pool,
+                                    frames=held_server.frames,
+                                    steps_per_call=args.steps_per_call,
+                                ),
+                            )
+                        )
         on_kvsvc = tuple(name for name in engines if name != "stock")
         replicas = {name: engine_core(engines[name]).scheduler.kvsvc for name in on_kvsvc}
         meters = {name: SchedulerMeter() for name in engines}
@@ -246,7 +285,9 @@ def bench_model(vllm: Any, model_name: str, args: argparse.Namespace) -> list[st
                 if replica is not None:
                     # Steps after the last admission of the round are decode-only; the
                     # first len(prompts) steps may admit.
-                    decode_rpcs[name].extend(replica.stats.rpcs_by_step[mark + args.requests :])
+                    decode_rpcs[name].extend(
+                        list(replica.stats.rpcs_by_step)[mark + args.requests :]
+                    )
         classes = {name: type(engine_core(llm).scheduler).__name__ for name, llm in engines.items()}
         lines = [
             f"scheduler classes: stock {classes['stock']}, on kvsvc "

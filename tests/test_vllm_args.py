@@ -177,3 +177,30 @@ def test_step_sender_goes_through_both_forms_and_bad_values_are_refused() -> Non
     raw = {"kvsvc": {"server": "h:1", "pool": "p", "step_sender": "later"}}
     with pytest.raises(ValueError, match="step_sender must be one of"):
         settings_from_additional_config(raw)
+
+
+def test_steps_per_call_goes_through_both_forms_and_bad_values_are_refused() -> None:
+    """``steps_per_call`` reaches the scheduler's settings from ``vllm_kwargs`` and from the
+    CLI's flags alike (left out of the config at its default, 1); a value outside 1..16,
+    or one that is not a whole number, is refused naming the setting, by either form."""
+    kwargs = vllm_kwargs("h:1", "p", steps_per_call=4)
+    assert settings_from_additional_config(kwargs["additional_config"]).steps_per_call == 4
+    default = vllm_kwargs("h:1", "p")["additional_config"]
+    assert "steps_per_call" not in default["kvsvc"]
+    assert settings_from_additional_config(default).steps_per_call == 1
+    done = run_cli("--server", "h:1", "--pool", "p", "--steps-per-call", "4")
+    assert done.returncode == 0, done.stderr
+    assert additional_config(unquoted(done.stdout)) == kwargs["additional_config"]
+    assert (
+        vllm_kwargs("h:1", "p", steps_per_call=16)["additional_config"]["kvsvc"]["steps_per_call"]
+        == 16
+    )
+    for bad in (0, 17, -1, True, 2.0, "2"):
+        with pytest.raises(ValueError, match="steps_per_call must be a whole number from 1 to 16"):
+            vllm_kwargs("h:1", "p", steps_per_call=bad)  # type: ignore[arg-type]
+        raw = {"kvsvc": {"server": "h:1", "pool": "p", "steps_per_call": bad}}
+        with pytest.raises(ValueError, match="steps_per_call must be"):
+            settings_from_additional_config(raw)
+    refused = run_cli("--server", "h:1", "--pool", "p", "--steps-per-call", "0")
+    assert refused.returncode != 0
+    assert "steps_per_call must be a whole number from 1 to 16, got 0" in refused.stderr

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvsvc_client import STEP_SENDERS
 
-from kvsvc.integrations.vllm.config import vllm_kwargs, vllm_serve_flags
+from kvsvc.integrations.vllm.config import MAX_STEPS_PER_CALL, vllm_kwargs, vllm_serve_flags
 from kvsvc.server.config import DEFAULT_LISTEN
 
 
@@ -56,6 +56,16 @@ def add_parser(subparsers: Any) -> None:
         "scheduler's thread)",
     )
     parser.add_argument(
+        "--steps-per-call",
+        type=int,
+        default=1,
+        metavar="N",
+        help=f"at most N scheduling steps' operations in one Step call (1 to "
+        f"{MAX_STEPS_PER_CALL}; default 1: every step's own). Steps that admit nothing wait "
+        "for a later step's call: fewer calls and wake-ups, the server's view of the pool "
+        "(its prefix index, KV events, metrics) up to N-1 steps behind the engine",
+    )
+    parser.add_argument(
         "--json", action="store_true", help="print vllm_kwargs(...) as JSON instead of flags"
     )
     parser.set_defaults(func=run)
@@ -65,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         untested = args.allow_untested_vllm
         sender = args.step_sender
+        steps_per_call = args.steps_per_call
         if args.json:
             kwargs = vllm_kwargs(
                 args.server,
@@ -72,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
                 frames=args.frames,
                 allow_untested_vllm=untested,
                 step_sender=sender,
+                steps_per_call=steps_per_call,
             )
             print(json.dumps(kwargs, indent=2))
         else:
@@ -81,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
                 frames=args.frames,
                 allow_untested_vllm=untested,
                 step_sender=sender,
+                steps_per_call=steps_per_call,
             )
             print(" ".join(flags))
     except ValueError as exc:

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from kvsvc_client import KVCacheClient, RequestStart, StepResultList
 
+from kvsvc.integrations.vllm import manager as manager_module
 from kvsvc.integrations.vllm.config import settings_from_additional_config, vllm_kwargs
 from kvsvc.integrations.vllm.manager import KvsvcError, KvsvcPoolReplica
 from kvsvc.server.config import PoolConfig
@@ -222,3 +223,80 @@ def test_a_forced_reset_makes_the_replica_resync(
     with pytest.raises(KvsvcError, match="diverged"):
         replica._check(prediction, doctored)
     assert not replica.needs_resync
+
+
+def _server_computed(server: ServerThread, request_id: str) -> int:
+    """The tokens the server's copy of the pool holds computed for ``request_id``."""
+    pool = server.server.pools.by_name[POOL]
+    return server.run(lambda: pool.cache.request_state(request_id).num_computed_tokens)
+
+
+def test_steps_per_call_holds_decode_steps_and_never_an_admission(server: ServerThread) -> None:
+    """``steps_per_call=3``: a step that admits sends at once; the next steps' decodes wait
+    until three steps' operations go in one Step (the server then agrees again); an idle
+    engine's flush sends what waited; a free is held like a decode."""
+    engine = new_replica(server)
+    engine._steps_per_call = 3  # as settings_from_additional_config sets it
+    try:
+        prompt = list(range(900, 950))
+        assert admit(engine, "h", prompt, len(prompt)) is not None
+        engine.end_step()
+        engine.await_reply()
+        assert _server_computed(server, "h") == 50  # the admission went at once
+        tokens = list(prompt)
+        computed_by_step = []
+        for _ in range(5):
+            engine.await_reply()
+            tokens.append(7)
+            state = engine.cache.request_state("h")
+            assert state is not None
+            engine.allocate_running("h", tokens, state.num_computed_tokens, 1, 0)
+            engine.end_step()
+            engine.await_reply()
+            computed_by_step.append(_server_computed(server, "h"))
+        # Steps 1 and 2 wait, step 3 sends all three; steps 4 and 5 wait again.
+        assert computed_by_step == [50, 50, 53, 53, 53]
+        assert list(engine.stats.rpcs_by_step)[-5:] == [0, 0, 1, 0, 0]
+        engine.flush()
+        assert _server_computed(server, "h") == 55
+        assert list(engine.stats.steps_by_call) == [1, 3, 2]
+        engine.free("h", preempted=False)
+        engine.end_step()
+        assert server.run(lambda: server.server.pools.by_name[POOL].cache.has_request("h"))
+        engine.flush()
+        assert not engine.needs_resync
+        with KVCacheClient(server.address, POOL) as client:
+            assert client.usage().num_free_blocks == engine.num_free_blocks
+    finally:
+        engine.close()
+
+
+def test_steps_per_call_sends_once_the_held_operations_reach_the_limit(
+    server: ServerThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A held Step goes out once it holds HELD_OPERATIONS_LIMIT operations, whatever
+    steps_per_call says (the server bounds a Step's operations)."""
+    monkeypatch.setattr(manager_module, "HELD_OPERATIONS_LIMIT", 2)
+    engine = new_replica(server)
+    engine._steps_per_call = 16
+    try:
+        for request_id in ("m1", "m2"):
+            assert admit(engine, request_id, list(range(40)), 40) is not None
+        engine.end_step()
+        tokens = list(range(40))
+        held = []
+        for _ in range(2):
+            engine.await_reply()
+            tokens.append(3)
+            for request_id in ("m1",):
+                state = engine.cache.request_state(request_id)
+                assert state is not None
+                engine.allocate_running(request_id, tokens, state.num_computed_tokens, 1, 0)
+            held.append(engine.end_step())
+        assert held == [0, 1]  # one operation waits; the second step's makes two
+        engine.free("m1", preempted=False)
+        engine.free("m2", preempted=False)
+        engine.flush()
+        assert not engine.needs_resync
+    finally:
+        engine.close()

@@ -383,6 +383,8 @@ class Setup:
     # cached prefix (get_num_cached_tokens) once the pool is this full.
     cache_aware_window: int = 0
     cache_aware_threshold: float = 0.5
+    # kvsvc's steps_per_call: steps that admit nothing wait for a later step's Step.
+    steps_per_call: int = 1
 
 
 # An EAGLE draft head for the tiny Llama (one layer; only its config is read).
@@ -792,7 +794,12 @@ def _first_difference(stock: Any, kvsvc: Any, path: str = "") -> str:
 
 def kvsvc_engine(setup: Setup, workload: Workload, pool: Pool, model_root: Path) -> Engine:
     """vLLM on ``pool`` for ``setup`` (raises what vLLM on kvsvc refuses at start with)."""
-    kwargs = vllm_kwargs(pool.address, POOL, allow_untested_vllm=setup.allow_untested_vllm)
+    kwargs = vllm_kwargs(
+        pool.address,
+        POOL,
+        allow_untested_vllm=setup.allow_untested_vllm,
+        steps_per_call=setup.steps_per_call,
+    )
     config = vllm_config(
         setup,
         workload,
@@ -865,6 +872,14 @@ def run_workload(
         if want != got:
             raise Divergence(f"{setup}: KV events differ: {_first_difference(want, got)}")
         totals["events"] = len(want)
+        # How many scheduling steps' operations each Step carried, and the Step RPCs of
+        # each step that scheduled a new request (an admission).
+        stats = kvsvc.scheduler.kv_cache_manager.replica.stats
+        totals["steps_by_call"] = list(stats.steps_by_call)
+        rpcs = list(stats.rpcs_by_step)
+        totals["rpcs_when_admitting"] = [
+            rpcs[i] for i, schedule in enumerate(kvsvc.schedules) if schedule["new"]
+        ]
         return totals
     finally:
         kvsvc.close()

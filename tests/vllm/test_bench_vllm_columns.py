@@ -82,7 +82,9 @@ def test_vllm_bench_measures_each_engines_scheduler_and_cpu(
     from tests.vllm.helpers import vllm_test_env
 
     bench = vllm_bench
-    args = argparse.Namespace(rounds=2, requests=4, max_tokens=8, blocks=256, no_pure=True)
+    args = argparse.Namespace(
+        rounds=2, requests=4, max_tokens=8, blocks=256, no_pure=True, steps_per_call=4
+    )
     with vllm_test_env():
         lines = bench.bench_model(vllm, "llama", args)
     assert lines[0] == "scheduler classes: stock Scheduler, on kvsvc KvsvcScheduler"
@@ -98,7 +100,13 @@ def test_vllm_bench_measures_each_engines_scheduler_and_cpu(
             rows[name] = " ".join(values).split()
         return rows
 
-    kvsvc_only = ["gRPC", "frames", "frames, inline Steps"]
+    kvsvc_only = [
+        "gRPC",
+        "frames",
+        "frames, inline Steps",
+        "gRPC, steps held",
+        "frames, steps held",
+    ]
     both = ["stock", *kvsvc_only]
     assert list(engines_of("scheduler thread CPU per step, us")) == both
     assert list(engines_of("  of it in the KV cache manager, us")) == both
@@ -124,5 +132,17 @@ def test_vllm_bench_measures_each_engines_scheduler_and_cpu(
     assert list(engines_of("kvsvc server CPU per output token, us")) == kvsvc_only
     calls = lines[lines.index(next(x for x in lines if x.startswith("kvsvc calls"))) + 1 :]
     # 2 rounds of 4 requests x 8 tokens: 8 scheduling steps a round on each kvsvc engine.
-    assert [line.split()[-1] for line in calls] == ["16", "16", "16"]
+    assert [line.split()[-1] for line in calls] == ["16"] * 5
+    # RPCs a step (median / most): one a step, but for the engines holding steps (which
+    # send every fourth decode-only step, and at once the step that admits).
+    medians = {
+        re.split(r"\s{2,}", line.strip())[0]: line.split("/")[0].split()[-1] for line in calls
+    }
+    assert medians == {
+        "gRPC": "1",
+        "frames": "1",
+        "frames, inline Steps": "1",
+        "gRPC, steps held": "0",
+        "frames, steps held": "0",
+    }
     assert max(len(line) for line in lines) <= 100

@@ -123,6 +123,38 @@ def test_scenarios_schedule_alike(kind: str, mode: str, scenario, models: Path) 
     assert totals["events"] > 0
 
 
+@pytest.mark.parametrize(
+    ("scenario", "kind", "mode"),
+    [
+        (pressure, "dense", "async"),
+        (pressure, "sliding_full", "sync"),
+        (churn, "dense", "sync"),
+        (churn, "sliding_full", "async"),
+    ],
+    ids=[
+        "pressure-dense-async",
+        "pressure-sliding_full-sync",
+        "churn-dense-sync",
+        "churn-sliding_full-async",
+    ],
+)
+def test_steps_held_for_later_calls_schedule_alike(
+    kind: str, mode: str, scenario, models: Path
+) -> None:
+    """``steps_per_call=3``: the operations of steps that admit nothing wait for a later
+    step's Step. vLLM decides the same at every step (its replica answers), the pool ends
+    with stock's events (the idle engine's flush, the reset's), no Step carries more
+    than three steps' operations, and a step that admits a request sends at once."""
+    async_scheduling = mode == "async"
+    setup = Setup(kind=kind, async_scheduling=async_scheduling, steps_per_call=3)
+    totals = _run(setup, scenario(kind, async_scheduling), models)
+    carried = totals["steps_by_call"]
+    assert max(carried) == 3, carried
+    admitting = totals["rpcs_when_admitting"]
+    assert admitting and min(admitting) == 1, admitting
+    assert totals["events"] > 0
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_generated_workloads_schedule_alike(kind: str, mode: str, models: Path) -> None:

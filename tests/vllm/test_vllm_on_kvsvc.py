@@ -94,15 +94,23 @@ class OnKvsvc:
     run: Run
 
 
-@pytest.fixture(scope="module", params=["grpc", "frames"])
+# steps_per_call of the engine that holds steps ("frames-held").
+STEPS_PER_CALL = 3
+
+
+@pytest.fixture(scope="module", params=["grpc", "frames", "frames-held"])
 def on_kvsvc(model_dir: Path, request: pytest.FixtureRequest) -> Iterator[OnKvsvc]:
     """vLLM on kvsvc, its scheduler's calls over gRPC, then over the framed transport (a
-    Unix socket, as a sidecar serves it; the workers stay on gRPC either way)."""
-    frames = request.param == "frames"
+    Unix socket, as a sidecar serves it; the workers stay on gRPC either way), then over
+    frames with up to three steps' operations in one Step (``steps_per_call``)."""
+    frames = request.param != "grpc"
+    steps_per_call = STEPS_PER_CALL if request.param == "frames-held" else 1
     with kvsvc_server(
         "--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-model-len", "512", frames=frames
     ) as server:
-        kwargs = vllm_kwargs(server.address, "vllm", frames=server.frames)
+        kwargs = vllm_kwargs(
+            server.address, "vllm", frames=server.frames, steps_per_call=steps_per_call
+        )
         llm = make_llm(model_dir, disable_log_stats=False, **kwargs)
         try:
             yield OnKvsvc(server, llm, generate(llm))
@@ -157,9 +165,15 @@ def test_the_schedulers_calls_take_the_transport_asked_for(on_kvsvc: OnKvsvc) ->
 
 
 def test_decode_only_steps_cost_one_rpc(on_kvsvc: OnKvsvc) -> None:
-    stats = engine_core(on_kvsvc.llm).scheduler.kvsvc.stats
-    counts = sorted(stats.rpcs_by_step)
-    assert counts[len(counts) // 2] == 1
+    """One RPC a step; holding steps, fewer (no Step carries more than three steps')."""
+    replica = engine_core(on_kvsvc.llm).scheduler.kvsvc
+    counts = sorted(replica.stats.rpcs_by_step)
+    if replica.settings.steps_per_call == 1:
+        assert counts[len(counts) // 2] == 1
+        assert set(replica.stats.steps_by_call) <= {0, 1}
+    else:
+        assert counts[len(counts) // 2] == 0 and counts[-1] == 1
+        assert max(replica.stats.steps_by_call) == STEPS_PER_CALL
 
 
 def test_a_dead_server_fails_requests_with_an_error_naming_kvsvc(on_kvsvc: OnKvsvc) -> None:

@@ -23,6 +23,8 @@ WORKER_CLS = "kvsvc.integrations.vllm.worker.KvsvcWorker"
 CONFIG_KEY = "kvsvc"
 # additional_config keys of the channel's TLS (KvsvcSettings' fields of the same names).
 TLS_KEYS = ("tls_ca", "tls_cert", "tls_key", "tls_server_name")
+# The most scheduling steps whose operations one Step may carry (KvsvcSettings.steps_per_call).
+MAX_STEPS_PER_CALL = 16
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,19 @@ class KvsvcSettings:
             client's sender thread) or ``inline`` (``frames`` only: written and read on
             the scheduler's thread, no thread hand-offs; a little less CPU in all, more
             on the scheduler's thread).
+        steps_per_call: how many scheduling steps' operations at most go to the server in
+            one Step (1 to :data:`MAX_STEPS_PER_CALL`; 1, the default: every step's own).
+            The engine never waits on the server's answer (its replica gives it), so a
+            step's operations may wait for the next steps' and go with them: fewer calls,
+            and fewer of the server's and the sender thread's wake-ups, whose cost a
+            call pays whatever it carries (on an engine whose forward pass takes every
+            core, that CPU is the forward pass's). The price is the server's view of the
+            pool (its prefix index, the KV events routers read, its metrics) lagging the
+            engine by up to ``steps_per_call - 1`` steps, and a reply the replica did not
+            predict noticed as much later. A step that admits a request sends at once
+            (with what waited), as does an engine going idle, a reset of the prefix cache,
+            a resync and shutdown: what is held is decodes, frees and outputs of a few
+            steps, never an admission.
     """
 
     server: str
@@ -66,6 +81,7 @@ class KvsvcSettings:
     frames: str | None = None
     allow_untested_vllm: bool = False
     step_sender: str = "thread"
+    steps_per_call: int = 1
 
     @property
     def engine_target(self) -> str:
@@ -89,6 +105,8 @@ class KvsvcSettings:
             out["allow_untested_vllm"] = True
         if self.step_sender != KvsvcSettings.step_sender:
             out["step_sender"] = self.step_sender
+        if self.steps_per_call != KvsvcSettings.steps_per_call:
+            out["steps_per_call"] = self.steps_per_call
         return out
 
 
@@ -100,6 +118,7 @@ def vllm_kwargs(
     frames: str | None = None,
     allow_untested_vllm: bool = False,
     step_sender: str = KvsvcSettings.step_sender,
+    steps_per_call: int = KvsvcSettings.steps_per_call,
     **tls: str | None,
 ) -> dict[str, Any]:
     """Keyword arguments that make ``vllm.LLM(model=..., **vllm_kwargs(...))`` run on kvsvc.
@@ -119,6 +138,7 @@ def vllm_kwargs(
         allow_untested_vllm: start on a vLLM release outside the supported range (with a
             warning) instead of refusing.
         step_sender: ``thread`` or ``inline`` (see :class:`KvsvcSettings`).
+        steps_per_call: scheduling steps one Step may carry (see :class:`KvsvcSettings`).
         tls: ``tls_ca``, ``tls_cert``, ``tls_key``, ``tls_server_name`` for a server with
             TLS (see :class:`KvsvcSettings`); unset ones come from ``KVSVC_TLS_*``.
 
@@ -126,11 +146,20 @@ def vllm_kwargs(
         ``scheduler_cls``, ``worker_cls`` and ``additional_config``.
 
     Raises:
-        ValueError: an empty server address or pool name, an unknown TLS key, or a
-            client certificate without its key.
+        ValueError: an empty server address or pool name, an unknown TLS key, a client
+            certificate without its key, or a ``step_sender`` or ``steps_per_call`` out of
+            range.
     """
     settings = dataclasses.replace(
-        make_settings(server, pool, auth_token, frames=frames, step_sender=step_sender, **tls),
+        make_settings(
+            server,
+            pool,
+            auth_token,
+            frames=frames,
+            step_sender=step_sender,
+            steps_per_call=steps_per_call,
+            **tls,
+        ),
         allow_untested_vllm=allow_untested_vllm,
     )
     return {
@@ -147,6 +176,7 @@ def make_settings(
     *,
     frames: str | None = None,
     step_sender: str = KvsvcSettings.step_sender,
+    steps_per_call: int = KvsvcSettings.steps_per_call,
     **tls: str | None,
 ) -> KvsvcSettings:
     """Checked settings (the one constructor every entry point goes through)."""
@@ -169,6 +199,14 @@ def make_settings(
             "step_sender 'inline' needs frames (the framed transport): over gRPC a Step "
             "is sent by a thread"
         )
+    if (
+        type(steps_per_call) is not int  # a bool, a float or a string is refused too
+        or not 1 <= steps_per_call <= MAX_STEPS_PER_CALL
+    ):
+        raise ValueError(
+            f"steps_per_call must be a whole number from 1 to {MAX_STEPS_PER_CALL}, "
+            f"got {steps_per_call!r}"
+        )
     unknown = sorted(set(tls) - set(TLS_KEYS))
     if unknown:
         raise ValueError(
@@ -189,6 +227,7 @@ def make_settings(
         tls_server_name=tls.get("tls_server_name"),
         frames=frames,
         step_sender=step_sender,
+        steps_per_call=steps_per_call,
     )
 
 
@@ -236,6 +275,7 @@ def vllm_serve_flags(
     frames: str | None = None,
     allow_untested_vllm: bool = False,
     step_sender: str = KvsvcSettings.step_sender,
+    steps_per_call: int = KvsvcSettings.steps_per_call,
     **tls: str | None,
 ) -> list[str]:
     """``vllm serve`` flags equivalent to :func:`vllm_kwargs` (the token stays in the env;
@@ -246,7 +286,14 @@ def vllm_serve_flags(
     ``--additional-config=JSON`` in :func:`shell_inert_json`'s form.
     """
     settings = dataclasses.replace(
-        make_settings(server, pool, frames=frames, step_sender=step_sender, **tls),
+        make_settings(
+            server,
+            pool,
+            frames=frames,
+            step_sender=step_sender,
+            steps_per_call=steps_per_call,
+            **tls,
+        ),
         allow_untested_vllm=allow_untested_vllm,
     )
     return [
@@ -283,6 +330,7 @@ def settings_from_additional_config(additional_config: Any) -> KvsvcSettings:
         token,
         frames=frames,
         step_sender=raw.get("step_sender", KvsvcSettings.step_sender),
+        steps_per_call=raw.get("steps_per_call", KvsvcSettings.steps_per_call),
         **tls,
     )
     return dataclasses.replace(

@@ -18,7 +18,9 @@ for the pool), fed the same operations in the same order as the server:
   sent as one ``Step`` per scheduling step, without waiting. The reply is checked at the
   start of the next step against what the replica answered: each operation's status,
   block ids per group, prefix hit and null blocks, and the pool's free count. A restart of
-  vLLM or a router reading the pool sees the server's real state.
+  vLLM or a router reading the pool sees the server's real state. (With the settings'
+  ``steps_per_call`` above 1, the operations of steps that admit nothing wait for a
+  later step's ``Step``: fewer calls, the server's view up to that many steps behind.)
 * **Hashes stay the server's secret.** The replica hashes with a seed of its own: which
   blocks hit depends on which prompts share prefixes, not on the hash values, so the
   replica needs neither the server's seed nor its hash algorithm.
@@ -48,6 +50,7 @@ import functools
 import logging
 import secrets
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -61,6 +64,7 @@ from kvsvc_client import (
     RequestStart,
     StepFuture,
     StepResultList,
+    SyncStep,
 )
 
 from kvsvc.core.pool import PoolKVCache
@@ -83,6 +87,13 @@ _NO_SPACE = pb.ALLOCATE_STATUS_NO_SPACE
 _RECOMPUTE = pb.ALLOCATE_STATUS_RECOMPUTE
 # The server's bound on free_queue_head_limit: a larger queue is read in pages.
 _MAX_HEAD = 65536
+# With steps_per_call > 1, held steps' operations go out once they reach this many (with
+# the step that reached it): a held Step stays far under the server's default bound on a
+# Step's operations (max_step_operations, 8192), whatever the engine's batch.
+HELD_OPERATIONS_LIMIT = 1024
+# ManagerStats' per-step and per-call figures keep this many (an engine steps ~100 times a
+# second for days: the lists grew without bound before).
+STATS_KEPT = 65536
 
 
 class KvsvcError(RuntimeError):
@@ -99,7 +110,11 @@ class ManagerStats:
         sync_calls: RPCs the scheduler waited for while it scheduled (connect and resyncs).
         operations_sent: operations those Steps carried.
         seconds_waiting: time the scheduler waited on kvsvc's replies.
-        rpcs_by_step: RPCs per scheduling step.
+        rpcs_by_step: RPCs per scheduling step (the last :data:`STATS_KEPT` steps').
+        steps_by_call: for each Step sent by a scheduling step or an idle engine's flush,
+            how many steps' operations it carried (with ``steps_per_call`` 1, 1 for
+            every step's; 0 for a flush of what came after the last step), the last
+            :data:`STATS_KEPT`.
         resyncs: times the replica was rebuilt after the server invalidated the pool.
     """
 
@@ -107,7 +122,8 @@ class ManagerStats:
     sync_calls: int = 0
     operations_sent: int = 0
     seconds_waiting: float = 0.0
-    rpcs_by_step: list[int] = field(default_factory=list)
+    rpcs_by_step: deque[int] = field(default_factory=lambda: deque(maxlen=STATS_KEPT))
+    steps_by_call: deque[int] = field(default_factory=lambda: deque(maxlen=STATS_KEPT))
     resyncs: int = 0
 
 
@@ -197,6 +213,11 @@ class KvsvcPoolReplica:
         self._invalidations_seen = 0
         self.stats = ManagerStats()
         self._step_rpcs = 0
+        # Steps whose operations wait in ``pending`` for a later step's Step (at most
+        # settings.steps_per_call - 1), and whether one of them admitted a request.
+        self._steps_per_call = settings.steps_per_call
+        self._steps_held = 0
+        self._admitted = False
         self._closed = False
         self.cache: PoolKVCache = self._new_cache()
         self._connect()
@@ -464,12 +485,21 @@ class KvsvcPoolReplica:
         self.needs_resync = True
         self._resync_reason = reason
 
+    def _take_pending(self) -> tuple[SyncStep, _Prediction]:
+        """The queued operations and the replica's answers to them; the queue starts empty
+        (no step held)."""
+        taken = self.pending, self._prediction
+        self.pending, self._prediction = self._client.step(), _Prediction()
+        self._steps_held = 0
+        self._admitted = False
+        return taken
+
     def _send(self, *, in_step: bool = True) -> None:
         """Send the queued operations as one Step (after the previous one is answered);
         ``in_step``: counted as the scheduling step's RPC (a flush while idle is not)."""
         self.await_reply()
-        step, prediction = self.pending, self._prediction
-        self.pending, self._prediction = self._client.step(), _Prediction()
+        self.stats.steps_by_call.append(self._steps_held)
+        step, prediction = self._take_pending()
         prediction.num_free_blocks = self.cache.usage_free_blocks()
         self.stats.steps_sent += 1
         self.stats.operations_sent += len(step)
@@ -481,9 +511,20 @@ class KvsvcPoolReplica:
     # -- the per-step protocol -----------------------------------------------------------
 
     def end_step(self) -> int:
-        """Send what the step queued without waiting; returns the step's RPC count."""
+        """Send what the step queued without waiting; returns the step's RPC count.
+
+        With ``steps_per_call`` > 1, a step that admitted nothing leaves its operations
+        queued for a later step's Step, up to ``steps_per_call`` steps together (and
+        while the queue is under :data:`HELD_OPERATIONS_LIMIT` operations).
+        """
         if len(self.pending):
-            self._send()
+            self._steps_held += 1
+            if (
+                self._admitted
+                or self._steps_held >= self._steps_per_call
+                or len(self.pending) >= HELD_OPERATIONS_LIMIT
+            ):
+                self._send()
         count = self._step_rpcs
         self._step_rpcs = 0
         self.stats.rpcs_by_step.append(count)
@@ -505,7 +546,7 @@ class KvsvcPoolReplica:
         hashes say) and the replica rebuilt from the server's free queue.
         """
         if len(self.pending):
-            step, self.pending, self._prediction = self.pending, self._client.step(), _Prediction()
+            step, _ = self._take_pending()
             self._in_flight = None
             self._sync(step, f"free {len(step)} requests for a resync")
         self._in_flight = None
@@ -599,6 +640,10 @@ class KvsvcPoolReplica:
             num_lookahead_tokens=num_lookahead_tokens,
             start=start,
         )
+        # Sent with this step's Step, whatever steps_per_call says: a new prompt's
+        # blocks are what a router wants in the prefix index soonest, and a held Step
+        # then carries no prompt.
+        self._admitted = True
         self._predict(request_id, outcome.new_block_ids, outcome.num_null_blocks)
         self._prediction.num_cached_tokens[-1] = outcome.num_cached_tokens
         return self.tables(request_id)
