@@ -300,3 +300,44 @@ def test_steps_per_call_sends_once_the_held_operations_reach_the_limit(
         assert not engine.needs_resync
     finally:
         engine.close()
+
+
+def test_held_steps_notice_a_forced_reset_when_they_go_and_resync(server: ServerThread) -> None:
+    """``steps_per_call=3``: decodes held after an operator's forced reset reach the server
+    with the third step, whose reply flags the request for recompute; the engine then
+    preempts and resyncs as with every step sent, and both copies agree again."""
+    engine = new_replica(server)
+    engine._steps_per_call = 3
+    try:
+        prompt = list(range(1300, 1380))
+        assert admit(engine, "z", prompt, len(prompt)) is not None
+        engine.end_step()
+        engine.await_reply()
+        with KVCacheClient(server.address, POOL) as admin:
+            assert admin.force_reset_prefix_cache()[0] == 1
+        tokens = list(prompt)
+        for _ in range(3):
+            engine.await_reply()
+            assert not engine.needs_resync  # held: the server has not answered them yet
+            tokens.append(1)
+            state = engine.cache.request_state("z")
+            assert state is not None
+            engine.allocate_running("z", tokens, state.num_computed_tokens, 1, 0)
+            engine.end_step()
+        engine.await_reply()
+        assert engine.needs_resync
+        engine.free("z", preempted=True)
+        engine.resync()
+        assert not engine.needs_resync
+        with KVCacheClient(server.address, POOL) as client:
+            assert client.usage().num_requests == 0
+            assert client.usage().num_free_blocks == engine.num_free_blocks
+        assert admit(engine, "z", tokens, len(tokens)) is not None
+        engine.end_step()
+        engine.flush()
+        assert not engine.needs_resync
+        assert server_tables(server, "z") == tuple(list(t) for t in engine.tables("z"))
+        engine.free("z", preempted=False)
+        engine.flush()
+    finally:
+        engine.close()
