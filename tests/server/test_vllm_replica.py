@@ -231,6 +231,15 @@ def _server_computed(server: ServerThread, request_id: str) -> int:
     return server.run(lambda: pool.cache.request_state(request_id).num_computed_tokens)
 
 
+def _decode(engine: KvsvcPoolReplica, request_id: str, tokens: list[int], token: int) -> None:
+    """One decode of ``request_id`` in a step: ``token`` appended to ``tokens`` and the
+    slot allocated (queued for the server as vLLM's scheduler queues it)."""
+    tokens.append(token)
+    state = engine.cache.request_state(request_id)
+    assert state is not None
+    engine.allocate_running(request_id, tokens, state.num_computed_tokens, 1, 0)
+
+
 def test_steps_per_call_holds_decode_steps_and_never_an_admission(server: ServerThread) -> None:
     """``steps_per_call=3``: a step that admits sends at once; the next steps' decodes wait
     until three steps' operations go in one Step (the server then agrees again); an idle
@@ -247,10 +256,7 @@ def test_steps_per_call_holds_decode_steps_and_never_an_admission(server: Server
         computed_by_step = []
         for _ in range(5):
             engine.await_reply()
-            tokens.append(7)
-            state = engine.cache.request_state("h")
-            assert state is not None
-            engine.allocate_running("h", tokens, state.num_computed_tokens, 1, 0)
+            _decode(engine, "h", tokens, 7)
             engine.end_step()
             engine.await_reply()
             computed_by_step.append(_server_computed(server, "h"))
@@ -287,11 +293,7 @@ def test_steps_per_call_sends_once_the_held_operations_reach_the_limit(
         held = []
         for _ in range(2):
             engine.await_reply()
-            tokens.append(3)
-            for request_id in ("m1",):
-                state = engine.cache.request_state(request_id)
-                assert state is not None
-                engine.allocate_running(request_id, tokens, state.num_computed_tokens, 1, 0)
+            _decode(engine, "m1", tokens, 3)
             held.append(engine.end_step())
         assert held == [0, 1]  # one operation waits; the second step's makes two
         engine.free("m1", preempted=False)
@@ -319,10 +321,7 @@ def test_held_steps_notice_a_forced_reset_when_they_go_and_resync(server: Server
         for _ in range(3):
             engine.await_reply()
             assert not engine.needs_resync  # held: the server has not answered them yet
-            tokens.append(1)
-            state = engine.cache.request_state("z")
-            assert state is not None
-            engine.allocate_running("z", tokens, state.num_computed_tokens, 1, 0)
+            _decode(engine, "z", tokens, 1)
             engine.end_step()
         engine.await_reply()
         assert engine.needs_resync

@@ -72,6 +72,7 @@ from kvsvc.core.pool_types import RequestStart as CoreRequestStart
 from kvsvc.core.single_type_manager import CrossAttentionManager
 from kvsvc.errors import KvsvcError as CoreError
 from kvsvc.integrations.vllm.config import KvsvcSettings
+from kvsvc.integrations.vllm.prediction import Prediction, as_predicted, describe_divergence
 from kvsvc.integrations.vllm.request_hashing import core_hashing
 from kvsvc.specs import KVCacheConfig, SlidingWindowSpec
 from kvsvc.v1 import kvcache_pb2 as pb
@@ -125,20 +126,6 @@ class ManagerStats:
     rpcs_by_step: deque[int] = field(default_factory=lambda: deque(maxlen=STATS_KEPT))
     steps_by_call: deque[int] = field(default_factory=lambda: deque(maxlen=STATS_KEPT))
     resyncs: int = 0
-
-
-@dataclass(slots=True)
-class _Prediction:
-    """What the server must answer for one Step: the replica's results, in the reply's
-    column layout (see ``StepResponse`` in kvcache.proto)."""
-
-    request_ids: list[str] = field(default_factory=list)
-    statuses: list[int] = field(default_factory=list)
-    num_new_blocks: list[int] = field(default_factory=list)
-    new_block_ids: list[int] = field(default_factory=list)
-    num_null_blocks: list[int] = field(default_factory=list)
-    num_cached_tokens: list[int] = field(default_factory=list)
-    num_free_blocks: int = 0
 
 
 class KvsvcPoolReplica:
@@ -203,8 +190,8 @@ class KvsvcPoolReplica:
         # Tokens of each live request the server knows (prompt + outputs sent so far).
         self._num_sent: dict[str, int] = {}
         self.pending = self._client.step()
-        self._prediction = _Prediction()
-        self._in_flight: tuple[StepFuture | PipelinedStep, _Prediction, int] | None = None
+        self._prediction = Prediction()
+        self._in_flight: tuple[StepFuture | PipelinedStep, Prediction, int] | None = None
         # Set when a reply showed the server invalidated the pool (or diverged): the
         # scheduler preempts its requests and calls resync() before it schedules again.
         self.needs_resync = False
@@ -386,27 +373,17 @@ class KvsvcPoolReplica:
         if not future.then_result():
             self._check(prediction, results)
 
-    def _as_predicted(self, prediction: _Prediction, results: StepResultList) -> bool:
-        """Whether a Step's reply is exactly what the replica answered.
+    def _as_predicted(self, prediction: Prediction, results: StepResultList) -> bool:
+        """Whether a Step's reply is exactly what the replica answered (:func:`as_predicted`).
 
         Run by the client's sender thread as soon as the reply is in, while the engine
         computes: it reads only the reply and the prediction, which nothing changes once
         the Step is sent. Any other reply is looked at again by :meth:`_check`, on the
         scheduler's thread, which says what it is.
         """
-        response = results.response
-        return (
-            not response.errors
-            and response.num_groups == self.num_groups
-            and list(response.statuses) == prediction.statuses
-            and list(response.num_new_blocks) == prediction.num_new_blocks
-            and list(response.new_block_ids) == prediction.new_block_ids
-            and list(response.num_cached_tokens) == prediction.num_cached_tokens
-            and list(response.num_null_blocks) == prediction.num_null_blocks
-            and response.num_free_blocks == prediction.num_free_blocks
-        )
+        return as_predicted(prediction, results.response, self.num_groups)
 
-    def _check(self, prediction: _Prediction, results: StepResultList) -> None:
+    def _check(self, prediction: Prediction, results: StepResultList) -> None:
         """Compare a Step's reply with the replica's answers, column by column, and say
         what a reply other than the predicted one means (an error, an invalidation, a
         divergence)."""
@@ -433,7 +410,7 @@ class KvsvcPoolReplica:
             )
         if self._as_predicted(prediction, results):
             return
-        divergence = self._describe_divergence(prediction, response)
+        divergence = describe_divergence(prediction, response, self.num_groups)
         usage = self._call(self._client.usage, "read the pool's usage")
         if usage.num_requests_needing_recompute:
             # Invalidated after the reply's first operations were applied: the replica
@@ -449,47 +426,17 @@ class KvsvcPoolReplica:
             # back. Never let vLLM run on block ids the server did not hand out.
             raise KvsvcError(f"{self._where}: {divergence}")
 
-    def _describe_divergence(self, prediction: _Prediction, response: Any) -> str:
-        """Name the first operation whose reply differs from the replica's answer."""
-        groups = self.num_groups
-        got_pos = want_pos = 0
-        for i, request_id in enumerate(prediction.request_ids):
-            got_counts = list(response.num_new_blocks[i * groups : (i + 1) * groups])
-            want_counts = prediction.num_new_blocks[i * groups : (i + 1) * groups]
-            got = list(response.new_block_ids[got_pos : got_pos + sum(got_counts)])
-            want = prediction.new_block_ids[want_pos : want_pos + sum(want_counts)]
-            got_pos += sum(got_counts)
-            want_pos += sum(want_counts)
-            status = response.statuses[i]
-            if (
-                status != prediction.statuses[i]
-                or got_counts != want_counts
-                or got != want
-                or response.num_cached_tokens[i] != prediction.num_cached_tokens[i]
-            ):
-                return (
-                    f"the server diverged from the engine's replica on {request_id!r}: "
-                    f"expected blocks {want} (per group {want_counts}) and "
-                    f"{prediction.num_cached_tokens[i]} cached tokens, got status "
-                    f"{pb.AllocateStatus.Name(status)}, blocks {got} (per group "
-                    f"{got_counts}) and {response.num_cached_tokens[i]} cached tokens"
-                )
-        return (
-            f"the server diverged from the engine's replica: {response.num_free_blocks} free "
-            f"blocks after a Step, the replica has {prediction.num_free_blocks}"
-        )
-
     def _flag_resync(self, reason: str) -> None:
         if not self.needs_resync:
             logger.warning("%s: %s; preempting and resynchronising", self._where, reason)
         self.needs_resync = True
         self._resync_reason = reason
 
-    def _take_pending(self) -> tuple[SyncStep, _Prediction]:
+    def _take_pending(self) -> tuple[SyncStep, Prediction]:
         """The queued operations and the replica's answers to them; the queue starts empty
         (no step held)."""
         taken = self.pending, self._prediction
-        self.pending, self._prediction = self._client.step(), _Prediction()
+        self.pending, self._prediction = self._client.step(), Prediction()
         self._steps_held = 0
         self._admitted = False
         return taken
@@ -768,19 +715,7 @@ class KvsvcPoolReplica:
         status: int = _OK,
     ) -> None:
         """Record what the server must answer for the operation just queued."""
-        prediction = self._prediction
-        prediction.request_ids.append(request_id)
-        prediction.statuses.append(status)
-        groups = self.num_groups
-        if new_block_ids:
-            for ids in new_block_ids:
-                prediction.num_new_blocks.append(len(ids))
-                prediction.new_block_ids.extend(ids)
-            prediction.num_null_blocks.extend(num_null_blocks)
-        else:
-            prediction.num_new_blocks.extend([0] * groups)
-            prediction.num_null_blocks.extend(num_null_blocks or [0] * groups)
-        prediction.num_cached_tokens.append(0)
+        self._prediction.add(request_id, new_block_ids, num_null_blocks, status, self.num_groups)
 
     def tables(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block tables per group (null id 0 where blocks were dropped)."""
