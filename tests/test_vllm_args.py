@@ -204,3 +204,53 @@ def test_steps_per_call_goes_through_both_forms_and_bad_values_are_refused() -> 
     refused = run_cli("--server", "h:1", "--pool", "p", "--steps-per-call", "0")
     assert refused.returncode != 0
     assert "steps_per_call must be a whole number from 1 to 16, got 0" in refused.stderr
+
+
+@pytest.mark.parametrize(
+    ("key", "flag", "zero_allowed"),
+    [
+        ("rpc_timeout", "--rpc-timeout", False),
+        ("unavailable_timeout", "--unavailable-timeout", True),
+        ("plan_timeout", "--plan-timeout", False),
+    ],
+)
+def test_timeouts_go_through_every_form_and_bad_values_are_refused(
+    key: str, flag: str, zero_allowed: bool
+) -> None:
+    """Each timeout reaches the settings from ``vllm_kwargs``, from ``additional_config``
+    and from the CLI's flag alike (left out of the config at its default); one that is not
+    a number of seconds in range (negative, 0 where a wait is needed, past a day, not
+    finite, a bool, a string) is refused naming the setting, by every form, where a bare
+    ``float()`` took "5" and ``nan``."""
+    kwargs = vllm_kwargs("h:1", "p", **{key: 7.5})
+    assert kwargs["additional_config"]["kvsvc"][key] == 7.5
+    assert getattr(settings_from_additional_config(kwargs["additional_config"]), key) == 7.5
+    default = vllm_kwargs("h:1", "p")["additional_config"]
+    assert key not in default["kvsvc"]
+    done = run_cli("--server", "h:1", "--pool", "p", flag, "7.5")
+    assert done.returncode == 0, done.stderr
+    assert additional_config(unquoted(done.stdout)) == kwargs["additional_config"]
+    assert (
+        getattr(
+            settings_from_additional_config({"kvsvc": {"server": "h:1", "pool": "p", key: 86_400}}),
+            key,
+        )
+        == 86_400.0
+    )
+    edge = (
+        settings_from_additional_config({"kvsvc": {"server": "h:1", "pool": "p", key: 0}})
+        if zero_allowed
+        else None
+    )
+    assert edge is None or getattr(edge, key) == 0.0
+    bads: list[object] = [-1, 86_401, float("nan"), float("inf"), True, "5", None]
+    if not zero_allowed:
+        bads.append(0)
+    for bad in bads:
+        with pytest.raises(ValueError, match=f"{key} must be a number of seconds"):
+            vllm_kwargs("h:1", "p", **{key: bad})  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=f"{key} must be a number of seconds"):
+            settings_from_additional_config({"kvsvc": {"server": "h:1", "pool": "p", key: bad}})
+    refused = run_cli("--server", "h:1", "--pool", "p", flag, "-1")
+    assert refused.returncode != 0
+    assert f"{key} must be a number of seconds" in refused.stderr and "got -1.0" in refused.stderr

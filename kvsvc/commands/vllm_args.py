@@ -15,7 +15,13 @@ from typing import Any
 
 from kvsvc_client import STEP_SENDERS
 
-from kvsvc.integrations.vllm.config import MAX_STEPS_PER_CALL, vllm_kwargs, vllm_serve_flags
+from kvsvc.integrations.vllm.config import (
+    MAX_STEPS_PER_CALL,
+    MAX_TIMEOUT_S,
+    KvsvcSettings,
+    vllm_kwargs,
+    vllm_serve_flags,
+)
 from kvsvc.server.config import DEFAULT_LISTEN
 
 
@@ -66,36 +72,51 @@ def add_parser(subparsers: Any) -> None:
         "(its prefix index, KV events, metrics) up to N-1 steps behind the engine",
     )
     parser.add_argument(
+        "--rpc-timeout",
+        type=float,
+        default=KvsvcSettings.rpc_timeout,
+        metavar="SECONDS",
+        help=f"deadline of each of the engine's calls (default {KvsvcSettings.rpc_timeout:g}; "
+        f"at most {MAX_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--unavailable-timeout",
+        type=float,
+        default=KvsvcSettings.unavailable_timeout,
+        metavar="SECONDS",
+        help="how long the scheduler's calls keep being retried while the server cannot be "
+        "reached (a restart) before the engine's step fails (default "
+        f"{KvsvcSettings.unavailable_timeout:g}; 0: a few quick retries only)",
+    )
+    parser.add_argument(
+        "--plan-timeout",
+        type=float,
+        default=KvsvcSettings.plan_timeout,
+        metavar="SECONDS",
+        help="how long each worker waits for the pool's plan at start (default "
+        f"{KvsvcSettings.plan_timeout:g})",
+    )
+    parser.add_argument(
         "--json", action="store_true", help="print vllm_kwargs(...) as JSON instead of flags"
     )
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    settings = {
+        "frames": args.frames,
+        "allow_untested_vllm": args.allow_untested_vllm,
+        "step_sender": args.step_sender,
+        "steps_per_call": args.steps_per_call,
+        "rpc_timeout": args.rpc_timeout,
+        "unavailable_timeout": args.unavailable_timeout,
+        "plan_timeout": args.plan_timeout,
+    }
     try:
-        untested = args.allow_untested_vllm
-        sender = args.step_sender
-        steps_per_call = args.steps_per_call
         if args.json:
-            kwargs = vllm_kwargs(
-                args.server,
-                args.pool,
-                frames=args.frames,
-                allow_untested_vllm=untested,
-                step_sender=sender,
-                steps_per_call=steps_per_call,
-            )
-            print(json.dumps(kwargs, indent=2))
+            print(json.dumps(vllm_kwargs(args.server, args.pool, **settings), indent=2))
         else:
-            flags = vllm_serve_flags(
-                args.server,
-                args.pool,
-                frames=args.frames,
-                allow_untested_vllm=untested,
-                step_sender=sender,
-                steps_per_call=steps_per_call,
-            )
-            print(" ".join(flags))
+            print(" ".join(vllm_serve_flags(args.server, args.pool, **settings)))
     except ValueError as exc:
         raise SystemExit(f"kvsvc vllm-args: {exc}") from None
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import string
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,11 @@ CONFIG_KEY = "kvsvc"
 TLS_KEYS = ("tls_ca", "tls_cert", "tls_key", "tls_server_name")
 # The most scheduling steps whose operations one Step may carry (KvsvcSettings.steps_per_call).
 MAX_STEPS_PER_CALL = 16
+# KvsvcSettings' timeouts (seconds), as additional_config and make_settings name them.
+TIMEOUT_KEYS = ("rpc_timeout", "unavailable_timeout", "plan_timeout")
+# The longest any of KvsvcSettings' timeouts may be, in seconds (a day): past it a typo,
+# not a wait anyone means (and gRPC's deadline arithmetic has limits of its own).
+MAX_TIMEOUT_S = 86_400.0
 
 
 @dataclass(frozen=True)
@@ -36,8 +42,14 @@ class KvsvcSettings:
         pool: the pool this engine owns (one engine per pool: its blocks are this
             engine's KV cache memory).
         auth_token: bearer token of the server, if it requires one.
-        rpc_timeout: deadline of each call, in seconds.
-        plan_timeout: how long a worker waits for the pool's plan, in seconds.
+        rpc_timeout: deadline of each call, in seconds (more than 0, at most
+            :data:`MAX_TIMEOUT_S`).
+        unavailable_timeout: how long, in seconds, the scheduler's calls keep being retried
+            while the server cannot be reached (it restarts on its state directory, and
+            the pool goes on where it was) before the engine's step fails naming the
+            server (0 to :data:`MAX_TIMEOUT_S`; 0: the client's few quick retries only).
+        plan_timeout: how long a worker waits for the pool's plan, in seconds (more than
+            0, at most :data:`MAX_TIMEOUT_S`).
         tls_ca / tls_cert / tls_key / tls_server_name: TLS to the server (paths on the
             machine vLLM runs on), as :class:`kvsvc_client.ClientOptions` takes them; None
             reads ``KVSVC_TLS_CA`` / ``KVSVC_TLS_CERT`` / ``KVSVC_TLS_KEY`` /
@@ -73,6 +85,7 @@ class KvsvcSettings:
     pool: str
     auth_token: str | None = None
     rpc_timeout: float = 30.0
+    unavailable_timeout: float = 30.0
     plan_timeout: float = 300.0
     tls_ca: str | None = None
     tls_cert: str | None = None
@@ -94,10 +107,9 @@ class KvsvcSettings:
             out["frames"] = self.frames
         if self.auth_token is not None:
             out["auth_token"] = self.auth_token
-        if self.rpc_timeout != KvsvcSettings.rpc_timeout:
-            out["rpc_timeout"] = self.rpc_timeout
-        if self.plan_timeout != KvsvcSettings.plan_timeout:
-            out["plan_timeout"] = self.plan_timeout
+        for key in TIMEOUT_KEYS:
+            if getattr(self, key) != getattr(KvsvcSettings, key):
+                out[key] = getattr(self, key)
         for key in TLS_KEYS:
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
@@ -119,6 +131,9 @@ def vllm_kwargs(
     allow_untested_vllm: bool = False,
     step_sender: str = KvsvcSettings.step_sender,
     steps_per_call: int = KvsvcSettings.steps_per_call,
+    rpc_timeout: float = KvsvcSettings.rpc_timeout,
+    unavailable_timeout: float = KvsvcSettings.unavailable_timeout,
+    plan_timeout: float = KvsvcSettings.plan_timeout,
     **tls: str | None,
 ) -> dict[str, Any]:
     """Keyword arguments that make ``vllm.LLM(model=..., **vllm_kwargs(...))`` run on kvsvc.
@@ -139,6 +154,8 @@ def vllm_kwargs(
             warning) instead of refusing.
         step_sender: ``thread`` or ``inline`` (see :class:`KvsvcSettings`).
         steps_per_call: scheduling steps one Step may carry (see :class:`KvsvcSettings`).
+        rpc_timeout / unavailable_timeout / plan_timeout: seconds (see
+            :class:`KvsvcSettings`).
         tls: ``tls_ca``, ``tls_cert``, ``tls_key``, ``tls_server_name`` for a server with
             TLS (see :class:`KvsvcSettings`); unset ones come from ``KVSVC_TLS_*``.
 
@@ -147,8 +164,8 @@ def vllm_kwargs(
 
     Raises:
         ValueError: an empty server address or pool name, an unknown TLS key, a client
-            certificate without its key, or a ``step_sender`` or ``steps_per_call`` out of
-            range.
+            certificate without its key, or a ``step_sender``, ``steps_per_call`` or timeout
+            out of range.
     """
     settings = dataclasses.replace(
         make_settings(
@@ -158,6 +175,9 @@ def vllm_kwargs(
             frames=frames,
             step_sender=step_sender,
             steps_per_call=steps_per_call,
+            rpc_timeout=rpc_timeout,
+            unavailable_timeout=unavailable_timeout,
+            plan_timeout=plan_timeout,
             **tls,
         ),
         allow_untested_vllm=allow_untested_vllm,
@@ -177,6 +197,9 @@ def make_settings(
     frames: str | None = None,
     step_sender: str = KvsvcSettings.step_sender,
     steps_per_call: int = KvsvcSettings.steps_per_call,
+    rpc_timeout: float = KvsvcSettings.rpc_timeout,
+    unavailable_timeout: float = KvsvcSettings.unavailable_timeout,
+    plan_timeout: float = KvsvcSettings.plan_timeout,
     **tls: str | None,
 ) -> KvsvcSettings:
     """Checked settings (the one constructor every entry point goes through)."""
@@ -207,6 +230,9 @@ def make_settings(
             f"steps_per_call must be a whole number from 1 to {MAX_STEPS_PER_CALL}, "
             f"got {steps_per_call!r}"
         )
+    _check_seconds("rpc_timeout", rpc_timeout, zero_allowed=False)
+    _check_seconds("unavailable_timeout", unavailable_timeout, zero_allowed=True)
+    _check_seconds("plan_timeout", plan_timeout, zero_allowed=False)
     unknown = sorted(set(tls) - set(TLS_KEYS))
     if unknown:
         raise ValueError(
@@ -228,7 +254,27 @@ def make_settings(
         frames=frames,
         step_sender=step_sender,
         steps_per_call=steps_per_call,
+        rpc_timeout=float(rpc_timeout),
+        unavailable_timeout=float(unavailable_timeout),
+        plan_timeout=float(plan_timeout),
     )
+
+
+def _check_seconds(name: str, value: object, *, zero_allowed: bool) -> None:
+    """Refuse a timeout that is not a number of seconds in range, naming the setting: a
+    JSON string or a bool from ``additional_config`` is refused, not converted."""
+    in_range = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (value >= 0 if zero_allowed else value > 0)
+        and value <= MAX_TIMEOUT_S
+    )
+    if not in_range:
+        bounds = "from 0 to" if zero_allowed else "greater than 0 and at most"
+        raise ValueError(
+            f"{name} must be a number of seconds {bounds} {MAX_TIMEOUT_S:g}, got {value!r}"
+        )
 
 
 # Characters a word may hold and still reach a program unchanged from an unquoted
@@ -276,6 +322,9 @@ def vllm_serve_flags(
     allow_untested_vllm: bool = False,
     step_sender: str = KvsvcSettings.step_sender,
     steps_per_call: int = KvsvcSettings.steps_per_call,
+    rpc_timeout: float = KvsvcSettings.rpc_timeout,
+    unavailable_timeout: float = KvsvcSettings.unavailable_timeout,
+    plan_timeout: float = KvsvcSettings.plan_timeout,
     **tls: str | None,
 ) -> list[str]:
     """``vllm serve`` flags equivalent to :func:`vllm_kwargs` (the token stays in the env;
@@ -292,6 +341,9 @@ def vllm_serve_flags(
             frames=frames,
             step_sender=step_sender,
             steps_per_call=steps_per_call,
+            rpc_timeout=rpc_timeout,
+            unavailable_timeout=unavailable_timeout,
+            plan_timeout=plan_timeout,
             **tls,
         ),
         allow_untested_vllm=allow_untested_vllm,
@@ -331,11 +383,7 @@ def settings_from_additional_config(additional_config: Any) -> KvsvcSettings:
         frames=frames,
         step_sender=raw.get("step_sender", KvsvcSettings.step_sender),
         steps_per_call=raw.get("steps_per_call", KvsvcSettings.steps_per_call),
+        **{key: raw.get(key, getattr(KvsvcSettings, key)) for key in TIMEOUT_KEYS},
         **tls,
     )
-    return dataclasses.replace(
-        settings,
-        rpc_timeout=float(raw.get("rpc_timeout", KvsvcSettings.rpc_timeout)),
-        plan_timeout=float(raw.get("plan_timeout", KvsvcSettings.plan_timeout)),
-        allow_untested_vllm=raw.get("allow_untested_vllm") is True,
-    )
+    return dataclasses.replace(settings, allow_untested_vllm=raw.get("allow_untested_vllm") is True)

@@ -178,6 +178,7 @@ class KvsvcPoolReplica:
             settings.pool,
             options=ClientOptions(
                 timeout=settings.rpc_timeout,
+                unavailable_timeout=settings.unavailable_timeout,
                 token=settings.auth_token,
                 role="engine",
                 tls_ca=settings.tls_ca,
