@@ -98,22 +98,24 @@ class AllocateOutcome:
 
 
 class RunningColumns:
-    """Where :meth:`PoolKVCache.allocate_running` appends its per-operation results.
+    """Where :meth:`PoolKVCache.allocate_running` writes its per-operation results: one
+    entry per operation of the Step (``num_operations``), operation ``i``'s at index ``i``.
 
     ``new_block_ids`` holds, per operation, the blocks appended to its (single group's)
     table, or the shared ``EMPTY`` list; ``errors`` maps an operation index to the error
     that rejected it (its other entries are then placeholders); ``recompute`` lists the
-    operations refused because their request must be recomputed (``ok`` False).
+    operations refused because their request must be recomputed (``ok`` False). Until an
+    operation is applied its entries are placeholders (not ok, 0, ``EMPTY``).
     """
 
     __slots__ = ("errors", "new_block_ids", "num_computed_tokens", "ok", "recompute")
 
     EMPTY: ClassVar[list[int]] = []  # shared; never mutated
 
-    def __init__(self) -> None:
-        self.ok: list[bool] = []
-        self.num_computed_tokens: list[int] = []
-        self.new_block_ids: list[list[int]] = []
+    def __init__(self, num_operations: int) -> None:
+        self.ok: list[bool] = [False] * num_operations
+        self.num_computed_tokens: list[int] = [0] * num_operations
+        self.new_block_ids: list[list[int]] = [self.EMPTY] * num_operations
         self.errors: dict[int, KvsvcError] = {}
         self.recompute: list[int] = []
 

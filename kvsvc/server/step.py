@@ -255,7 +255,7 @@ def _apply_plain(cache: Any, columns: StepColumns, counters: Any) -> StepResults
     request_ids = columns.request_ids
     counts = columns.num_token_ids
     new_tokens = columns.num_new_tokens
-    out = RunningColumns()
+    out = RunningColumns(n)
     # Sparse per-operation values of the operations that did not go through
     # allocate_running (first calls, frees, speculative steps).
     scheduled_of: dict[int, int] = {}
@@ -304,24 +304,24 @@ def _apply_plain(cache: Any, columns: StepColumns, counters: Any) -> StepResults
         except KvsvcError as exc:
             pos += count
             out.errors[i] = exc
-            out.ok.append(False)
-            out.num_computed_tokens.append(0)
-            out.new_block_ids.append(out.EMPTY)
+            out.ok[i] = False
+            out.num_computed_tokens[i] = 0
+            out.new_block_ids[i] = out.EMPTY
             i += 1
             continue
         if isinstance(outcome, int):
             freed_of[i] = outcome
-            out.ok.append(True)
-            out.num_computed_tokens.append(0)
-            out.new_block_ids.append(out.EMPTY)
+            out.ok[i] = True
+            out.num_computed_tokens[i] = 0
+            out.new_block_ids[i] = out.EMPTY
         else:
             scheduled_of[i] = outcome.num_scheduled_tokens if outcome.ok else 0
             cached_of[i] = outcome.num_cached_tokens
             if outcome.recompute:
                 out.recompute.append(i)
-            out.ok.append(outcome.ok)
-            out.num_computed_tokens.append(outcome.num_computed_tokens)
-            out.new_block_ids.append(outcome.new_block_ids[0])
+            out.ok[i] = outcome.ok
+            out.num_computed_tokens[i] = outcome.num_computed_tokens
+            out.new_block_ids[i] = outcome.new_block_ids[0]
         i += 1
 
     results = StepResults(1)

@@ -92,7 +92,7 @@ def test_the_fast_path_refuses_multi_token_continuations_past_max_model_len() ->
     pool = make_pool()
     assert pool.allocate("r", list(range(60)), 60, start=START).ok
     before = snapshot(pool)
-    out = RunningColumns()
+    out = RunningColumns(1)
     pool.allocate_running(["r"], [1] * 5, [5], [1], 0, 1, 0, out)
     assert isinstance(out.errors[0], InvalidArgument)
     assert "max_model_len" in str(out.errors[0])
@@ -254,7 +254,7 @@ def test_after_a_continuation_a_repeated_admission_is_already_exists(path: str) 
     if path == "general":
         assert pool.allocate("r", [3, 4], 2).ok
     else:
-        out = RunningColumns()
+        out = RunningColumns(1)
         pool.allocate_running(["r"], [3], [1], [1], 0, 1, 0, out)
         assert out.ok == [True] and not out.errors
     before = snapshot(pool)

@@ -224,23 +224,33 @@ def pool_state(pool: PoolKVCache) -> tuple[object, ...]:
     )
 
 
+# Operations ahead of the batch in its Step (an admission's, say), which allocate_running
+# is not asked to apply: the batch's operations and tokens start after theirs, as a decode
+# run does after other operations in a Step.
+LEAD_OPS = [("lead-a", [9, 9, 9], 3), ("lead-b", [9], 1)]
+
+
 def run_fast(pool: PoolKVCache, ops: list[tuple[str, list[int], int]]) -> list[tuple[object, ...]]:
-    """One allocate_running call for the whole batch (as a Step's decode run is applied)."""
-    out = RunningColumns()
-    tokens = [t for _, toks, _ in ops for t in toks]
+    """One allocate_running call for the whole batch (as a Step's decode run is applied),
+    the batch placed after :data:`LEAD_OPS` in the Step's columns."""
+    step = LEAD_OPS + ops
+    lead = len(LEAD_OPS)
+    out = RunningColumns(len(step))
+    tokens = [t for _, toks, _ in step for t in toks]
+    token_pos = sum(len(toks) for _, toks, _ in LEAD_OPS)
     end = pool.allocate_running(
-        [rid for rid, _, _ in ops],
+        [rid for rid, _, _ in step],
         array.array("I", tokens) if tokens and min(tokens) >= 0 else tokens,
-        [len(toks) for _, toks, _ in ops],
-        [num_new for _, _, num_new in ops],
-        0,
-        len(ops),
-        0,
+        [len(toks) for _, toks, _ in step],
+        [num_new for _, _, num_new in step],
+        lead,
+        len(step),
+        token_pos,
         out,
     )
     assert end == len(tokens)
     results: list[tuple[object, ...]] = []
-    for i in range(len(ops)):
+    for i in range(lead, len(step)):
         error = out.errors.get(i)
         if error is not None:
             results.append(("error", type(error), str(error)))

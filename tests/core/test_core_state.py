@@ -90,7 +90,7 @@ def drive(cache: PoolKVCache, rng: random.Random, steps: int) -> list[Any]:
                 log.append(("free", rid, cache.free([rid], preempted=rng.random() < 0.5)))
             elif roll < 0.45 and cache.has_plain_tables:
                 ids = rng.sample(live, min(len(live), 8))
-                out = RunningColumns()
+                out = RunningColumns(len(ids))
                 tokens = [rng.randrange(1000) for _ in ids]
                 ones = [1] * len(ids)
                 cache.allocate_running(ids, tokens, ones, ones, 0, len(ids), 0, out)
@@ -152,7 +152,7 @@ def test_a_decode_step_after_loading_fills_the_same_blocks() -> None:
     for step in range(9):
         outs = []
         for cache in (original, loaded):
-            out = RunningColumns()
+            out = RunningColumns(6)
             cache.allocate_running(ids, [step] * 6, [1] * 6, [1] * 6, 0, 6, 0, out)
             batch = cache.take_events()
             outs.append((out.ok, out.new_block_ids, batch.seq if batch else None))
@@ -243,7 +243,7 @@ def test_invalidate_drops_every_hash_and_flags_the_live_requests() -> None:
         cache.allocate("a", list(range(30)), 30, start=RequestStart()),
     ):
         assert (outcome.ok, outcome.recompute, outcome.num_computed_tokens) == (False, True, 30)
-    out = RunningColumns()
+    out = RunningColumns(1)
     cache.allocate_running(["b"], [5], [1], [1], 0, 1, 0, out)
     assert out.recompute == [0] and out.ok == [False]
     assert cache.block_table("a").groups == held and cache.block_table("a").needs_recompute
