@@ -298,7 +298,15 @@ class StepColumns:
                     f"{given} {what} ({name}) for {n} operations: one per operation"
                     + ("" if name == "request_ids" else ", or none for all 0"),
                 )
-        if sum(self.num_token_ids) != len(self.token_ids) or min(self.num_token_ids, default=0) < 0:
+        # One native loop, not the builtins sum() and min() (each the generic number
+        # protocol per item: ~2% of a 256-decode Step's instructions together).
+        total_tokens = 0
+        any_negative = False
+        for count in self.num_token_ids:
+            total_tokens += count
+            if count < 0:
+                any_negative = True
+        if total_tokens != len(self.token_ids) or any_negative:
             raise InvalidArgument(
                 "Step",
                 "the operations' token counts (num_token_ids) must be >= 0 and add up to the "

@@ -81,6 +81,17 @@ def operation_error(request: pb.StepRequest) -> str:
             "the 4 token ids sent",
         ),
         (
+            # They add up, but one is negative: refused all the same.
+            {
+                "types": [ALLOCATE] * 2,
+                "request_ids": ["r", "s"],
+                "num_token_ids": [-1, 5],
+                "num_new_tokens": [4, 4],
+            },
+            "Step: the operations' token counts (num_token_ids) must be >= 0 and add up to "
+            "the 4 token ids sent",
+        ),
+        (
             {"packed_token_ids": b"\x01\x00\x00\x00"},
             "Step token ids: sent both as a list and packed (packed_token_ids): send one of "
             "the two",
@@ -90,7 +101,15 @@ def operation_error(request: pb.StepRequest) -> str:
             "Step token ids (packed_token_ids): packed token ids need 4 bytes each, got 3 bytes",
         ),
     ],
-    ids=["operations", "request-ids", "counts", "token-counts", "both-encodings", "packed"],
+    ids=[
+        "operations",
+        "request-ids",
+        "counts",
+        "token-counts",
+        "negative-token-count",
+        "both-encodings",
+        "packed",
+    ],
 )
 def test_a_malformed_step_is_refused_in_the_api_s_terms(
     fields: dict[str, object], message: str

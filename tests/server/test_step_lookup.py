@@ -46,7 +46,12 @@ def hybrid_pool() -> PoolKVCache:
     return PoolKVCache(config, max_model_len=64, hash_seed="seed")
 
 
-def step(cache: PoolKVCache, ops: list[tuple[int, str, list[int], int, bool]], head: int = 0):
+def step(
+    cache: PoolKVCache,
+    ops: list[tuple[int, str, list[int], int, bool]],
+    head: int = 0,
+    counters: EngineCounters | None = None,
+):
     request = pb.StepRequest(pool="p", free_queue_head_limit=head)
     for index, (kind, rid, tokens, new, first) in enumerate(ops):
         request.types.append(kind)
@@ -58,7 +63,8 @@ def step(cache: PoolKVCache, ops: list[tuple[int, str, list[int], int, bool]], h
         request.num_rejected_tokens.append(0)
         if first:
             request.starts[index].CopyFrom(pb.RequestStart())
-    return apply_step(cache, StepColumns(request, 8192), EngineCounters()).to_pb()
+    counted = counters if counters is not None else EngineCounters()
+    return apply_step(cache, StepColumns(request, 8192), counted).to_pb()
 
 
 def groups_of(response: pb.StepResponse, op: int) -> list[list[int]]:
@@ -92,6 +98,37 @@ def test_lookup_in_a_batch_matches_the_admission_after_it(make) -> None:
     for hit, table in zip(hits, admitted, strict=True):
         assert table[: len(hit)] == hit
     assert groups_of(response, 0) == hits
+
+
+@pytest.mark.parametrize("make", [plain_pool, hybrid_pool], ids=["plain", "hybrid"])
+def test_a_lookup_or_a_free_is_not_counted_as_an_allocation(make) -> None:
+    """kvsvc_allocate_total{outcome="ok"} counts allocations: a Step's lookups and frees
+    succeed without being one, whether every operation succeeded or one got NO_SPACE."""
+    cache = make()
+    counters = EngineCounters()
+    prompt = list(range(1, 14))
+    step(cache, [(ALLOCATE, "a", prompt, 13, True)], counters=counters)
+    assert (counters.allocate_ok, counters.allocate_no_space) == (1, 0)
+    step(
+        cache,
+        [(LOOKUP, "", prompt, 0, False), (ALLOCATE, "a", [7], 1, False), (FREE, "a", [], 0, False)],
+        counters=counters,
+    )
+    assert (counters.allocate_ok, counters.allocate_no_space) == (2, 0)
+    # Admissions until the pool is out of blocks, each beside a lookup that succeeds.
+    admitted = refused = 0
+    for k in range(8):
+        response = step(
+            cache,
+            [(LOOKUP, "", prompt, 0, False), (ALLOCATE, f"big{k}", list(range(1, 64)), 63, True)],
+            counters=counters,
+        )
+        if list(response.statuses)[1] == pb.ALLOCATE_STATUS_NO_SPACE:
+            refused += 1
+        else:
+            admitted += 1
+    assert refused > 0
+    assert (counters.allocate_ok, counters.allocate_no_space) == (2 + admitted, refused)
 
 
 def test_free_queue_head_names_the_next_allocations() -> None:
