@@ -90,7 +90,6 @@ def apply_step(cache: Any, columns: StepColumns, counters: Any) -> StepResults:
         results = _apply_plain(cache, columns, counters)
     else:
         results = _apply_general(cache, columns, counters)
-        counters.allocate_no_space += _count(results.statuses, STATUS_NO_SPACE)
     if columns.free_queue_head_limit:
         results.free_queue_head = cache.free_queue_head(
             columns.free_queue_head_limit, columns.free_queue_head_offset
@@ -243,6 +242,7 @@ def _apply_general(cache: Any, columns: StepColumns, counters: Any) -> StepResul
         results.freed.append(0)
         if ok and columns.types[i] == _ALLOCATE:
             counters.allocate_ok += 1
+    counters.allocate_no_space += _count(statuses, STATUS_NO_SPACE)
     return results
 
 
